@@ -1,0 +1,1 @@
+"""Conversion between Hugging Face checkpoints and elastic_jax parameters."""

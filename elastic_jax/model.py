@@ -1,0 +1,216 @@
+"""The functional Flax backbone for the Qwen3 and Llama 3.x families.
+
+`Transformer(cfg)` is a stateless Flax (linen) module: its parameters are a plain nested dict
+that lives apart from it, so `forward(params, ...)` is a pure function. The layers are stacked
+with `nn.scan` (one compiled layer, parameters with a leading [L] axis), and every parameter and
+activation carries logical axis names (`sharding.py` maps them onto a device mesh).
+
+Shape letters: B batch, T tokens, V vocab, E hidden, F MLP hidden, L layers, N query heads,
+K key/value heads, H head dim.
+
+Numerics follow HF `transformers`: RMSNorm in float32 with the result cast back before the
+weight multiplies it; RoPE tables in float32 cast to the activation dtype; rotate-half RoPE;
+scores and softmax in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from elastic_jax.attention import get_attention
+from elastic_jax.config import ModelConfig, rope_inv_freq
+
+Params = dict[str, Any]
+
+_normal = nn.initializers.normal(0.02)
+
+
+def _param(module: nn.Module, name: str, shape, axes, init=_normal, dtype=jnp.float32):
+  """Declares one parameter with its logical axis names (the only place tensors are declared)."""
+  return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+class RMSNorm(nn.Module):
+  axis_name: str
+  eps: float
+  dtype: Any
+
+  @nn.compact
+  def __call__(self, x):
+    scale = _param(self, "scale", (x.shape[-1],), (self.axis_name,), nn.initializers.ones,
+                   self.dtype)
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return scale * x32.astype(x.dtype)
+
+
+def rope_tables(cfg: ModelConfig, positions_bt: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+  """cos, sin [B, T, H] for rotate-half RoPE (the HF layout: frequencies repeated twice)."""
+  inv_freq = jnp.asarray(rope_inv_freq(cfg), jnp.float32)
+  freqs = positions_bt.astype(jnp.float32)[..., None] * inv_freq
+  emb = jnp.concatenate([freqs, freqs], axis=-1)
+  return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x_btnh, cos_bth, sin_bth):
+  half = x_btnh.shape[-1] // 2
+  rotated = jnp.concatenate([-x_btnh[..., half:], x_btnh[..., :half]], axis=-1)
+  return x_btnh * cos_bth[:, :, None] + rotated * sin_bth[:, :, None]
+
+
+class Attention(nn.Module):
+  cfg: ModelConfig
+  dtype: Any
+  attn_impl: str
+
+  @nn.compact
+  def __call__(self, x_bte, cos, sin, segment_ids_bt):
+    cfg, dt = self.cfg, self.dtype
+    e, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def proj(name, heads, head_axis):
+      w = _param(self, f"{name}_kernel", (e, heads, h), ("embed", head_axis, "head_dim"),
+                 dtype=dt)
+      y = jnp.einsum("bte,enh->btnh", x_bte, w)
+      if cfg.attention_bias:
+        y = y + _param(self, f"{name}_bias", (heads, h), (head_axis, "head_dim"),
+                       nn.initializers.zeros, dt)
+      return y
+
+    q = proj("q", n, "q_heads")
+    kk = proj("k", k, "kv_heads")
+    v = proj("v", k, "kv_heads")
+    if cfg.qk_norm:
+      q = RMSNorm("head_dim", cfg.rms_norm_eps, dt, name="q_norm")(q)
+      kk = RMSNorm("head_dim", cfg.rms_norm_eps, dt, name="k_norm")(kk)
+    q = nn.with_logical_constraint(apply_rope(q, cos, sin), ("batch", "seq", "act_heads", None))
+    kk = nn.with_logical_constraint(apply_rope(kk, cos, sin),
+                                    ("batch", "seq", "act_kv_heads", None))
+    out = get_attention(self.attn_impl)(q, kk, v, segment_ids_bt)
+    wo = _param(self, "o_kernel", (n, h, e), ("q_heads", "head_dim", "embed"), dtype=dt)
+    y = jnp.einsum("btnh,nhe->bte", out, wo)
+    if cfg.attention_bias:
+      y = y + _param(self, "o_bias", (e,), ("embed",), nn.initializers.zeros, dt)
+    return y
+
+
+class MLP(nn.Module):
+  cfg: ModelConfig
+  dtype: Any
+
+  @nn.compact
+  def __call__(self, x_bte):
+    cfg, dt = self.cfg, self.dtype
+    e, f = cfg.hidden_size, cfg.intermediate_size
+
+    def dense(name, shape, axes, x, spec):
+      y = jnp.einsum(spec, x, _param(self, f"{name}_kernel", shape, axes, dtype=dt))
+      if cfg.mlp_bias:
+        y = y + _param(self, f"{name}_bias", (shape[-1],), (axes[-1],), nn.initializers.zeros,
+                       dt)
+      return y
+
+    gate = dense("gate", (e, f), ("embed", "mlp"), x_bte, "bte,ef->btf")
+    up = dense("up", (e, f), ("embed", "mlp"), x_bte, "bte,ef->btf")
+    hidden = nn.with_logical_constraint(nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
+    return dense("down", (f, e), ("mlp", "embed"), hidden, "btf,fe->bte")
+
+
+class DecoderLayer(nn.Module):
+  cfg: ModelConfig
+  dtype: Any
+  attn_impl: str
+
+  @nn.compact
+  def __call__(self, x_bte, cos, sin, segment_ids_bt):
+    cfg = self.cfg
+    h = RMSNorm("embed", cfg.rms_norm_eps, self.dtype, name="attn_norm")(x_bte)
+    x_bte = x_bte + Attention(cfg, self.dtype, self.attn_impl, name="attn")(
+        h, cos, sin, segment_ids_bt)
+    h = RMSNorm("embed", cfg.rms_norm_eps, self.dtype, name="mlp_norm")(x_bte)
+    x_bte = x_bte + MLP(cfg, self.dtype, name="mlp")(h)
+    return nn.with_logical_constraint(x_bte, ("batch", "seq", "act_embed")), None
+
+
+class Transformer(nn.Module):
+  """Decoder-only LM. `__call__` returns float32 logits [B, T, V]."""
+  cfg: ModelConfig
+  dtype: Any = jnp.bfloat16
+  attn_impl: str = "reference"
+  remat: bool = False
+
+  @nn.compact
+  def __call__(self, input_ids_bt, positions_bt, segment_ids_bt):
+    cfg, dt = self.cfg, self.dtype
+    embed = _param(self, "embed", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
+                   dtype=dt)
+    x = jnp.take(embed, input_ids_bt, axis=0)
+    x = nn.with_logical_constraint(x, ("batch", "seq", "act_embed"))
+    cos, sin = rope_tables(cfg, positions_bt, dt)
+    layer_cls = nn.remat(DecoderLayer, prevent_cse=False) if self.remat else DecoderLayer
+    stack = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
+                    in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+                    length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+    x, _ = stack(cfg, dt, self.attn_impl, name="layers")(x, cos, sin, segment_ids_bt)
+    x = RMSNorm("embed", cfg.rms_norm_eps, dt, name="final_norm")(x)
+    if cfg.tie_word_embeddings:
+      logits = jnp.einsum("bte,ve->btv", x, embed)
+    else:
+      head = _param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
+                    dtype=dt)
+      logits = jnp.einsum("bte,ev->btv", x, head)
+    return nn.with_logical_constraint(logits.astype(jnp.float32), ("batch", "seq", "act_vocab"))
+
+
+def _module(cfg: ModelConfig, dtype, attn_impl="reference", remat=False) -> Transformer:
+  return Transformer(cfg, jnp.dtype(dtype), attn_impl, remat)
+
+
+def abstract_params(cfg: ModelConfig, dtype="bfloat16") -> tuple[Params, Params]:
+  """(shapes, logical axes) of the parameter tree, without allocating anything.
+
+  Returns two trees with the same structure: `jax.ShapeDtypeStruct` leaves and tuples of
+  logical axis names.
+  """
+  ids = jnp.zeros((1, 1), jnp.int32)
+  boxed = jax.eval_shape(
+      lambda: _module(cfg, dtype).init(jax.random.key(0), ids, ids, ids))["params"]
+  shapes = nn.meta.unbox(boxed)
+  axes = jax.tree.map(lambda x: tuple(x.names), boxed,
+                      is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+  return shapes, axes
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype="bfloat16") -> Params:
+  """Random parameters (N(0, 0.02) weights, unit norms, zero biases), e.g. for tests."""
+  ids = jnp.zeros((1, 1), jnp.int32)
+  params = jax.jit(lambda k: _module(cfg, dtype).init(k, ids, ids, ids))(key)["params"]
+  return nn.meta.unbox(params)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attn_impl", "remat"))
+def forward(params: Params, input_ids_bt: jax.Array, positions_bt: jax.Array,
+            segment_ids_bt: jax.Array, *, cfg: ModelConfig, attn_impl: str = "reference",
+            remat: bool = False) -> jax.Array:
+  """Pure forward pass: float32 logits [B, T, V]. Compute runs in the parameters' dtype."""
+  dtype = jax.tree.leaves(params)[0].dtype
+  return _module(cfg, dtype, attn_impl, remat).apply(
+      {"params": params}, input_ids_bt, positions_bt, segment_ids_bt)
+
+
+def positions_and_segments(attention_mask_bt: np.ndarray | jax.Array):
+  """Positions and segment ids for a padded batch (1 = real token, 0 = padding).
+
+  Real tokens are numbered from 0 whether the padding is on the left or the right; padding
+  forms its own segment, so it never mixes with real tokens.
+  """
+  mask = jnp.asarray(attention_mask_bt).astype(jnp.int32)
+  positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
+  return positions, mask
+

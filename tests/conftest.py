@@ -1,0 +1,49 @@
+"""Shared fixtures. The PyTorch reference runs in its own interpreter (see torch_reference.py).
+
+ELASTIC_JAX_TORCH_PYTHON names that interpreter (default: .venv-torch/bin/python). Without it
+the parity tests are skipped, unless ELASTIC_JAX_REQUIRE_TORCH=1 (as CI sets), which makes a
+missing reference environment an error instead.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HARNESS = os.path.join(ROOT, "tests", "torch_reference.py")
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+def _torch_python():
+  path = os.environ.get("ELASTIC_JAX_TORCH_PYTHON", os.path.join(ROOT, ".venv-torch", "bin",
+                                                                 "python"))
+  return path if os.path.exists(path) else None
+
+
+@pytest.fixture(scope="session")
+def torch_reference(tmp_path_factory):
+  """run(jobs) executes jobs with the PyTorch reference and returns its summary."""
+  python = _torch_python()
+  if python is None:
+    if os.environ.get("ELASTIC_JAX_REQUIRE_TORCH") == "1":
+      pytest.fail("the PyTorch reference environment is missing (run scripts/setup.sh --test)")
+    pytest.skip("no PyTorch reference environment (set ELASTIC_JAX_TORCH_PYTHON)")
+  counter = iter(range(10**6))
+
+  def run(jobs):
+    path = tmp_path_factory.mktemp("jobs") / f"jobs{next(counter)}.json"
+    path.write_text(json.dumps(jobs))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([python, HARNESS, str(path)], capture_output=True, text=True,
+                          env=env, timeout=900)
+    if proc.returncode:
+      raise AssertionError(f"torch reference failed:\n{proc.stdout}\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+  return run
