@@ -50,11 +50,11 @@ class ElasticModel:
     ids = np.asarray(input_ids)
     if ids.ndim == 1:
       ids = ids[None]
+    if ids.size == 0:
+      raise ElasticJaxError("input_ids is empty: a sequence needs at least one token")
     if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
       raise ElasticJaxError(f"input_ids must be integer token ids shaped [T] or [B, T], got "
                             f"{ids.dtype} {list(ids.shape)}")
-    if ids.shape[1] == 0:
-      raise ElasticJaxError("input_ids is empty: a sequence needs at least one token")
     limit = self.config.max_position_embeddings
     if ids.shape[1] > limit:
       raise ElasticJaxError(

@@ -31,6 +31,11 @@ Params = dict[str, Any]
 _normal = nn.initializers.normal(0.02)
 
 
+def _lead(w: jax.Array, ndim: int) -> jax.Array:
+  """`w` with leading unit axes up to rank `ndim`, for explicit broadcasting."""
+  return w.reshape((1,) * (ndim - w.ndim) + w.shape)
+
+
 def _param(module: nn.Module, name: str, shape, axes, init=_normal, dtype=jnp.float32):
   """Declares one parameter with its logical axis names (the only place tensors are declared)."""
   return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
@@ -47,13 +52,13 @@ class RMSNorm(nn.Module):
                    self.dtype)
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return scale * x32.astype(x.dtype)
+    return _lead(scale, x.ndim) * x32.astype(x.dtype)
 
 
 def rope_tables(cfg: ModelConfig, positions_bt: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
   """cos, sin [B, T, H] for rotate-half RoPE (the HF layout: frequencies repeated twice)."""
   inv_freq = jnp.asarray(rope_inv_freq(cfg), jnp.float32)
-  freqs = positions_bt.astype(jnp.float32)[..., None] * inv_freq
+  freqs = positions_bt.astype(jnp.float32)[..., None] * inv_freq[None, None]
   emb = jnp.concatenate([freqs, freqs], axis=-1)
   return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
 
@@ -79,8 +84,8 @@ class Attention(nn.Module):
                  dtype=dt)
       y = jnp.einsum("bte,enh->btnh", x_bte, w)
       if cfg.attention_bias:
-        y = y + _param(self, f"{name}_bias", (heads, h), (head_axis, "head_dim"),
-                       nn.initializers.zeros, dt)
+        y = y + _lead(_param(self, f"{name}_bias", (heads, h), (head_axis, "head_dim"),
+                             nn.initializers.zeros, dt), y.ndim)
       return y
 
     q = proj("q", n, "q_heads")
@@ -96,7 +101,7 @@ class Attention(nn.Module):
     wo = _param(self, "o_kernel", (n, h, e), ("q_heads", "head_dim", "embed"), dtype=dt)
     y = jnp.einsum("btnh,nhe->bte", out, wo)
     if cfg.attention_bias:
-      y = y + _param(self, "o_bias", (e,), ("embed",), nn.initializers.zeros, dt)
+      y = y + _lead(_param(self, "o_bias", (e,), ("embed",), nn.initializers.zeros, dt), y.ndim)
     return y
 
 
@@ -112,8 +117,8 @@ class MLP(nn.Module):
     def dense(name, shape, axes, x, spec):
       y = jnp.einsum(spec, x, _param(self, f"{name}_kernel", shape, axes, dtype=dt))
       if cfg.mlp_bias:
-        y = y + _param(self, f"{name}_bias", (shape[-1],), (axes[-1],), nn.initializers.zeros,
-                       dt)
+        y = y + _lead(_param(self, f"{name}_bias", (shape[-1],), (axes[-1],),
+                             nn.initializers.zeros, dt), y.ndim)
       return y
 
     gate = dense("gate", (e, f), ("embed", "mlp"), x_bte, "bte,ef->btf")
