@@ -199,14 +199,19 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype="bfloat16") -> Params:
   return nn.meta.unbox(params)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attn_impl", "remat"))
+@functools.partial(jax.jit, static_argnames=("cfg", "attn_impl", "remat", "rules"))
 def forward(params: Params, input_ids_bt: jax.Array, positions_bt: jax.Array,
             segment_ids_bt: jax.Array, *, cfg: ModelConfig, attn_impl: str = "reference",
-            remat: bool = False) -> jax.Array:
-  """Pure forward pass: float32 logits [B, T, V]. Compute runs in the parameters' dtype."""
+            remat: bool = False, rules: tuple | None = None) -> jax.Array:
+  """Pure forward pass: float32 logits [B, T, V]. Compute runs in the parameters' dtype.
+
+  rules: logical-axis rules (`sharding.rules_for(mesh)`); with a mesh in context they place
+  the activations. None leaves placement to the compiler.
+  """
   dtype = jax.tree.leaves(params)[0].dtype
-  return _module(cfg, dtype, attn_impl, remat).apply(
-      {"params": params}, input_ids_bt, positions_bt, segment_ids_bt)
+  with nn.logical_axis_rules(rules or ()):
+    return _module(cfg, dtype, attn_impl, remat).apply(
+        {"params": params}, input_ids_bt, positions_bt, segment_ids_bt)
 
 
 def positions_and_segments(attention_mask_bt: np.ndarray | jax.Array):

@@ -10,8 +10,12 @@ import os
 import subprocess
 import sys
 
-import jax
-import pytest
+# Eight CPU devices so that sharding tests can build real meshes (must precede importing jax).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HARNESS = os.path.join(ROOT, "tests", "torch_reference.py")
