@@ -17,11 +17,13 @@ from elastic_jax.attention import get_attention
 from elastic_jax.config import ModelConfig, config_from_hf_dict, read_hf_config
 from elastic_jax.convert import hf
 from elastic_jax.errors import ElasticJaxError
-from elastic_jax.model import Params, abstract_params, forward, positions_and_segments
+from elastic_jax.model import (Params, abstract_params, forward, forward_routed_jit,
+                               positions_and_segments)
+from elastic_jax.router import RouterConfig, esr, msr
 from elastic_jax.utils import atomic_directory
 
 DTYPES = ("bfloat16", "float32", "float16")
-ATTENTION_MODES = ("full",)
+ATTENTION_MODES = ("full", "elastic", "forced", "sparse")
 
 
 def _check_dtype(dtype: str, allow_auto: bool = True) -> str:
@@ -41,6 +43,8 @@ class ElasticModel:
   hf_config: dict[str, Any]
   source_dir: str | None = None
   attn_impl: str = "reference"
+  router_params: Params | None = None          # stacked over layers; see router.py
+  router_config: RouterConfig = dataclasses.field(default_factory=RouterConfig)
 
   @property
   def dtype(self) -> str:
@@ -66,13 +70,20 @@ class ElasticModel:
                             f"[0, {self.config.vocab_size})")
     return ids.astype(np.int32)
 
-  def logits(self, input_ids, attention: str = "full", attention_mask=None,
-             impl: str | None = None) -> jax.Array:
+  def logits(self, input_ids, attention: str = "full", attention_mask=None, *,
+             prompt_lengths=None, gates=None, impl: str | None = None,
+             return_routing: bool = False):
     """Float32 logits [B, T, V] for token ids [B, T] (or [T]).
 
+    attention: "full" runs the unmodified backbone; "elastic" lets the routers choose FA or
+      SSA per (input, layer, KV head) at prefill (needs `router_params`); "forced" takes the
+      choice from `gates`; "sparse" sends every head to SSA.
     attention_mask: optional [B, T], 1 for real tokens and 0 for padding (left or right).
-    attention: "full" runs the unmodified backbone.
+    prompt_lengths: [B] prompt tokens per row (the router pools over the prompt); default:
+      the whole input is the prompt.
+    gates: for "forced", [L, B, K] or [L, K] with 1 = full attention.
     impl: attention implementation (default: the model's `attn_impl`).
+    return_routing: also return {"gates": [L, B, K], "msr": [B], "esr": [B]}.
     """
     if attention not in ATTENTION_MODES:
       raise ElasticJaxError(f"attention='{attention}' is not available (available: "
@@ -89,8 +100,48 @@ class ElasticModel:
       raise ElasticJaxError(f"attention_mask has shape {list(mask.shape)}, input_ids has "
                             f"{list(ids.shape)}")
     positions, segments = positions_and_segments(mask)
-    return forward(self.params, jnp.asarray(ids), positions, segments, cfg=self.config,
-                   attn_impl=impl)
+    if attention == "full":
+      if return_routing:
+        raise ElasticJaxError("attention='full' has no routing to return")
+      return forward(self.params, jnp.asarray(ids), positions, segments, cfg=self.config,
+                     attn_impl=impl)
+    b, t = ids.shape
+    l, k = self.config.num_layers, self.config.num_kv_heads
+    if prompt_lengths is None:
+      prompt_mask = mask.astype(bool)
+    else:
+      plen = np.asarray(prompt_lengths).reshape(-1)
+      if plen.shape != (b,) or (plen < 1).any():
+        raise ElasticJaxError(f"prompt_lengths must hold one positive length per row ({b}), "
+                              f"got {plen.tolist()}")
+      prompt_mask = (np.asarray(positions) < plen[:, None]) & mask.astype(bool)
+    # One input per row: segment slot 1 holds the row, slot 0 the padding.
+    rcfg = dataclasses.replace(self.router_config, max_segments=2)
+    forced = None
+    if attention == "elastic" and self.router_params is None:
+      raise ElasticJaxError("attention='elastic' needs trained routers (model.router_params "
+                            "is None)")
+    if attention == "forced":
+      if gates is None:
+        raise ElasticJaxError("attention='forced' needs gates [L, B, K] or [L, K]")
+      g = np.asarray(gates, np.float32)
+      g = np.broadcast_to(g[:, None], (l, b, k)) if g.shape == (l, k) else g
+      if g.shape != (l, b, k) or (g < 0).any() or (g > 1).any():
+        raise ElasticJaxError(f"gates must be [L, B, K] = {[l, b, k]} or [L, K] with values "
+                              f"in [0, 1], got shape {list(np.shape(gates))}")
+      forced = jnp.asarray(np.stack([np.zeros_like(g), g], axis=2))  # [L, B, S=2, K]
+    logits, stats = forward_routed_jit(
+        self.params, jnp.asarray(ids), positions, segments, jnp.asarray(prompt_mask),
+        cfg=self.config, rcfg=rcfg, mode=attention, router_params=self.router_params,
+        forced_gates=forced, attn_impl=impl)
+    if not return_routing:
+      return logits
+    gates_lbk = (stats["gate"][:, :, 1] if "gate" in stats
+                 else jnp.zeros((l, b, k), jnp.float32))
+    lengths = jnp.asarray(mask.sum(1))
+    report = {"gates": gates_lbk, "msr": msr(gates_lbk[:, :, None])[:, 0],
+              "esr": esr(gates_lbk[-1], lengths, rcfg.streaming)}
+    return logits, report
 
 
 def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", *,

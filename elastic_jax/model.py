@@ -19,14 +19,34 @@ import functools
 from typing import Any
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from elastic_jax.attention import get_attention
+from elastic_jax import router as rt
+from elastic_jax.attention import get_attention, get_hybrid_attention
 from elastic_jax.config import ModelConfig, rope_inv_freq
 
 Params = dict[str, Any]
+
+# How the heads attend:
+#   full     every head causal (the unmodified backbone)
+#   elastic  the routers choose FA or SSA per (input, layer, KV head)
+#   forced   given gates [L, B, S, K] (baselines, benchmarks)
+#   sparse   every head SSA
+MODES = ("full", "elastic", "forced", "sparse")
+
+
+@flax.struct.dataclass
+class Context:
+  """Per-call inputs every layer sees."""
+  cos: jax.Array                  # [B, T, H] RoPE tables
+  sin: jax.Array
+  segment_ids: jax.Array          # [B, T] int, packed segment of each token
+  positions: jax.Array            # [B, T] int, position within the segment
+  prompt_mask: jax.Array | None = None  # [B, T] bool, token is part of its segment's prompt
+  tau: jax.Array | None = None    # Gumbel-softmax temperature (training)
 
 _normal = nn.initializers.normal(0.02)
 
@@ -74,10 +94,14 @@ class Attention(nn.Module):
   dtype: Any
   attn_impl: str
 
+  mode: str = "full"
+  rcfg: rt.RouterConfig | None = None
+
   @nn.compact
-  def __call__(self, x_bte, cos, sin, segment_ids_bt):
+  def __call__(self, x_bte, ctx: Context, layer: dict):
     cfg, dt = self.cfg, self.dtype
     e, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    cos, sin, segment_ids_bt = ctx.cos, ctx.sin, ctx.segment_ids
 
     def proj(name, heads, head_axis):
       w = _param(self, f"{name}_kernel", (e, heads, h), ("embed", head_axis, "head_dim"),
@@ -94,15 +118,31 @@ class Attention(nn.Module):
     if cfg.qk_norm:
       q = RMSNorm("head_dim", cfg.rms_norm_eps, dt, name="q_norm")(q)
       kk = RMSNorm("head_dim", cfg.rms_norm_eps, dt, name="k_norm")(kk)
+    stats = {}
+    if self.mode == "elastic":
+      # The router reads the keys after k-norm and before RoPE (SPEC.md section 4).
+      pooled = rt.pool_prompt(kk, segment_ids_bt, ctx.positions, ctx.prompt_mask, self.rcfg)
+      z_bskc = rt.router_logits(layer["router"], pooled)
+      gate_bsk, soft_bsk = rt.gate_from_logits(z_bskc, self.rcfg, key=layer.get("key"),
+                                               tau=ctx.tau)
+      stats = {"gate": gate_bsk, "soft_gate": soft_bsk, "logits": z_bskc}
+    elif self.mode == "forced":
+      gate_bsk = layer["gate"].astype(jnp.float32)
+      stats = {"gate": gate_bsk}
     q = nn.with_logical_constraint(apply_rope(q, cos, sin), ("batch", "seq", "act_heads", None))
     kk = nn.with_logical_constraint(apply_rope(kk, cos, sin),
                                     ("batch", "seq", "act_kv_heads", None))
-    out = get_attention(self.attn_impl)(q, kk, v, segment_ids_bt)
+    if self.mode == "full":
+      out = get_attention(self.attn_impl)(q, kk, v, segment_ids_bt)
+    else:
+      gate_btk = None if self.mode == "sparse" else rt.gates_per_token(gate_bsk, segment_ids_bt)
+      out = get_hybrid_attention(self.attn_impl)(q, kk, v, gate_btk, self.rcfg.streaming,
+                                                 segment_ids_bt, ctx.positions)
     wo = _param(self, "o_kernel", (n, h, e), ("q_heads", "head_dim", "embed"), dtype=dt)
     y = jnp.einsum("btnh,nhe->bte", out, wo)
     if cfg.attention_bias:
       y = y + _lead(_param(self, "o_bias", (e,), ("embed",), nn.initializers.zeros, dt), y.ndim)
-    return y
+    return y, stats
 
 
 class MLP(nn.Module):
@@ -131,38 +171,46 @@ class DecoderLayer(nn.Module):
   cfg: ModelConfig
   dtype: Any
   attn_impl: str
+  mode: str = "full"
+  rcfg: rt.RouterConfig | None = None
 
   @nn.compact
-  def __call__(self, x_bte, cos, sin, segment_ids_bt):
+  def __call__(self, x_bte, ctx: Context, layer: dict):
     cfg = self.cfg
     h = RMSNorm("embed", cfg.rms_norm_eps, self.dtype, name="attn_norm")(x_bte)
-    x_bte = x_bte + Attention(cfg, self.dtype, self.attn_impl, name="attn")(
-        h, cos, sin, segment_ids_bt)
+    y, stats = Attention(cfg, self.dtype, self.attn_impl, self.mode, self.rcfg, name="attn")(
+        h, ctx, layer)
+    x_bte = x_bte + y
     h = RMSNorm("embed", cfg.rms_norm_eps, self.dtype, name="mlp_norm")(x_bte)
     x_bte = x_bte + MLP(cfg, self.dtype, name="mlp")(h)
-    return nn.with_logical_constraint(x_bte, ("batch", "seq", "act_embed")), None
+    return nn.with_logical_constraint(x_bte, ("batch", "seq", "act_embed")), stats
 
 
 class Transformer(nn.Module):
-  """Decoder-only LM. `__call__` returns float32 logits [B, T, V]."""
+  """Decoder-only LM: (float32 logits [B, T, V], per-layer routing stats stacked over L)."""
   cfg: ModelConfig
   dtype: Any = jnp.bfloat16
   attn_impl: str = "reference"
   remat: bool = False
+  mode: str = "full"
+  rcfg: rt.RouterConfig | None = None
 
   @nn.compact
-  def __call__(self, input_ids_bt, positions_bt, segment_ids_bt):
+  def __call__(self, input_ids_bt, positions_bt, segment_ids_bt, prompt_mask_bt=None,
+               per_layer=None, tau=None):
     cfg, dt = self.cfg, self.dtype
     embed = _param(self, "embed", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
                    dtype=dt)
     x = jnp.take(embed, input_ids_bt, axis=0)
     x = nn.with_logical_constraint(x, ("batch", "seq", "act_embed"))
     cos, sin = rope_tables(cfg, positions_bt, dt)
+    ctx = Context(cos, sin, segment_ids_bt, positions_bt, prompt_mask_bt, tau)
     layer_cls = nn.remat(DecoderLayer, prevent_cse=False) if self.remat else DecoderLayer
     stack = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
-                    in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
-                    length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
-    x, _ = stack(cfg, dt, self.attn_impl, name="layers")(x, cos, sin, segment_ids_bt)
+                    in_axes=(nn.broadcast, 0), length=cfg.num_layers,
+                    metadata_params={nn.PARTITION_NAME: "layers"})
+    x, stats = stack(cfg, dt, self.attn_impl, self.mode, self.rcfg, name="layers")(
+        x, ctx, per_layer or {})
     x = RMSNorm("embed", cfg.rms_norm_eps, dt, name="final_norm")(x)
     if cfg.tie_word_embeddings:
       logits = jnp.einsum("bte,ve->btv", x, embed)
@@ -170,11 +218,14 @@ class Transformer(nn.Module):
       head = _param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
                     dtype=dt)
       logits = jnp.einsum("bte,ev->btv", x, head)
-    return nn.with_logical_constraint(logits.astype(jnp.float32), ("batch", "seq", "act_vocab"))
+    logits = nn.with_logical_constraint(logits.astype(jnp.float32),
+                                        ("batch", "seq", "act_vocab"))
+    return logits, stats
 
 
-def _module(cfg: ModelConfig, dtype, attn_impl="reference", remat=False) -> Transformer:
-  return Transformer(cfg, jnp.dtype(dtype), attn_impl, remat)
+def _module(cfg: ModelConfig, dtype, attn_impl="reference", remat=False, mode="full",
+            rcfg=None) -> Transformer:
+  return Transformer(cfg, jnp.dtype(dtype), attn_impl, remat, mode, rcfg)
 
 
 def abstract_params(cfg: ModelConfig, dtype="bfloat16") -> tuple[Params, Params]:
@@ -203,15 +254,50 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype="bfloat16") -> Params:
 def forward(params: Params, input_ids_bt: jax.Array, positions_bt: jax.Array,
             segment_ids_bt: jax.Array, *, cfg: ModelConfig, attn_impl: str = "reference",
             remat: bool = False, rules: tuple | None = None) -> jax.Array:
-  """Pure forward pass: float32 logits [B, T, V]. Compute runs in the parameters' dtype.
+  """Pure forward pass of the unmodified backbone: float32 logits [B, T, V].
 
-  rules: logical-axis rules (`sharding.rules_for(mesh)`); with a mesh in context they place
-  the activations. None leaves placement to the compiler.
+  Compute runs in the parameters' dtype. rules: logical-axis rules (`sharding.rules_for(mesh)`);
+  with a mesh in context they place the activations. None leaves placement to the compiler.
   """
   dtype = jax.tree.leaves(params)[0].dtype
   with nn.logical_axis_rules(rules or ()):
-    return _module(cfg, dtype, attn_impl, remat).apply(
+    logits, _ = _module(cfg, dtype, attn_impl, remat).apply(
         {"params": params}, input_ids_bt, positions_bt, segment_ids_bt)
+  return logits
+
+
+def forward_routed(params: Params, input_ids_bt: jax.Array, positions_bt: jax.Array,
+                   segment_ids_bt: jax.Array, prompt_mask_bt: jax.Array, *, cfg: ModelConfig,
+                   rcfg: rt.RouterConfig, mode: str = "elastic", router_params=None,
+                   forced_gates=None, key: jax.Array | None = None, tau=1.0,
+                   attn_impl: str = "reference", remat: bool = False,
+                   rules: tuple | None = None):
+  """Forward pass with elastic (routed), forced or all-sparse attention. Not jitted itself:
+  call it inside `jax.jit` (the train step does) or through `forward_routed_jit`.
+
+  router_params: stacked router pytree (mode "elastic"); forced_gates: [L, B, S, K] in [0, 1]
+  (mode "forced"); key: PRNG key for Gumbel noise, None for the noiseless inference decision.
+  Returns (logits [B, T, V] float32, stats) with stats["gate"] [L, B, S, K] (1 = full) for the
+  modes that have gates.
+  """
+  if mode not in MODES[1:]:
+    raise ValueError(f"mode '{mode}' is not one of {MODES[1:]}")
+  per_layer: dict[str, Any] = {}
+  if mode == "elastic":
+    per_layer["router"] = router_params
+    if key is not None:
+      per_layer["key"] = jax.random.split(key, cfg.num_layers)
+  elif mode == "forced":
+    per_layer["gate"] = forced_gates
+  dtype = jax.tree.leaves(params)[0].dtype
+  with nn.logical_axis_rules(rules or ()):
+    return _module(cfg, dtype, attn_impl, remat, mode, rcfg).apply(
+        {"params": params}, input_ids_bt, positions_bt, segment_ids_bt, prompt_mask_bt,
+        per_layer, jnp.asarray(tau, jnp.float32))
+
+
+forward_routed_jit = jax.jit(forward_routed, static_argnames=(
+    "cfg", "rcfg", "mode", "attn_impl", "remat", "rules"))
 
 
 def positions_and_segments(attention_mask_bt: np.ndarray | jax.Array):

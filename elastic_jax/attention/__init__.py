@@ -1,20 +1,39 @@
-"""Attention implementations behind one signature.
+"""Attention implementations behind two signatures.
 
-`attention(q, k, v, segment_ids, impl=...)` with q [B, T, N, H], k/v [B, T, K, H],
-segment_ids [B, T] or None, returns [B, T, N, H]. Implementations:
+Causal: `attention(q, k, v, segment_ids)` with q [B, T, N, H], k/v [B, T, K, H],
+segment_ids [B, T] or None, returns [B, T, N, H].
+Hybrid: `hybrid(q, k, v, gate_btk, streaming, segment_ids, positions)` mixes full and
+streaming attention per KV head (see `reference.hybrid_attention`).
+
+Implementations:
   reference  chunked online-softmax in plain jnp; memory-safe at long T (the spec).
-  dense      the textbook [T, T] softmax; short inputs and tests only.
+  dense      the textbook [T, T] softmax (causal only); short inputs and tests.
 """
 
-from elastic_jax.attention.reference import causal_attention, dense_causal_attention
+from elastic_jax.attention.reference import (Streaming, causal_attention,
+                                             dense_causal_attention, hybrid_attention)
 from elastic_jax.errors import ElasticJaxError
 
 IMPLS = {"reference": causal_attention, "dense": dense_causal_attention}
+HYBRID_IMPLS = {"reference": hybrid_attention}
+
+
+def _lookup(table, impl, what):
+  try:
+    return table[impl]
+  except KeyError:
+    raise ElasticJaxError(f"{what} implementation '{impl}' is unknown (known: "
+                          f"{', '.join(sorted(table))})") from None
 
 
 def get_attention(impl: str):
-  try:
-    return IMPLS[impl]
-  except KeyError:
-    raise ElasticJaxError(f"attention implementation '{impl}' is unknown (known: "
-                          f"{', '.join(sorted(IMPLS))})") from None
+  return _lookup(IMPLS, impl, "attention")
+
+
+def get_hybrid_attention(impl: str):
+  # Implementations without a hybrid version of their own fall back to the reference.
+  return HYBRID_IMPLS.get(impl) or (get_attention(impl) and hybrid_attention)
+
+
+__all__ = ["Streaming", "causal_attention", "dense_causal_attention", "hybrid_attention",
+           "get_attention", "get_hybrid_attention"]

@@ -1,16 +1,27 @@
-"""Plain-jnp causal attention that stays memory-safe at long T.
+"""Plain-jnp attention that stays memory-safe at long T: the spec every kernel is tested against.
 
-The spec every kernel of this package is tested against. Queries are processed in chunks of
-`q_chunk` rows (sequentially, `lax.map`), and for each query chunk the keys are streamed in
-chunks of `kv_chunk` columns with an online (flash-style) softmax, so no more than a
-[q_chunk, kv_chunk] score tile per head exists at once. Key chunks that lie wholly in a query
-chunk's future are skipped with `lax.cond`. Each query chunk is rematerialised in the backward
-pass (`jax.checkpoint`), so gradients also never hold a [T, T] matrix.
+Queries are processed in chunks of `q_chunk` rows (sequentially, `lax.map`), and for each query
+chunk the keys are streamed in chunks of `kv_chunk` columns with an online (flash-style)
+softmax, so no more than a [q_chunk, kv_chunk] score tile per head exists at once. Key chunks
+that lie wholly in a query chunk's future are skipped with `lax.cond`. Each query chunk, and within it each key chunk,
+is rematerialised in the backward pass (`jax.checkpoint`), so gradients never hold a [T, T]
+matrix either: the backward keeps O(T * H) per head plus one tile.
+
+Two masks are computed in the same pass over K/V:
+  full (FA)       causal, within a segment;
+  streaming (SSA) block-granular sink + local window (SPEC.md section 3): a query in block i
+                  sees key blocks [0, sink_blocks) and [i - local_blocks + 1, i], token-causal.
+                  Blocks count from each segment's start (token positions), so every packed
+                  segment is treated as its own sequence.
+SSA is a subset of FA, which is why one pass can produce both (`hybrid_attention`).
 
 Shape letters: B batch, T tokens, N query heads, K key/value heads, G = N/K, H head dim.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +30,106 @@ import jax.numpy as jnp
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
+@dataclasses.dataclass(frozen=True)
+class Streaming:
+  """The streaming (SSA) pattern, in blocks of `block` tokens."""
+  sink_blocks: int = 1
+  local_blocks: int = 16
+  block: int = 128
+
+  def __post_init__(self):
+    if self.block < 1 or self.sink_blocks < 0 or self.local_blocks < 1:
+      raise ValueError(f"invalid streaming pattern {self}: need block >= 1, sink_blocks >= 0, "
+                       "local_blocks >= 1")
+
+  def allows(self, q_pos, k_pos):
+    """Block rule of SSA for token positions (broadcasting); causality is checked apart."""
+    qb, kb = q_pos // self.block, k_pos // self.block
+    return (kb < self.sink_blocks) | (qb - kb < self.local_blocks)
+
+
 def _chunk_size(requested: int, t: int) -> int:
   return max(1, min(requested, t))
+
+
+def _attend(q_btnh, k_btkh, v_btkh, segment_ids_bt, positions_bt, streaming: Streaming | None,
+            want_full: bool, scale, q_chunk, kv_chunk):
+  """Returns (O_full or None, O_streaming or None), each [B, T, N, H] float32."""
+  b, t, n, h = q_btnh.shape
+  k = k_btkh.shape[2]
+  if n % k:
+    raise ValueError(f"{n} query heads are not a multiple of {k} key/value heads")
+  g = n // k
+  scale = h ** -0.5 if scale is None else scale
+  if segment_ids_bt is None:
+    segment_ids_bt = jnp.zeros((b, t), jnp.int32)
+  if positions_bt is None:
+    positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+  cq, ck = _chunk_size(q_chunk, t), _chunk_size(kv_chunk, t)
+  nq, nk = -(-t // cq), -(-t // ck)
+
+  def pad(x, size, value=0):
+    return jnp.pad(x, [(0, 0), (0, size - t)] + [(0, 0)] * (x.ndim - 2),
+                   constant_values=value)
+
+  # Padded keys get segment -1 so no real query sees them; padded query rows are dropped.
+  seg_k = pad(segment_ids_bt, nk * ck, -1).reshape(b, nk, ck)
+  pos_k = pad(positions_bt, nk * ck).reshape(b, nk, ck)
+  q_cbqkgh = pad(q_btnh, nq * cq).reshape(b, nq, cq, k, g, h).transpose(1, 0, 2, 3, 4, 5)
+  seg_q_cbq = pad(segment_ids_bt, nq * cq).reshape(b, nq, cq).transpose(1, 0, 2)
+  pos_q_cbq = pad(positions_bt, nq * cq).reshape(b, nq, cq).transpose(1, 0, 2)
+  k_bskh = pad(k_btkh, nk * ck)
+  v_bskh = pad(v_btkh, nk * ck)
+  masks = (["full"] if want_full else []) + (["stream"] if streaming is not None else [])
+
+  @jax.checkpoint
+  def one_query_chunk(args):
+    i, q_bqkgh, segq_bq, posq_bq = args
+    q_idx = i * cq + jnp.arange(cq)
+
+    # Rematerialised too: the backward pass then keeps only the running (m, l, acc) per key
+    # chunk, not its [q_chunk, kv_chunk] probabilities.
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def visit(carry, j):
+      kj = jax.lax.dynamic_slice_in_dim(k_bskh, j * ck, ck, axis=1)
+      vj = jax.lax.dynamic_slice_in_dim(v_bskh, j * ck, ck, axis=1)
+      k_idx = j * ck + jnp.arange(ck)
+      s = jnp.einsum("bqkgh,bskh->bkgqs", q_bqkgh, kj,
+                     preferred_element_type=jnp.float32) * scale
+      causal_bqs = (k_idx[None, None, :] <= q_idx[None, :, None]) & (
+          segq_bq[:, :, None] == seg_k[:, j][:, None, :])
+      new = []
+      for name, (m_bkgq, l_bkgq, acc_bkgqh) in zip(masks, carry):
+        ok_bqs = causal_bqs
+        if name == "stream":
+          ok_bqs = ok_bqs & streaming.allows(posq_bq[:, :, None], pos_k[:, j][:, None, :])
+        ok = ok_bqs[:, None, None]
+        sm = jnp.where(ok, s, _MASK_VALUE)
+        m_new = jnp.maximum(m_bkgq, sm.max(-1))
+        p = jnp.where(ok, jnp.exp(sm - m_new[..., None]), 0.0)
+        corr = jnp.exp(m_bkgq - m_new)
+        pv = jnp.einsum("bkgqs,bskh->bkgqh", p.astype(v_bskh.dtype), vj,
+                        preferred_element_type=jnp.float32)
+        new.append((m_new, l_bkgq * corr + p.sum(-1), acc_bkgqh * corr[..., None] + pv))
+      return tuple(new)
+
+    def step(carry, j):
+      # Key chunk j holds only future keys for every row of query chunk i: skip its work.
+      needed = j * ck <= (i + 1) * cq - 1
+      return jax.lax.cond(needed, visit, lambda c, _: c, carry, j), None
+
+    init = tuple((jnp.full((b, k, g, cq), _MASK_VALUE, jnp.float32),
+                  jnp.zeros((b, k, g, cq), jnp.float32),
+                  jnp.zeros((b, k, g, cq, h), jnp.float32)) for _ in masks)
+    final, _ = jax.lax.scan(step, init, jnp.arange(nk))
+    # Rows with no visible key (padding only) have l == 0; keep them finite.
+    return tuple((acc / jnp.where(l == 0, 1.0, l)[..., None]).transpose(0, 3, 1, 2, 4)
+                 for _, l, acc in final)  # each [B, cq, K, G, H]
+
+  outs = jax.lax.map(one_query_chunk, (jnp.arange(nq), q_cbqkgh, seg_q_cbq, pos_q_cbq))
+  outs = [o.transpose(1, 0, 2, 3, 4, 5).reshape(b, nq * cq, n, h)[:, :t] for o in outs]
+  result = dict(zip(masks, outs))
+  return result.get("full"), result.get("stream")
 
 
 def causal_attention(q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array,
@@ -40,70 +149,31 @@ def causal_attention(q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array,
     [B, T, N, H] in the dtype of `q_btnh`. Scores and the softmax are computed in float32;
     probabilities are cast to the value dtype for the second matmul, as HF's eager path does.
   """
+  full, _ = _attend(q_btnh, k_btkh, v_btkh, segment_ids_bt, None, None, True, scale, q_chunk,
+                    kv_chunk)
+  return full.astype(q_btnh.dtype)
+
+
+def hybrid_attention(q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array,
+                     gate_btk: jax.Array | None, streaming: Streaming,
+                     segment_ids_bt: jax.Array | None = None,
+                     positions_bt: jax.Array | None = None, *, scale: float | None = None,
+                     q_chunk: int = 512, kv_chunk: int = 512) -> jax.Array:
+  """O = r * O_FA + (1 - r) * O_SSA per KV head (its G query heads share r).
+
+  gate_btk: [B, T, K] in [0, 1], the full-attention weight r of each token's KV head (tokens
+    of one packed segment share their segment's gate); None means every head streaming.
+  positions_bt: token positions within their segment (default 0..T-1); they define SSA blocks.
+  Differentiable in q, k, v and the gate: dO/dr = O_FA - O_SSA.
+  """
   b, t, n, h = q_btnh.shape
   k = k_btkh.shape[2]
-  if n % k:
-    raise ValueError(f"{n} query heads are not a multiple of {k} key/value heads")
-  g = n // k
-  scale = h ** -0.5 if scale is None else scale
-  if segment_ids_bt is None:
-    segment_ids_bt = jnp.zeros((b, t), jnp.int32)
-  cq, ck = _chunk_size(q_chunk, t), _chunk_size(kv_chunk, t)
-  nq, nk = -(-t // cq), -(-t // ck)
-
-  def pad(x, size):
-    return jnp.pad(x, [(0, 0), (0, size - t)] + [(0, 0)] * (x.ndim - 2))
-
-  # Padded keys get segment -1 so no real query sees them; padded query rows are dropped.
-  seg_k = jnp.pad(segment_ids_bt, [(0, 0), (0, nk * ck - t)], constant_values=-1)
-  seg_q = pad(segment_ids_bt, nq * cq)
-  q_cbqkgh = pad(q_btnh, nq * cq).reshape(b, nq, cq, k, g, h).transpose(1, 0, 2, 3, 4, 5)
-  seg_q_cbq = seg_q.reshape(b, nq, cq).transpose(1, 0, 2)
-  k_bskh = pad(k_btkh, nk * ck)
-  v_bskh = pad(v_btkh, nk * ck)
-  seg_k = seg_k.reshape(b, nk, ck)
-
-  @jax.checkpoint
-  def one_query_chunk(args):
-    i, q_bqkgh, segq_bq = args
-    q_pos = i * cq + jnp.arange(cq)
-
-    def visit(carry, j):
-      m_bkgq, l_bkgq, acc_bkgqh = carry
-      kj = jax.lax.dynamic_slice_in_dim(k_bskh, j * ck, ck, axis=1)
-      vj = jax.lax.dynamic_slice_in_dim(v_bskh, j * ck, ck, axis=1)
-      segk_bs = seg_k[:, j]
-      k_pos = j * ck + jnp.arange(ck)
-      s = jnp.einsum("bqkgh,bskh->bkgqs", q_bqkgh, kj,
-                     preferred_element_type=jnp.float32) * scale
-      ok_bqs = (k_pos[None, None, :] <= q_pos[None, :, None]) & (
-          segq_bq[:, :, None] == segk_bs[:, None, :])
-      ok = ok_bqs[:, None, None]
-      s = jnp.where(ok, s, _MASK_VALUE)
-      m_new = jnp.maximum(m_bkgq, s.max(-1))
-      p = jnp.where(ok, jnp.exp(s - m_new[..., None]), 0.0)
-      corr = jnp.exp(m_bkgq - m_new)
-      l_new = l_bkgq * corr + p.sum(-1)
-      pv = jnp.einsum("bkgqs,bskh->bkgqh", p.astype(v_bskh.dtype), vj,
-                      preferred_element_type=jnp.float32)
-      return (m_new, l_new, acc_bkgqh * corr[..., None] + pv)
-
-    def step(carry, j):
-      # Key chunk j holds only future keys for every row of query chunk i: skip its work.
-      needed = j * ck <= (i + 1) * cq - 1
-      return jax.lax.cond(needed, visit, lambda c, _: c, carry, j), None
-
-    init = (jnp.full((b, k, g, cq), _MASK_VALUE, jnp.float32),
-            jnp.zeros((b, k, g, cq), jnp.float32),
-            jnp.zeros((b, k, g, cq, h), jnp.float32))
-    (_, l, acc), _ = jax.lax.scan(step, init, jnp.arange(nk))
-    # Rows with no visible key (padding only) have l == 0; keep them finite.
-    out = acc / jnp.where(l == 0, 1.0, l)[..., None]
-    return out.transpose(0, 3, 1, 2, 4).astype(q_btnh.dtype)  # [B, cq, K, G, H]
-
-  out = jax.lax.map(one_query_chunk, (jnp.arange(nq), q_cbqkgh, seg_q_cbq))
-  out = out.transpose(1, 0, 2, 3, 4, 5).reshape(b, nq * cq, n, h)
-  return out[:, :t]
+  full, stream = _attend(q_btnh, k_btkh, v_btkh, segment_ids_bt, positions_bt, streaming,
+                         gate_btk is not None, scale, q_chunk, kv_chunk)
+  if gate_btk is None:
+    return stream.astype(q_btnh.dtype)
+  r = jnp.repeat(gate_btk.astype(jnp.float32), n // k, axis=2)[..., None]  # [B, T, N, 1]
+  return (r * full + (1.0 - r) * stream).astype(q_btnh.dtype)
 
 
 def dense_causal_attention(q_btnh, k_btkh, v_btkh, segment_ids_bt=None, *, scale=None):

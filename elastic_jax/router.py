@@ -1,0 +1,180 @@
+"""The Attention Router (SPEC.md section 4) and the sparsity ratios (section 5).
+
+One router per layer reads that layer's key states (after k-norm, before RoPE), pools them over
+the prompt of each packed segment, and scores every KV head with two logits (index 1 = full
+attention, the authors' checkpoint convention). Its parameters form their own pytree, stacked
+over layers, apart from the frozen backbone:
+
+    {"task_w1": [L, H, 4H], "task_b1": [L, 4H], "task_w2": [L, 4H, H], "task_b2": [L, H],
+     "route_w1": [L, H, 4H], "route_b1": [L, 4H], "route_w2": [L, 4H, H], "route_b2": [L, H],
+     "route_w3": [L, H, C], "route_b3": [L, C]}          C = 2 (softmax) or 1 (sigmoid)
+
+Shape letters: B batch, T tokens, S segment slots, L layers, K KV heads, H head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from elastic_jax.attention.reference import Streaming
+from elastic_jax.config import ModelConfig
+
+POOLINGS = ("boundary", "prompt_mean")
+RELAXATIONS = ("softmax", "sigmoid")
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+  """How heads are routed. Hashable: a static argument of the jitted forward."""
+  pooling: str = "boundary"       # boundary: first + last `boundary` prompt tokens; prompt_mean
+  boundary: int = 100             # tokens at each end of the prompt for boundary pooling
+  relaxation: str = "softmax"     # softmax: two logits + Gumbel-softmax; sigmoid: one logit
+  hidden_mult: int = 4            # MLP width = hidden_mult * head_dim
+  max_segments: int = 8           # segment slots per row; segment ids must be < this
+  sink_blocks: int = 1            # SSA pattern (SPEC.md section 3)
+  local_blocks: int = 16
+  block: int = 128
+
+  def __post_init__(self):
+    if self.pooling not in POOLINGS:
+      raise ValueError(f"router pooling '{self.pooling}' is unknown (known: {POOLINGS})")
+    if self.relaxation not in RELAXATIONS:
+      raise ValueError(f"router relaxation '{self.relaxation}' is unknown "
+                       f"(known: {RELAXATIONS})")
+    if self.boundary < 1 or self.hidden_mult < 1 or self.max_segments < 1:
+      raise ValueError("router boundary, hidden_mult and max_segments must be positive")
+    self.streaming  # validates the SSA numbers
+
+  @property
+  def streaming(self) -> Streaming:
+    return Streaming(self.sink_blocks, self.local_blocks, self.block)
+
+  @property
+  def num_logits(self) -> int:
+    return 2 if self.relaxation == "softmax" else 1
+
+
+def init_router_params(cfg: ModelConfig, rcfg: RouterConfig, key: jax.Array) -> dict:
+  """N(0, 0.02) weights and zero biases (a neutral start), float32, stacked over layers."""
+  h, w, l = cfg.head_dim, rcfg.hidden_mult * cfg.head_dim, cfg.num_layers
+  shapes = {"task_w1": (h, w), "task_w2": (w, h), "route_w1": (h, w), "route_w2": (w, h),
+            "route_w3": (h, rcfg.num_logits)}
+  keys = jax.random.split(key, len(shapes))
+  params = {name: 0.02 * jax.random.normal(k, (l, *shape), jnp.float32)
+            for k, (name, shape) in zip(keys, sorted(shapes.items()))}
+  for name, shape in shapes.items():
+    params[name.replace("w", "b")] = jnp.zeros((l, shape[1]), jnp.float32)
+  return params
+
+
+def pool_prompt(k_btkh: jax.Array, segment_ids_bt: jax.Array, positions_bt: jax.Array,
+                prompt_mask_bt: jax.Array, rcfg: RouterConfig) -> jax.Array:
+  """Pooled prompt keys per segment slot: [B, S, K, H] float32.
+
+  Boundary pooling averages the first `boundary` and the last `boundary` prompt tokens of each
+  segment, as the concatenation of the two spans (a short prompt counts its overlap twice, as
+  the authors' `cat(k[:100], k[-100:]).mean()` does). A segment's prompt is its tokens with
+  `prompt_mask` set; positions count from the segment's start. Slots with no prompt give 0.
+  """
+  s = rcfg.max_segments
+  onehot_bts = jax.nn.one_hot(segment_ids_bt, s, dtype=jnp.float32)
+  prompt = prompt_mask_bt.astype(jnp.float32)
+  if rcfg.pooling == "prompt_mean":
+    w_bts = onehot_bts * prompt[..., None]
+  else:
+    plen_bs = jnp.einsum("bts,bt->bs", onehot_bts, prompt)
+    plen_bt = jnp.einsum("bts,bs->bt", onehot_bts, plen_bs)
+    pos = positions_bt.astype(jnp.float32)
+    w_bt = prompt * ((pos < rcfg.boundary).astype(jnp.float32)
+                     + (pos >= plen_bt - rcfg.boundary).astype(jnp.float32))
+    w_bts = onehot_bts * w_bt[..., None]
+  total_bs = w_bts.sum(1)
+  pooled = jnp.einsum("bts,btkh->bskh", w_bts, k_btkh.astype(jnp.float32))
+  return pooled / jnp.maximum(total_bs, 1.0)[:, :, None, None]
+
+
+def _dense(x, w, b):
+  return jnp.einsum("...i,io->...o", x, w) + b.reshape((1,) * (x.ndim - 1) + b.shape)
+
+
+def router_logits(p: dict, pooled_bskh: jax.Array) -> jax.Array:
+  """One layer's router: task MLP then router MLP, shared over heads. -> [B, S, K, C]."""
+  x = _dense(jax.nn.silu(_dense(pooled_bskh, p["task_w1"], p["task_b1"])), p["task_w2"],
+             p["task_b2"])
+  x = jax.nn.silu(_dense(x, p["route_w1"], p["route_b1"]))
+  x = jax.nn.silu(_dense(x, p["route_w2"], p["route_b2"]))
+  return _dense(x, p["route_w3"], p["route_b3"])
+
+
+def gumbel(key: jax.Array, shape, eps: float = 1e-10) -> jax.Array:
+  u = jax.random.uniform(key, shape, jnp.float32)
+  return -jnp.log(-jnp.log(u + eps) + eps)
+
+
+def gate_from_logits(z_bskc: jax.Array, rcfg: RouterConfig, *, key: jax.Array | None = None,
+                     tau: float | jax.Array = 1.0) -> tuple[jax.Array, jax.Array]:
+  """(hard gate, soft gate), each [B, S, K]: r = 1 routes the head to full attention.
+
+  With `key` (training): Gumbel noise, temperature `tau`, and the straight-through estimator
+  (the value is the hard decision, the gradient that of the soft one). Without (inference):
+  the noiseless argmax, and the soft gate is the plain probability.
+  """
+  if rcfg.relaxation == "softmax":
+    if key is not None:
+      z_bskc = z_bskc + gumbel(key, z_bskc.shape)
+    soft = jax.nn.softmax(z_bskc / (tau if key is not None else 1.0), axis=-1)[..., 1]
+    hard = (z_bskc[..., 1] > z_bskc[..., 0]).astype(jnp.float32)
+  else:
+    z = z_bskc[..., 0]
+    if key is not None:
+      z = z + gumbel(key, z.shape)
+    soft = jax.nn.sigmoid(z / (tau if key is not None else 1.0))
+    hard = (soft > 0.5).astype(jnp.float32)
+  if key is None:
+    return jax.lax.stop_gradient(hard), soft
+  # Parenthesised so the forward value is exactly the hard decision (no rounding).
+  return hard + (soft - jax.lax.stop_gradient(soft)), soft
+
+
+def gates_per_token(gate_bsk: jax.Array, segment_ids_bt: jax.Array) -> jax.Array:
+  """[B, S, K] per segment -> [B, T, K] per token (each token takes its segment's gate)."""
+  return jnp.take_along_axis(gate_bsk, segment_ids_bt[:, :, None], axis=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sparsity ratios
+
+
+def msr(gates_lbsk: jax.Array) -> jax.Array:
+  """Model sparsity ratio per input, [B, S]: the fraction of (layer, KV head) pairs sent to SA."""
+  return 1.0 - gates_lbsk.mean(axis=(0, 3))
+
+
+def esr(last_layer_gates_bsk: jax.Array, lengths_bs: jax.Array, streaming: Streaming
+        ) -> jax.Array:
+  """Effective sparsity ratio per input, [B, S]: the mean over the last layer's KV heads of the
+  pruned fraction of causal keys (0 for an FA head, 1 - kept/causal for an SA head)."""
+  kept = streaming_kept_fraction(lengths_bs, streaming)
+  pruned_if_sparse = 1.0 - kept
+  return ((1.0 - last_layer_gates_bsk) * pruned_if_sparse[..., None]).mean(-1)
+
+
+def streaming_kept_fraction(lengths: jax.Array, streaming: Streaming) -> jax.Array:
+  """Fraction of the causal (query, key) pairs that SSA keeps for sequences of `lengths`
+  (closed form, elementwise)."""
+  n = lengths.astype(jnp.float32)
+  blk, sink, local = streaming.block, streaming.sink_blocks, streaming.local_blocks
+  # Queries in blocks < sink + local see every earlier key.
+  full_len = jnp.minimum(n, (sink + local) * blk)
+  seen = full_len * (full_len + 1) / 2
+  # Later queries see the sink (sink * blk keys) plus their window: (p mod blk) + 1 + (local-1)*blk.
+  rest = jnp.maximum(n - full_len, 0.0)
+  per_block_window = (local - 1) * blk + sink * blk
+  # Sum over the remaining positions p of (p mod blk) + 1 + per_block_window.
+  whole, part = jnp.floor(rest / blk), jnp.mod(rest, blk)
+  seen = seen + rest * per_block_window + whole * blk * (blk + 1) / 2 + part * (part + 1) / 2
+  return jnp.where(n > 0, seen / jnp.maximum(n * (n + 1) / 2, 1.0), 1.0)
+

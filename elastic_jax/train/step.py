@@ -1,0 +1,126 @@
+"""Train state, optimizer, temperature schedule and the jitted router train step.
+
+Only the routers and the multipliers train. The backbone is an argument of the step, never
+differentiated and never given optimizer state; it comes out untouched.
+
+A batch is a dict of arrays (B rows of T tokens, S segment slots per row):
+  input_ids [B, T] int32     targets [B, T] int32 (next token)   loss_mask [B, T] (answer)
+  segment_ids [B, T] int32 (0 = padding, 1.. = packed segments; must be < max_segments)
+  positions [B, T] int32 (within the segment)   prompt_mask [B, T] bool
+  task_ids [B, S] int32 (task type of each segment slot, -1 = empty slot)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from elastic_jax.config import ModelConfig
+from elastic_jax.model import forward_routed
+from elastic_jax.router import RouterConfig, init_router_params, msr
+from elastic_jax.train.objective import (ObjectiveConfig, answer_cross_entropy, init_lambdas,
+                                         sparsity_penalty)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 300                  # total optimizer steps (schedules are relative to it)
+  lr: float = 5e-4                  # router peak learning rate
+  warmup_frac: float = 0.2          # linear warm-up share of the steps, then cosine decay
+  b1: float = 0.9
+  b2: float = 0.95
+  weight_decay: float = 0.1
+  clip_norm: float = 5.0            # global-norm clip of the router gradient
+  lambda_lr: float = 1e-3           # multipliers: Adam on the negated gradient (ascent)
+  tau_schedule: str = "cosine"      # cosine: tau_init -> tau_final over tau_frac of the steps
+  tau_init: float = 1.5             # exponential: max(tau_final, tau_init * exp(-0.6 p))
+  tau_final: float = 1.0
+  tau_frac: float = 0.6
+  attn_impl: str = "reference"
+  remat: bool = True                # rematerialise each layer in the backward pass
+
+  def __post_init__(self):
+    if self.steps < 1:
+      raise ValueError(f"train steps must be >= 1, got {self.steps}")
+    if self.tau_schedule not in ("cosine", "exponential"):
+      raise ValueError(f"tau_schedule '{self.tau_schedule}' is unknown (cosine, exponential)")
+
+
+def temperature(step, tcfg: TrainConfig):
+  """Gumbel-softmax temperature at `step` (SPEC.md section 4, item 6)."""
+  p = jnp.asarray(step, jnp.float32) / tcfg.steps
+  if tcfg.tau_schedule == "cosine":
+    frac = jnp.clip(p / tcfg.tau_frac, 0.0, 1.0)
+    return tcfg.tau_final + (tcfg.tau_init - tcfg.tau_final) * 0.5 * (1 + jnp.cos(math.pi * frac))
+  return jnp.maximum(tcfg.tau_final, tcfg.tau_init * jnp.exp(-0.6 * p))
+
+
+def make_optimizer(tcfg: TrainConfig) -> optax.GradientTransformation:
+  warmup = max(1, int(tcfg.warmup_frac * tcfg.steps))
+  schedule = optax.warmup_cosine_decay_schedule(0.0, tcfg.lr, warmup, max(tcfg.steps, warmup + 1))
+  router_tx = optax.chain(
+      optax.clip_by_global_norm(tcfg.clip_norm),
+      optax.adamw(schedule, b1=tcfg.b1, b2=tcfg.b2, weight_decay=tcfg.weight_decay))
+  # Gradient ascent for the multipliers: flip the sign, then a plain Adam step.
+  lambda_tx = optax.chain(optax.scale(-1.0), optax.adam(tcfg.lambda_lr, b1=tcfg.b1, b2=tcfg.b2))
+  return optax.multi_transform({"router": router_tx, "lambda": lambda_tx},
+                               {"router": "router", "lambdas": "lambda"})
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  trainable: dict              # {"router": stacked router params, "lambdas": {"l1", "l2"}}
+  opt_state: Any
+  key: jax.Array
+
+
+def init_train_state(cfg: ModelConfig, rcfg: RouterConfig, tcfg: TrainConfig,
+                     key: jax.Array) -> TrainState:
+  k_router, k_lambda, k_state = jax.random.split(key, 3)
+  trainable = {"router": init_router_params(cfg, rcfg, k_router),
+               "lambdas": init_lambdas(k_lambda)}
+  return TrainState(jnp.zeros((), jnp.int32), trainable,
+                    make_optimizer(tcfg).init(trainable), k_state)
+
+
+def _loss(trainable, backbone, batch, key, tau, *, cfg, rcfg, ocfg, tcfg):
+  logits, stats = forward_routed(
+      backbone, batch["input_ids"], batch["positions"], batch["segment_ids"],
+      batch["prompt_mask"], cfg=cfg, rcfg=rcfg, mode="elastic",
+      router_params=trainable["router"], key=key, tau=tau, attn_impl=tcfg.attn_impl,
+      remat=tcfg.remat)
+  lm = answer_cross_entropy(logits, batch["targets"], batch["loss_mask"])
+  msr_bs = msr(stats["gate"])
+  penalty, msr_task, count = sparsity_penalty(msr_bs, batch["task_ids"], trainable["lambdas"],
+                                              ocfg)
+  valid = batch["task_ids"] >= 0
+  aux = {"lm_loss": lm, "penalty": penalty, "msr_task": msr_task, "task_count": count,
+         "msr": jnp.sum(jnp.where(valid, msr_bs, 0.0)) / jnp.maximum(valid.sum(), 1)}
+  return lm + penalty, aux
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "rcfg", "ocfg", "tcfg"), donate_argnums=0)
+def train_step(state: TrainState, backbone: dict, batch: dict, *, cfg: ModelConfig,
+               rcfg: RouterConfig, ocfg: ObjectiveConfig, tcfg: TrainConfig):
+  """One optimizer step on the routers (descent) and multipliers (ascent)."""
+  key, step_key = jax.random.split(state.key)
+  tau = temperature(state.step, tcfg)
+  backbone = jax.lax.stop_gradient(backbone)
+  (loss, aux), grads = jax.value_and_grad(_loss, has_aux=True)(
+      state.trainable, backbone, batch, step_key, tau, cfg=cfg, rcfg=rcfg, ocfg=ocfg, tcfg=tcfg)
+  updates, opt_state = make_optimizer(tcfg).update(grads, state.opt_state, state.trainable)
+  trainable = optax.apply_updates(state.trainable, updates)
+  per_layer_norm = jnp.sqrt(sum(jnp.sum(g.reshape(g.shape[0], -1) ** 2, axis=1)
+                                for g in jax.tree.leaves(grads["router"])))
+  metrics = {"loss": loss, "tau": tau, "lambda1": state.trainable["lambdas"]["l1"],
+             "lambda2": state.trainable["lambdas"]["l2"],
+             "router_grad_norm_per_layer": per_layer_norm, **aux}
+  return TrainState(state.step + 1, trainable, opt_state, key), metrics
