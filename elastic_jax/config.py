@@ -238,17 +238,25 @@ def config_from_hf_dict(d: dict[str, Any], source: str = "config.json") -> Model
   )
 
 
-def read_hf_config(directory: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any]]:
-  """Reads ``DIR/config.json``; returns the parsed config and the raw dict (kept for export)."""
-  path = os.path.join(directory, "config.json")
+def read_config_file(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any]]:
+  """Reads an HF ``config.json``; returns the parsed config and the raw dict (kept for export)."""
+  path = os.fspath(path)
   if not os.path.isfile(path):
-    raise ElasticJaxError(f"{path}: no config.json in this directory")
+    raise ElasticJaxError(f"{path}: no such config file")
   try:
     with open(path) as f:
       raw = json.load(f)
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise ElasticJaxError(f"{path}: not valid JSON ({e})") from None
   return config_from_hf_dict(raw, source=path), raw
+
+
+def read_hf_config(directory: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any]]:
+  """Reads ``DIR/config.json`` (see `read_config_file`)."""
+  path = os.path.join(directory, "config.json")
+  if not os.path.isfile(path):
+    raise ElasticJaxError(f"{path}: no config.json in this directory")
+  return read_config_file(path)
 
 
 def rope_inv_freq(cfg: ModelConfig):

@@ -11,7 +11,6 @@ The conversion-and-logits walk-through on a tiny model made on the spot (no down
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -32,10 +31,11 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
 
   import elastic_jax as ej
+  from elastic_jax.config import read_config_file
   from elastic_jax.model import init_params
   from safetensors.numpy import load_file
 
-  cfg, raw = _read(args.config)
+  cfg, raw = read_config_file(args.config)
   hf_dir, ours_dir, back_dir = (os.path.join(args.out, d) for d in ("hf", "converted", "back"))
   print(f"[1/3] making a random {cfg.family} model: {cfg.num_layers} layers, "
         f"{cfg.num_heads}/{cfg.num_kv_heads} heads, {cfg.num_params() / 1e6:.2f}M parameters")
@@ -62,17 +62,6 @@ def main(argv=None) -> int:
         f"{'identical' if same_logits else 'DIFFERENT'}; HF -> ours -> HF tensors: "
         f"{'identical' if same_tensors else 'DIFFERENT'}; greedy next tokens {greedy}")
   return 0 if same_logits and same_tensors else 1
-
-
-def _read(path):
-  from elastic_jax.config import config_from_hf_dict
-  from elastic_jax.errors import ElasticJaxError
-  try:
-    with open(path) as f:
-      raw = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
-    raise ElasticJaxError(f"{path}: cannot read the model config ({e})") from None
-  return config_from_hf_dict(raw, source=path), raw
 
 
 if __name__ == "__main__":

@@ -54,6 +54,18 @@ def test_eval_bad_input_exits_2(tmp_path):
   assert proc.returncode == 2 and proc.stderr.startswith("error:")
 
 
-def test_train_is_not_pretending():
-  proc = _run("train.py")
-  assert proc.returncode == 2 and "not implemented yet" in proc.stderr
+def test_train_smoke_run(tmp_path):
+  proc = _run("train.py", "--steps", "4", "--batch", "2", "--length", "64", "--log-every", "2",
+              "--out", str(tmp_path / "run"))
+  assert proc.returncode == 0, proc.stderr
+  assert "step    4/4" in proc.stdout and "tok/s" in proc.stdout
+  assert "held-out inference MSR" in proc.stdout
+  lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+  assert [json.loads(x)["step"] for x in lines] == [2, 4]
+
+
+def test_train_bad_arguments_exit_2(tmp_path):
+  proc = _run("train.py", "--steps", "0", "--out", str(tmp_path / "run"))
+  assert proc.returncode == 2 and proc.stderr.startswith("error:")
+  proc = _run("train.py", "--model-config", str(tmp_path / "missing.json"))
+  assert proc.returncode == 2 and "missing.json" in proc.stderr

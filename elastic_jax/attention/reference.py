@@ -75,26 +75,27 @@ def _attend(q_btnh, k_btkh, v_btkh, segment_ids_bt, positions_bt, streaming: Str
   # Padded keys get segment -1 so no real query sees them; padded query rows are dropped.
   seg_k = pad(segment_ids_bt, nk * ck, -1).reshape(b, nk, ck)
   pos_k = pad(positions_bt, nk * ck).reshape(b, nk, ck)
-  q_cbqkgh = pad(q_btnh, nq * cq).reshape(b, nq, cq, k, g, h).transpose(1, 0, 2, 3, 4, 5)
+  # Head-major layouts, so that both products are plain batched matmuls (3x faster on CPU).
+  q_cbkgqh = pad(q_btnh, nq * cq).reshape(b, nq, cq, k, g, h).transpose(1, 0, 3, 4, 2, 5)
   seg_q_cbq = pad(segment_ids_bt, nq * cq).reshape(b, nq, cq).transpose(1, 0, 2)
   pos_q_cbq = pad(positions_bt, nq * cq).reshape(b, nq, cq).transpose(1, 0, 2)
-  k_bskh = pad(k_btkh, nk * ck)
-  v_bskh = pad(v_btkh, nk * ck)
+  k_bksh = pad(k_btkh, nk * ck).transpose(0, 2, 1, 3)
+  v_bksh = pad(v_btkh, nk * ck).transpose(0, 2, 1, 3)
   masks = (["full"] if want_full else []) + (["stream"] if streaming is not None else [])
 
   @jax.checkpoint
   def one_query_chunk(args):
-    i, q_bqkgh, segq_bq, posq_bq = args
+    i, q_bkgqh, segq_bq, posq_bq = args
     q_idx = i * cq + jnp.arange(cq)
 
     # Rematerialised too: the backward pass then keeps only the running (m, l, acc) per key
     # chunk, not its [q_chunk, kv_chunk] probabilities.
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def visit(carry, j):
-      kj = jax.lax.dynamic_slice_in_dim(k_bskh, j * ck, ck, axis=1)
-      vj = jax.lax.dynamic_slice_in_dim(v_bskh, j * ck, ck, axis=1)
+      kj = jax.lax.dynamic_slice_in_dim(k_bksh, j * ck, ck, axis=2)
+      vj = jax.lax.dynamic_slice_in_dim(v_bksh, j * ck, ck, axis=2)
       k_idx = j * ck + jnp.arange(ck)
-      s = jnp.einsum("bqkgh,bskh->bkgqs", q_bqkgh, kj,
+      s = jnp.einsum("bkgqh,bksh->bkgqs", q_bkgqh, kj,
                      preferred_element_type=jnp.float32) * scale
       causal_bqs = (k_idx[None, None, :] <= q_idx[None, :, None]) & (
           segq_bq[:, :, None] == seg_k[:, j][:, None, :])
@@ -108,7 +109,7 @@ def _attend(q_btnh, k_btkh, v_btkh, segment_ids_bt, positions_bt, streaming: Str
         m_new = jnp.maximum(m_bkgq, sm.max(-1))
         p = jnp.where(ok, jnp.exp(sm - m_new[..., None]), 0.0)
         corr = jnp.exp(m_bkgq - m_new)
-        pv = jnp.einsum("bkgqs,bskh->bkgqh", p.astype(v_bskh.dtype), vj,
+        pv = jnp.einsum("bkgqs,bksh->bkgqh", p.astype(v_bksh.dtype), vj,
                         preferred_element_type=jnp.float32)
         new.append((m_new, l_bkgq * corr + p.sum(-1), acc_bkgqh * corr[..., None] + pv))
       return tuple(new)
@@ -126,7 +127,7 @@ def _attend(q_btnh, k_btkh, v_btkh, segment_ids_bt, positions_bt, streaming: Str
     return tuple((acc / jnp.where(l == 0, 1.0, l)[..., None]).transpose(0, 3, 1, 2, 4)
                  for _, l, acc in final)  # each [B, cq, K, G, H]
 
-  outs = jax.lax.map(one_query_chunk, (jnp.arange(nq), q_cbqkgh, seg_q_cbq, pos_q_cbq))
+  outs = jax.lax.map(one_query_chunk, (jnp.arange(nq), q_cbkgqh, seg_q_cbq, pos_q_cbq))
   outs = [o.transpose(1, 0, 2, 3, 4, 5).reshape(b, nq * cq, n, h)[:, :t] for o in outs]
   result = dict(zip(masks, outs))
   return result.get("full"), result.get("stream")

@@ -1,0 +1,155 @@
+"""The routed model and the min-max train step on a tiny random backbone."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import elastic_jax as ej
+from elastic_jax.config import config_from_hf_dict
+from elastic_jax.model import forward, forward_routed_jit, init_params
+from elastic_jax.router import RouterConfig, init_router_params, msr
+from elastic_jax.train.objective import TASK_TYPES, ObjectiveConfig, sparsity_penalty
+from elastic_jax.train.step import TrainConfig, init_train_state, temperature, train_step
+
+CFG = config_from_hf_dict(dict(model_type="qwen3", vocab_size=64, hidden_size=32,
+                               intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+                               max_position_embeddings=256))
+RCFG = RouterConfig(block=8, sink_blocks=1, local_blocks=2, max_segments=3, boundary=8)
+SINGLE_QA, CODE = TASK_TYPES.index("single_qa"), TASK_TYPES.index("code")
+
+
+@pytest.fixture(scope="module")
+def backbone():
+  return init_params(CFG, jax.random.key(0), "float32")
+
+
+def _batch(b=4, t=64, prompt=48):
+  """Rows alternate between a 'code' input (tokens 0-31) and a 'single_qa' one (32-63)."""
+  rng = np.random.default_rng(0)
+  ids = np.zeros((b, t), np.int32)
+  task = np.full((b, RCFG.max_segments), -1, np.int32)
+  for i in range(b):
+    lo = 0 if i % 2 == 0 else 32
+    ids[i] = rng.integers(lo, lo + 32, t)
+    task[i, 1] = CODE if i % 2 == 0 else SINGLE_QA
+  ar = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
+  return dict(input_ids=jnp.asarray(ids), targets=jnp.asarray(np.roll(ids, -1, 1)),
+              loss_mask=jnp.asarray(ar >= prompt), segment_ids=jnp.ones((b, t), jnp.int32),
+              positions=jnp.asarray(ar), prompt_mask=jnp.asarray(ar < prompt),
+              task_ids=jnp.asarray(task))
+
+
+def _inference_msr(backbone, router, batch):
+  _, stats = forward_routed_jit(backbone, batch["input_ids"], batch["positions"],
+                                batch["segment_ids"], batch["prompt_mask"], cfg=CFG, rcfg=RCFG,
+                                router_params=router)
+  return np.asarray(msr(stats["gate"]))[:, 1]
+
+
+def test_routed_model_modes(backbone):
+  b = _batch()
+  ids, pos, seg, pm = b["input_ids"], b["positions"], b["segment_ids"], b["prompt_mask"]
+  full = forward(backbone, ids, pos, seg, cfg=CFG)
+  run = lambda **kw: forward_routed_jit(backbone, ids, pos, seg, pm, cfg=CFG, rcfg=RCFG, **kw)
+  ones = jnp.ones((2, 4, 3, 4))
+  forced_full, stats = run(mode="forced", forced_gates=ones)
+  np.testing.assert_allclose(np.asarray(forced_full), np.asarray(full), atol=1e-5)
+  assert np.all(np.asarray(msr(stats["gate"])) == 0)
+  sparse, _ = run(mode="sparse")
+  forced_sparse, _ = run(mode="forced", forced_gates=jnp.zeros_like(ones))
+  np.testing.assert_allclose(np.asarray(forced_sparse), np.asarray(sparse), atol=1e-5)
+  assert np.abs(np.asarray(sparse) - np.asarray(full)).max() > 1e-3  # T spans > sink + local
+  router = init_router_params(CFG, RCFG, jax.random.key(1))
+  elastic, stats = run(mode="elastic", router_params=router)
+  assert stats["gate"].shape == (2, 4, 3, 4) and stats["logits"].shape == (2, 4, 3, 4, 2)
+  gate = np.asarray(stats["gate"])
+  assert set(np.unique(gate)) <= {0.0, 1.0}
+  # The elastic output is the forced output under the gates the routers chose.
+  again, _ = run(mode="forced", forced_gates=stats["gate"])
+  np.testing.assert_allclose(np.asarray(elastic), np.asarray(again), atol=1e-6)
+
+
+def test_model_logits_api(backbone):
+  model = ej.ElasticModel(CFG, backbone, CFG.to_hf_dict(), router_config=RCFG,
+                          router_params=init_router_params(CFG, RCFG, jax.random.key(2)))
+  ids = np.asarray(_batch()["input_ids"][:2])
+  full = model.logits(ids)
+  forced, rep = model.logits(ids, attention="forced", gates=np.ones((2, 4)),
+                             return_routing=True)
+  np.testing.assert_allclose(np.asarray(forced), np.asarray(full), atol=1e-5)
+  assert np.all(np.asarray(rep["msr"]) == 0) and np.all(np.asarray(rep["esr"]) == 0)
+  _, rep = model.logits(ids, attention="sparse", return_routing=True)
+  assert np.all(np.asarray(rep["msr"]) == 1) and np.all(np.asarray(rep["esr"]) > 0.3)
+  _, rep = model.logits(ids, attention="elastic", prompt_lengths=[40, 50], return_routing=True)
+  g = np.asarray(rep["gates"])
+  np.testing.assert_allclose(np.asarray(rep["msr"]), 1 - g.mean(axis=(0, 2)))
+  with pytest.raises(ej.ElasticJaxError, match="gates must be"):
+    model.logits(ids, attention="forced", gates=np.ones((3, 4)))
+  with pytest.raises(ej.ElasticJaxError, match="needs trained routers"):
+    dataclasses.replace(model, router_params=None).logits(ids, attention="elastic")
+
+
+def test_penalty_averages_per_task_then_over_tasks():
+  msr_bs = jnp.asarray([[0.0, 0.5, 1.0], [0.0, 0.9, -1.0]])
+  task = jnp.asarray([[-1, 0, 3], [-1, 0, -1]])
+  lam = {"l1": jnp.asarray([1.0, 0, 0, 2.0, 0]), "l2": jnp.asarray([0.0, 0, 0, 1.0, 0])}
+  ocfg = ObjectiveConfig(targets=(0.7, 0.7, 1.0, 0.6, 1.0))
+  penalty, msr_task, count = sparsity_penalty(msr_bs, task, lam, ocfg)
+  qa = (abs(0.5 - 0.7) + abs(0.9 - 0.7)) / 2          # task 0: mean over its 2 samples
+  code = 2.0 * abs(1.0 - 0.6) + (1.0 - 0.6) ** 2       # task 3: one sample
+  assert float(penalty) == pytest.approx((qa + code) / 2)
+  assert float(msr_task[0]) == pytest.approx(0.7) and np.isnan(float(msr_task[1]))
+  np.testing.assert_array_equal(np.asarray(count), [2, 0, 0, 1, 0])
+
+
+def test_temperature_schedules():
+  t = TrainConfig(steps=100)
+  assert float(temperature(0, t)) == pytest.approx(1.5)
+  assert float(temperature(30, t)) == pytest.approx(1.25)
+  assert float(temperature(60, t)) == pytest.approx(1.0)
+  assert float(temperature(99, t)) == pytest.approx(1.0)
+  e = TrainConfig(steps=100, tau_schedule="exponential")
+  assert float(temperature(50, e)) == pytest.approx(max(1.0, 1.5 * np.exp(-0.3)))
+
+
+def test_training_moves_msr_toward_each_target(backbone):
+  """Targets 1.0 (code) and 0.3 (single QA): a few dozen steps separate the two tasks, the
+  multipliers grow while the constraint is violated, and the backbone does not change."""
+  ocfg = ObjectiveConfig(targets=(0.3, 0.7, 1.0, 1.0, 1.0))
+  tcfg = TrainConfig(steps=60, lr=3e-2, warmup_frac=0.1)
+  batch = _batch()
+  state = init_train_state(CFG, RCFG, tcfg, jax.random.key(1))
+  before = jax.tree.map(lambda x: np.array(x), backbone)
+  lam0 = jax.tree.map(np.array, state.trainable["lambdas"])
+  msr0 = _inference_msr(backbone, state.trainable["router"], batch)
+  grad_norms = []
+  for _ in range(tcfg.steps):
+    state, m = train_step(state, backbone, batch, cfg=CFG, rcfg=RCFG, ocfg=ocfg, tcfg=tcfg)
+    grad_norms.append(np.asarray(m["router_grad_norm_per_layer"]))
+  msr1 = _inference_msr(backbone, state.trainable["router"], batch)
+  code_rows, qa_rows = [0, 2], [1, 3]
+  # Both start near the neutral 0.5; each moves to its own side.
+  assert msr1[code_rows].mean() >= 0.85, (msr0, msr1)
+  assert msr1[qa_rows].mean() <= 0.5, (msr0, msr1)
+  lam1 = state.trainable["lambdas"]
+  for t in (SINGLE_QA, CODE):  # present and violated: ascent increases them
+    assert float(lam1["l1"][t]) > lam0["l1"][t] and float(lam1["l2"][t]) > lam0["l2"][t]
+  absent = [i for i in range(len(TASK_TYPES)) if i not in (SINGLE_QA, CODE)]
+  np.testing.assert_allclose(np.asarray(lam1["l1"])[absent], lam0["l1"][absent], atol=1e-6)
+  # Router gradients reach every layer; the backbone is bit-identical.
+  assert (np.stack(grad_norms).max(0) > 0).all()
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(backbone)):
+    np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_optimizer_state_covers_only_routers_and_lambdas():
+  tcfg = TrainConfig(steps=10)
+  state = init_train_state(CFG, RCFG, tcfg, jax.random.key(0))
+  n_trainable = sum(x.size for x in jax.tree.leaves(state.trainable))
+  n_opt = sum(x.size for x in jax.tree.leaves(state.opt_state) if x.ndim > 0)
+  assert n_opt == 2 * n_trainable  # Adam's two moments of the trainables; none for the backbone
+  assert n_opt < CFG.num_params()
