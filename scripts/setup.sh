@@ -45,7 +45,7 @@ if [[ "$done_as" != "$(stamp)-1" && "$done_as" != "$(stamp)-$want_test" ]]; then
   echo "$(stamp)-$want_test" > .venv/.setup-done
 fi
 
-tf=$(.venv/bin/python -c "import transformers; print(transformers.__version__)")
+tf=$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('transformers'))")
 if (( want_test )) && [[ "$(cat .venv-torch/.setup-done 2>/dev/null || true)" != "$tf" ]]; then
   tpy=$(pick_python 10 12 "${TORCH_PYTHON:-}" python3.11 $(pyenv_pythons 11) python3.12 python3.10) || {
     echo "setup: the parity tests need a Python 3.10-3.12 for PyTorch (set TORCH_PYTHON)" >&2; exit 1; }

@@ -53,8 +53,12 @@ def _chunk_size(requested: int, t: int) -> int:
 
 
 def _attend(q_btnh, k_btkh, v_btkh, segment_ids_bt, positions_bt, streaming: Streaming | None,
-            want_full: bool, scale, q_chunk, kv_chunk):
-  """Returns (O_full or None, O_streaming or None), each [B, T, N, H] float32."""
+            gate_btk, scale, q_chunk, kv_chunk):
+  """[B, T, N, H] in q's dtype: O_FA (streaming None), O_SSA (gate None), or their gate mix.
+
+  The mix is formed per query chunk, so only one output array is ever materialised.
+  """
+  want_full = streaming is None or gate_btk is not None
   b, t, n, h = q_btnh.shape
   k = k_btkh.shape[2]
   if n % k:
@@ -79,13 +83,17 @@ def _attend(q_btnh, k_btkh, v_btkh, segment_ids_bt, positions_bt, streaming: Str
   q_cbkgqh = pad(q_btnh, nq * cq).reshape(b, nq, cq, k, g, h).transpose(1, 0, 3, 4, 2, 5)
   seg_q_cbq = pad(segment_ids_bt, nq * cq).reshape(b, nq, cq).transpose(1, 0, 2)
   pos_q_cbq = pad(positions_bt, nq * cq).reshape(b, nq, cq).transpose(1, 0, 2)
+  if gate_btk is None:
+    gate_btk = jnp.zeros((b, t, k), jnp.float32)  # unused: one mask only
+  gate_cbqk = pad(gate_btk.astype(jnp.float32), nq * cq).reshape(b, nq, cq, k).transpose(
+      1, 0, 2, 3)
   k_bksh = pad(k_btkh, nk * ck).transpose(0, 2, 1, 3)
   v_bksh = pad(v_btkh, nk * ck).transpose(0, 2, 1, 3)
   masks = (["full"] if want_full else []) + (["stream"] if streaming is not None else [])
 
   @jax.checkpoint
   def one_query_chunk(args):
-    i, q_bkgqh, segq_bq, posq_bq = args
+    i, q_bkgqh, segq_bq, posq_bq, gate_bqk = args
     q_idx = i * cq + jnp.arange(cq)
 
     # Rematerialised too: the backward pass then keeps only the running (m, l, acc) per key
@@ -124,13 +132,16 @@ def _attend(q_btnh, k_btkh, v_btkh, segment_ids_bt, positions_bt, streaming: Str
                   jnp.zeros((b, k, g, cq, h), jnp.float32)) for _ in masks)
     final, _ = jax.lax.scan(step, init, jnp.arange(nk))
     # Rows with no visible key (padding only) have l == 0; keep them finite.
-    return tuple((acc / jnp.where(l == 0, 1.0, l)[..., None]).transpose(0, 3, 1, 2, 4)
-                 for _, l, acc in final)  # each [B, cq, K, G, H]
+    outs = [(acc / jnp.where(l == 0, 1.0, l)[..., None]).transpose(0, 3, 1, 2, 4)
+            for _, l, acc in final]  # each [B, cq, K, G, H] float32
+    if len(outs) == 2:
+      r = gate_bqk[..., None, None]
+      outs = [r * outs[0] + (1.0 - r) * outs[1]]
+    return outs[0].astype(q_btnh.dtype)
 
-  outs = jax.lax.map(one_query_chunk, (jnp.arange(nq), q_cbkgqh, seg_q_cbq, pos_q_cbq))
-  outs = [o.transpose(1, 0, 2, 3, 4, 5).reshape(b, nq * cq, n, h)[:, :t] for o in outs]
-  result = dict(zip(masks, outs))
-  return result.get("full"), result.get("stream")
+  out = jax.lax.map(one_query_chunk,
+                    (jnp.arange(nq), q_cbkgqh, seg_q_cbq, pos_q_cbq, gate_cbqk))
+  return out.transpose(1, 0, 2, 3, 4, 5).reshape(b, nq * cq, n, h)[:, :t]
 
 
 def causal_attention(q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array,
@@ -150,9 +161,8 @@ def causal_attention(q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array,
     [B, T, N, H] in the dtype of `q_btnh`. Scores and the softmax are computed in float32;
     probabilities are cast to the value dtype for the second matmul, as HF's eager path does.
   """
-  full, _ = _attend(q_btnh, k_btkh, v_btkh, segment_ids_bt, None, None, True, scale, q_chunk,
-                    kv_chunk)
-  return full.astype(q_btnh.dtype)
+  return _attend(q_btnh, k_btkh, v_btkh, segment_ids_bt, None, None, None, scale, q_chunk,
+                 kv_chunk)
 
 
 def hybrid_attention(q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array,
@@ -167,14 +177,8 @@ def hybrid_attention(q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array,
   positions_bt: token positions within their segment (default 0..T-1); they define SSA blocks.
   Differentiable in q, k, v and the gate: dO/dr = O_FA - O_SSA.
   """
-  b, t, n, h = q_btnh.shape
-  k = k_btkh.shape[2]
-  full, stream = _attend(q_btnh, k_btkh, v_btkh, segment_ids_bt, positions_bt, streaming,
-                         gate_btk is not None, scale, q_chunk, kv_chunk)
-  if gate_btk is None:
-    return stream.astype(q_btnh.dtype)
-  r = jnp.repeat(gate_btk.astype(jnp.float32), n // k, axis=2)[..., None]  # [B, T, N, 1]
-  return (r * full + (1.0 - r) * stream).astype(q_btnh.dtype)
+  return _attend(q_btnh, k_btkh, v_btkh, segment_ids_bt, positions_bt, streaming, gate_btk,
+                 scale, q_chunk, kv_chunk)
 
 
 def dense_causal_attention(q_btnh, k_btkh, v_btkh, segment_ids_bt=None, *, scale=None):
