@@ -184,7 +184,7 @@ def _hf_config_for_export(model: ElasticModel, dtype: str) -> dict[str, Any]:
 
 def save_pretrained(model: ElasticModel, directory: str | os.PathLike, *,
                     dtype: str | None = None, max_shard_size: int = 5 * 2**30,
-                    overwrite: bool = False) -> None:
+                    overwrite: bool = False, show_progress: bool = False) -> None:
   """Writes an HF directory (config.json + safetensors) that `transformers` loads.
 
   With `dtype=None` the tensors keep the model's dtype, so HF -> ours -> HF is bit-exact.
@@ -195,8 +195,8 @@ def save_pretrained(model: ElasticModel, directory: str | os.PathLike, *,
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(_hf_config_for_export(model, dtype), f, indent=2, sort_keys=True)
     checkpoint.copy_side_files(model.source_dir, tmp)
-    hf.write_safetensors(hf.iter_hf_tensors(model.params, model.config, dtype), tmp,
-                         max_shard_size)
+    hf.write_hf_safetensors(model.params, model.config, tmp, dtype, max_shard_size,
+                            show_progress=show_progress)
 
 
 def save_converted(model: ElasticModel, directory: str | os.PathLike, *,

@@ -166,10 +166,12 @@ def test_failed_write_leaves_no_output(good_dir, tmp_path, monkeypatch):
   from elastic_jax.convert import hf
   model = ej.from_pretrained(good_dir, dtype="float32", show_progress=False)
 
-  def exploding(tensors, directory, max_shard_bytes):
-    next(iter(tensors))
+  real_write = hf.write_hf_safetensors
+
+  def exploding(params, cfg, directory, *args, **kwargs):
+    real_write(params, cfg, directory, *args, **kwargs)  # writes everything, then fails
     raise OSError("No space left on device")
-  monkeypatch.setattr(hf, "write_safetensors", exploding)
+  monkeypatch.setattr(hf, "write_hf_safetensors", exploding)
   with pytest.raises(OSError):
     ej.save_pretrained(model, tmp_path / "export")
   assert os.listdir(tmp_path) == []

@@ -42,7 +42,7 @@ def main(argv=None) -> int:
   t1 = time.perf_counter()
   if args.to_hf:
     ej.save_pretrained(model, args.out, max_shard_size=int(args.max_shard_gb * 2**30),
-                       overwrite=args.overwrite)
+                       overwrite=args.overwrite, show_progress=not args.quiet)
   else:
     ej.save_converted(model, args.out, overwrite=args.overwrite)
   t2 = time.perf_counter()

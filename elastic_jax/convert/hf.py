@@ -21,7 +21,7 @@ import glob
 import json
 import math
 import os
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import jax
 import ml_dtypes
@@ -296,53 +296,66 @@ def load_hf_params(directory: str, cfg: ModelConfig, dtype: str, *,
 # Writing checkpoints
 
 
-def iter_hf_tensors(params: Params, cfg: ModelConfig, dtype: str | None = None
-                    ) -> Iterator[tuple[str, np.ndarray]]:
-  """(HF name, array) for every tensor of the HF checkpoint, one leaf on the host at a time."""
-  for row in name_table(cfg):
-    leaf = np.asarray(jax.device_get(_get_path(params, row.path)))
-    if dtype is not None:
-      leaf = leaf.astype(_DTYPES[dtype])
-    if row.stacked:
-      for i, name in enumerate(_hf_names(row, cfg)):
-        yield name, np.ascontiguousarray(row.to_hf(leaf[i]))
-    else:
-      yield row.hf, np.ascontiguousarray(row.to_hf(leaf))
-    del leaf
+_SAFETENSORS_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
-def write_safetensors(tensors: Iterator[tuple[str, np.ndarray]], directory: str,
-                      max_shard_bytes: int) -> list[str]:
+def write_hf_safetensors(params: Params, cfg: ModelConfig, directory: str, dtype: str,
+                         max_shard_bytes: int, show_progress: bool = False) -> list[str]:
   """Writes `model.safetensors`, or numbered shards plus an index when over `max_shard_bytes`.
 
-  Each shard is written as soon as it is full, so at most one shard is held on the host.
+  Streamed: every header is planned from the shapes first, then each of our leaves is fetched
+  from the device once, converted, and its tensors written in place; host memory holds one
+  leaf at a time, whatever the model size.
   """
-  from safetensors.numpy import save_file
-  written: list[tuple[str, list[str]]] = []  # (temporary file, tensor names)
-  shard: dict[str, np.ndarray] = {}
-  size = total = 0
-
-  def flush():
-    tmp = f"shard-{len(written):05d}.partial"
-    save_file(shard, os.path.join(directory, tmp), metadata={"format": "pt"})
-    written.append((tmp, list(shard)))
-
-  for name, arr in tensors:
-    if shard and size + arr.nbytes > max_shard_bytes:
-      flush()
-      shard, size = {}, 0
-    shard[name] = arr
-    size += arr.nbytes
-    total += arr.nbytes
-  flush()
-  n = len(written)
-  files, weight_map = [], {}
-  for k, (tmp, names) in enumerate(written):
-    fname = "model.safetensors" if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
-    os.replace(os.path.join(directory, tmp), os.path.join(directory, fname))
-    files.append(fname)
-    weight_map.update({name: fname for name in names})
+  np_dtype = np.dtype(_DTYPES[dtype])
+  plan: list[tuple[Row, int | None, str, tuple[int, ...]]] = []
+  for row in name_table(cfg):
+    ours = _get_path(params, row.path).shape
+    for i, name in enumerate(_hf_names(row, cfg)):
+      plan.append((row, i if row.stacked else None, name,
+                   row.hf_shape(ours[1:] if row.stacked else ours)))
+  shards: list[dict[str, tuple[tuple[int, ...], int, int]]] = [{}]
+  size = 0
+  for _, _, name, shape in plan:
+    nbytes = math.prod(shape) * np_dtype.itemsize
+    if shards[-1] and size + nbytes > max_shard_bytes:
+      shards.append({})
+      size = 0
+    shards[-1][name] = (shape, size, size + nbytes)
+    size += nbytes
+  n = len(shards)
+  files = ["model.safetensors" if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+           for k in range(n)]
+  where: dict[str, tuple[int, int]] = {}  # name -> (shard, absolute file offset)
+  handles = []
+  try:
+    for k, shard in enumerate(shards):
+      header = {name: {"dtype": _SAFETENSORS_CODES[dtype], "shape": list(shape),
+                       "data_offsets": [begin, end]}
+                for name, (shape, begin, end) in shard.items()}
+      header["__metadata__"] = {"format": "pt"}
+      blob = json.dumps(header, separators=(",", ":")).encode()
+      blob += b" " * (-len(blob) % 8)
+      f = open(os.path.join(directory, files[k]), "wb")
+      handles.append(f)
+      f.write(len(blob).to_bytes(8, "little") + blob)
+      for name, (_, begin, _) in shard.items():
+        where[name] = (k, 8 + len(blob) + begin)
+    for row in progress(name_table(cfg), desc="writing tensors", unit="param", enabled=show_progress):
+      leaf = np.asarray(jax.device_get(_get_path(params, row.path))).astype(np_dtype,
+                                                                            copy=False)
+      for i, name in enumerate(_hf_names(row, cfg)):
+        arr = np.ascontiguousarray(row.to_hf(leaf[i] if row.stacked else leaf))
+        k, offset = where[name]
+        handles[k].seek(offset)
+        handles[k].write(arr.tobytes())
+      del leaf
+  finally:
+    for f in handles:
+      f.close()
   if n > 1:
+    total = sum(end - begin for shard in shards for _, begin, end in shard.values())
+    weight_map = {name: files[k] for k, shard in enumerate(shards) for name in shard}
     with open(os.path.join(directory, SAFE_INDEX), "w") as f:
       json.dump({"metadata": {"total_size": total},
                  "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
