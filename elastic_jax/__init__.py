@@ -6,11 +6,12 @@
     ej.save_pretrained(model, "out_hf_dir")      # back to HF safetensors
 """
 
+from elastic_jax import ops
 from elastic_jax.api import ElasticModel, from_pretrained, save_converted, save_pretrained
 from elastic_jax.config import ModelConfig, config_from_hf_dict
 from elastic_jax.errors import ElasticJaxError
 
 __version__ = "0.1.0"
 
-__all__ = ["ElasticModel", "ElasticJaxError", "ModelConfig", "config_from_hf_dict",
+__all__ = ["ops", "ElasticModel", "ElasticJaxError", "ModelConfig", "config_from_hf_dict",
            "from_pretrained", "save_converted", "save_pretrained"]
