@@ -8,14 +8,17 @@ streaming attention per KV head (see `reference.hybrid_attention`).
 Implementations:
   reference  chunked online-softmax in plain jnp; memory-safe at long T (the spec).
   dense      the textbook [T, T] softmax (causal only); short inputs and tests.
+  pallas_gpu the fused hybrid kernel (hybrid only; Pallas Triton backend; `interpret=True`
+             runs it on CPU). Its backward pass is the reference's for now.
 """
 
 from elastic_jax.attention.reference import (Streaming, causal_attention,
                                              dense_causal_attention, hybrid_attention)
+from elastic_jax.attention import pallas_gpu
 from elastic_jax.errors import ElasticJaxError
 
 IMPLS = {"reference": causal_attention, "dense": dense_causal_attention}
-HYBRID_IMPLS = {"reference": hybrid_attention}
+HYBRID_IMPLS = {"reference": hybrid_attention, "pallas_gpu": pallas_gpu.hybrid_attention}
 
 
 def _lookup(table, impl, what):
@@ -31,8 +34,11 @@ def get_attention(impl: str):
 
 
 def get_hybrid_attention(impl: str):
-  # Implementations without a hybrid version of their own fall back to the reference.
-  return HYBRID_IMPLS.get(impl) or (get_attention(impl) and hybrid_attention)
+  """The hybrid version of `impl`; implementations without one use the reference."""
+  if impl in HYBRID_IMPLS:
+    return HYBRID_IMPLS[impl]
+  get_attention(impl)  # an unknown name is still an error
+  return hybrid_attention
 
 
 __all__ = ["Streaming", "causal_attention", "dense_causal_attention", "hybrid_attention",

@@ -1,0 +1,214 @@
+"""Fused hybrid FA/SSA attention for GPUs in Pallas (Triton backend): one launch for all heads.
+
+Every (query tile, batch, query head) program reads its KV head's mode from a small run-time
+array, so one compilation serves every routing:
+  SPARSE (r = 0)  visit the sink tiles, then the local window up to the diagonal;
+  FULL   (r = 1)  visit every causal tile;
+  MIX    (0<r<1)  visit every causal tile, keep two online softmaxes (SSA is a subset of FA)
+                  and write r * O_FA + (1 - r) * O_SSA.
+A sparse head's far-away tiles are never loaded: that is where the speed-up comes from.
+
+The backward pass is, for now, the reference's (`jax.vjp` of `reference.hybrid_attention`):
+gradients are exact and memory-safe but not yet fused. Packed segments and custom positions
+also go to the reference. Pallas's Triton backend is deprecated since jax 0.11 (Mosaic GPU is
+the path to full Hopper speed); this kernel is the portable baseline and the interpret-mode
+test subject.
+
+Shape letters: B batch, T tokens, N query heads, K KV heads, G = N / K, D head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from elastic_jax.attention.reference import Streaming, hybrid_attention as reference_hybrid
+
+MODE_SPARSE, MODE_FULL, MODE_MIX = 0, 1, 2
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+_LOG2E = math.log2(math.e)
+
+
+def modes_from_gate(gate_bk: jax.Array) -> jax.Array:
+  """Run-time mode per (batch, KV head): 0 sparse, 1 full, 2 mixed."""
+  return jnp.where(gate_bk <= 0.0, MODE_SPARSE,
+                   jnp.where(gate_bk >= 1.0, MODE_FULL, MODE_MIX)).astype(jnp.int32)
+
+
+def tile_ranges(q_start: int, block_q: int, block_k: int, streaming: Streaming):
+  """KV tile ranges a sparse query tile visits: ([0, sink_end), [win_start, causal_end)).
+
+  Plain integer arithmetic (works on Python ints and traced scalars alike). The two ranges
+  may overlap or touch; the caller then visits [0, causal_end) once.
+  """
+  blk = streaming.block
+  causal_end = (q_start + block_q + block_k - 1) // block_k
+  sink_end = (streaming.sink_blocks * blk + block_k - 1) // block_k
+  first_block = q_start // blk
+  win_start_tok = jnp.maximum(first_block - streaming.local_blocks + 1, 0) * blk
+  win_start = win_start_tok // block_k
+  return jnp.minimum(sink_end, causal_end), win_start, causal_end
+
+
+def _kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block_q, block_k,
+            seq_len, num_kv_heads, groups, streaming: Streaming):
+  qi, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  slot = b * num_kv_heads + n // groups
+  mode = modes_ref[slot]
+  r = gate_ref[slot]
+  q = q_ref[...]
+  d = q.shape[-1]
+  q_start = qi * block_q
+  q_idx = q_start + jnp.arange(block_q)
+  q_blk = q_idx // streaming.block
+  qk_scale = scale * _LOG2E
+
+  def scores(j):
+    k = k_ref[pl.ds(j * block_k, block_k), :]
+    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * qk_scale
+    k_idx = j * block_k + jnp.arange(block_k)
+    causal = (k_idx[None, :] <= q_idx[:, None]) & (k_idx[None, :] < seq_len)
+    k_blk = k_idx // streaming.block
+    window = (k_blk[None, :] < streaming.sink_blocks) | (
+        q_blk[:, None] - k_blk[None, :] < streaming.local_blocks)
+    return s, causal, causal & window
+
+  def update(carry, s, ok, v):
+    acc, m, l = carry
+    s = jnp.where(ok, s, _MASK_VALUE)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    p = jnp.where(ok, jnp.exp2(s - m_new[:, None]), 0.0)
+    corr = jnp.exp2(m - m_new)
+    pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    acc = acc * corr[:, None] + pv
+    return acc, m_new, l * corr + p.sum(axis=-1)
+
+  def init():
+    return (jnp.zeros((block_q, d), jnp.float32),
+            jnp.full((block_q,), _MASK_VALUE, jnp.float32), jnp.zeros((block_q,), jnp.float32))
+
+  def finish(carry):
+    acc, _, l = carry
+    return acc / jnp.where(l == 0.0, 1.0, l)[:, None]
+
+  sink_end, win_start, causal_end = tile_ranges(q_start, block_q, block_k, streaming)
+
+  def run_full():
+    def body(j, c):
+      s, causal, _ = scores(j)
+      return update(c, s, causal, v_ref[pl.ds(j * block_k, block_k), :])
+    return finish(lax.fori_loop(0, causal_end, body, init()))
+
+  def run_sparse():
+    def body(j, c):
+      s, _, window = scores(j)
+      return update(c, s, window, v_ref[pl.ds(j * block_k, block_k), :])
+    # Sink tiles, then the window (from where the sink ends if the two meet).
+    c = lax.fori_loop(0, sink_end, body, init())
+    return finish(lax.fori_loop(jnp.maximum(win_start, sink_end), causal_end, body, c))
+
+  def run_mix():
+    def body(j, c):
+      full_c, sparse_c = c
+      s, causal, window = scores(j)
+      v = v_ref[pl.ds(j * block_k, block_k), :]
+      return update(full_c, s, causal, v), update(sparse_c, s, window, v)
+    full_c, sparse_c = lax.fori_loop(0, causal_end, body, (init(), init()))
+    return r * finish(full_c) + (1.0 - r) * finish(sparse_c)
+
+  out = lax.switch(mode, [run_sparse, run_full, run_mix])
+  o_ref[...] = out.astype(o_ref.dtype)
+
+
+def _pad_to(x, axis, multiple):
+  extra = -x.shape[axis] % multiple
+  if not extra:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths)
+
+
+@functools.partial(jax.jit, static_argnames=("streaming", "block_q", "block_k", "num_warps",
+                                             "num_stages", "interpret"))
+def hybrid_forward(q, k, v, gate_bk, streaming: Streaming, *, block_q: int = 64,
+                   block_k: int = 64, num_warps: int | None = None, num_stages: int = 2,
+                   interpret: bool = False):
+  """The kernel: q [B, T, N, D], k/v [B, T, K, D], gate [B, K] -> [B, T, N, D] (q's dtype)."""
+  b, t, n, d = q.shape
+  kh = k.shape[2]
+  groups = n // kh
+  block_q = min(block_q, pl.next_power_of_2(t))
+  block_k = min(block_k, pl.next_power_of_2(t))
+  tp = t + (-t % math.lcm(block_q, block_k))
+  dp = max(16, pl.next_power_of_2(d))
+  q, k, v = (_pad_to(_pad_to(x, 1, tp), 3, dp) for x in (q, k, v))
+  gate = gate_bk.astype(jnp.float32).reshape(-1)
+  modes = modes_from_gate(gate)
+  slots = pl.next_power_of_2(b * kh)
+  gate, modes = _pad_to(gate, 0, slots), _pad_to(modes, 0, slots)
+  kernel = functools.partial(
+      _kernel, scale=d ** -0.5, block_q=block_q, block_k=block_k, seq_len=t,
+      num_kv_heads=kh, groups=groups, streaming=streaming)
+  from jax.experimental.pallas import triton as plgpu
+  out = pl.pallas_call(
+      kernel,
+      grid=(tp // block_q, b, n),
+      in_specs=[
+          pl.BlockSpec((slots,), lambda i, j, h: (0,)),
+          pl.BlockSpec((slots,), lambda i, j, h: (0,)),
+          pl.BlockSpec((None, block_q, None, dp), lambda i, j, h: (j, i, h, 0)),
+          pl.BlockSpec((None, tp, None, dp), lambda i, j, h: (j, 0, h // groups, 0)),
+          pl.BlockSpec((None, tp, None, dp), lambda i, j, h: (j, 0, h // groups, 0)),
+      ],
+      out_specs=pl.BlockSpec((None, block_q, None, dp), lambda i, j, h: (j, i, h, 0)),
+      out_shape=jax.ShapeDtypeStruct((b, tp, n, dp), q.dtype),
+      compiler_params=plgpu.CompilerParams(
+          num_warps=num_warps or (4 if dp <= 64 else 8), num_stages=num_stages),
+      interpret=interpret,
+      name="elastic_hybrid_forward",
+  )(modes, gate, q, k, v)
+  return out[:, :t, :, :d]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _hybrid(q, k, v, gate_bk, streaming, interpret):
+  return hybrid_forward(q, k, v, gate_bk, streaming, interpret=interpret)
+
+
+def _hybrid_fwd(q, k, v, gate_bk, streaming, interpret):
+  return _hybrid(q, k, v, gate_bk, streaming, interpret), (q, k, v, gate_bk)
+
+
+def _hybrid_bwd(streaming, interpret, res, d_out):
+  q, k, v, gate_bk = res
+  t = q.shape[1]
+  _, vjp = jax.vjp(
+      lambda q, k, v, g: reference_hybrid(
+          q, k, v, jnp.broadcast_to(g[:, None, :], (g.shape[0], t, g.shape[1])), streaming),
+      q, k, v, gate_bk)
+  return vjp(d_out)
+
+
+_hybrid.defvjp(_hybrid_fwd, _hybrid_bwd)
+
+
+def hybrid_attention(q_btnh, k_btkh, v_btkh, gate_btk, streaming: Streaming,
+                     segment_ids_bt=None, positions_bt=None, *, interpret: bool = False,
+                     **reference_kwargs):
+  """`reference.hybrid_attention`'s signature, on the kernel where it applies.
+
+  The kernel takes one gate per (batch, KV head) over unpacked rows; packed segments, custom
+  positions or a gate that varies along T use the reference.
+  """
+  if gate_btk is None:
+    gate_btk = jnp.zeros(k_btkh.shape[:3], jnp.float32)
+  if segment_ids_bt is not None or positions_bt is not None:
+    return reference_hybrid(q_btnh, k_btkh, v_btkh, gate_btk, streaming, segment_ids_bt,
+                            positions_bt, **reference_kwargs)
+  return _hybrid(q_btnh, k_btkh, v_btkh, gate_btk[:, 0, :], streaming, interpret)
