@@ -8,7 +8,8 @@ it first checks the kernel against the float32 reference on the same inputs (rel
   cudnn_causal      jax.nn.dot_product_attention(implementation="cudnn", is_causal=True)
   cudnn_window      the same with a causal sliding window of sink+local tokens (no sink):
                     what an all-streaming model costs with cuDNN
-  ours_msr{0,0.75,1} the fused kernel with 0, 6 or 8 of the 8 KV heads streaming
+  ours_msr{0,0.75,1}[tiles] the fused kernel with 0, 6 or 8 of the 8 KV heads streaming,
+                    for each --tiles variant
   reference_msr0.75 the plain-jnp reference (only up to --reference-max tokens)
 and prints each time with its ratio to cudnn_causal. TFLOP/s counts the work each pattern
 needs (causal pairs, or the pairs SSA keeps).
@@ -45,18 +46,18 @@ def main():
   p = argparse.ArgumentParser()
   p.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
   p.add_argument("--reps", type=int, default=20)
-  p.add_argument("--block-q", type=int, default=64)
-  p.add_argument("--block-k", type=int, default=64)
-  p.add_argument("--num-stages", type=int, default=2)
+  p.add_argument("--tiles", nargs="+", default=["64x64x2"],
+                 help="kernel variants to time, each block_q x block_k x num_stages")
   p.add_argument("--reference-max", type=int, default=8192)
   args = p.parse_args()
   st = Streaming(1, 16, 128)
   b, n, k, d = 1, 32, 8, 128
-  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, blocks "
-        f"{args.block_q}/{args.block_k}, stages {args.num_stages}")
-  kernel = jax.jit(lambda q, kk, v, g: hybrid_forward(
-      q, kk, v, g, st, block_q=args.block_q, block_k=args.block_k,
-      num_stages=args.num_stages))
+  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
+  kernels = {}
+  for spec in args.tiles:
+    bq, bk, stages = (int(x) for x in spec.split("x"))
+    kernels[spec] = jax.jit(functools.partial(
+        hybrid_forward, streaming=st, block_q=bq, block_k=bk, num_stages=stages))
   rows = []
   for t in args.lengths:
     keys = jax.random.split(jax.random.key(t), 3)
@@ -71,10 +72,11 @@ def main():
       up = lambda x: x.astype(jnp.float32)
       for name, g in (("msr0.75", gates[0.75]), ("mixed", mixed)):
         want = reference(up(q), up(kk), up(v), jnp.broadcast_to(g[:, None], (b, t, k)), st)
-        got = kernel(q, kk, v, g).astype(jnp.float32)
-        rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
-        print(f"T={t} check {name}: rel err {rel:.2e} (bf16 operands: expect 1e-3..1e-2)")
-        assert rel < 2e-2 and bool(jnp.isfinite(got).all()), rel
+        for spec, kern in kernels.items():
+          got = kern(q, kk, v, g).astype(jnp.float32)
+          rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+          print(f"T={t} check {name} [{spec}]: rel err {rel:.2e} (bf16: expect 1e-3..1e-2)")
+          assert rel < 2e-2 and bool(jnp.isfinite(got).all()), rel
     causal_flops = 4 * b * n * d * t * (t + 1) / 2
     kept = float(streaming_kept_fraction(jnp.asarray(t), st))
     work = {"cudnn_causal": causal_flops,
@@ -87,14 +89,15 @@ def main():
             q, kk, v, is_causal=True, implementation="cudnn",
             local_window_size=(st.block * (st.sink_blocks + st.local_blocks) - 1, 0)),
     }
-    for m, g in gates.items():
-      fns[f"ours_msr{m:g}"] = functools.partial(kernel, q, kk, v, g)
-      work[f"ours_msr{m:g}"] = causal_flops * ((1 - m) + m * kept)
+    for spec, kern in kernels.items():
+      for m, g in gates.items():
+        fns[f"ours_msr{m:g}[{spec}]"] = functools.partial(kern, q, kk, v, g)
+        work[f"ours_msr{m:g}[{spec}]"] = causal_flops * ((1 - m) + m * kept)
     if t <= args.reference_max:
       ref = jax.jit(lambda q, kk, v, g: reference(q, kk, v, g, st))
       g_ref = jnp.broadcast_to(gates[0.75][:, None], (b, t, k))
       fns["reference_msr0.75"] = functools.partial(ref, q, kk, v, g_ref)
-      work["reference_msr0.75"] = work["ours_msr0.75"]
+      work["reference_msr0.75"] = causal_flops * (0.25 + 0.75 * kept)
     base = None
     for name, fn in fns.items():
       try:
@@ -105,9 +108,9 @@ def main():
       base = sec if name == "cudnn_causal" else base
       rows.append((t, name, sec * 1e3, work[name] / sec / 1e12,
                    (base / sec) if base else float("nan")))
-  print(f"\n{'T':>7} {'impl':<20} {'ms':>9} {'TFLOP/s':>8} {'speed-up vs cudnn_causal':>25}")
+  print(f"\n{'T':>7} {'impl':<26} {'ms':>9} {'TFLOP/s':>8} {'speed-up vs cudnn_causal':>25}")
   for t, name, ms, tf, ratio in rows:
-    print(f"{t:>7} {name:<20} {ms:>9.3f} {tf:>8.1f} {ratio:>25.2f}")
+    print(f"{t:>7} {name:<26} {ms:>9.3f} {tf:>8.1f} {ratio:>25.2f}")
 
 
 if __name__ == "__main__":

@@ -80,9 +80,12 @@ def _kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block_q, 
 
   def update(carry, s, ok, v):
     acc, m, l = carry
-    s = jnp.where(ok, s, _MASK_VALUE)
+    if ok is not None:
+      s = jnp.where(ok, s, _MASK_VALUE)
     m_new = jnp.maximum(m, s.max(axis=-1))
-    p = jnp.where(ok, jnp.exp2(s - m_new[:, None]), 0.0)
+    p = jnp.exp2(s - m_new[:, None])
+    if ok is not None:
+      p = jnp.where(ok, p, 0.0)
     corr = jnp.exp2(m - m_new)
     pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     acc = acc * corr[:, None] + pv
@@ -97,20 +100,35 @@ def _kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block_q, 
     return acc / jnp.where(l == 0.0, 1.0, l)[:, None]
 
   sink_end, win_start, causal_end = tile_ranges(q_start, block_q, block_k, streaming)
+  # Tiles wholly before the diagonal need no causal mask. When tiles align with SSA blocks,
+  # every row of this query tile lies in one SSA block, so the visited sink and window tiles
+  # need no window mask either: masks then apply on the diagonal tiles alone.
+  n_past = q_start // block_k
+  aligned = streaming.block % block_q == 0 and streaming.block % block_k == 0
+
+  def visit(lo, hi, carry, sparse):
+    def masked(j, c):
+      s, causal, window = scores(j)
+      return update(c, s, window if sparse else causal,
+                    v_ref[pl.ds(j * block_k, block_k), :])
+
+    def unmasked(j, c):
+      k = k_ref[pl.ds(j * block_k, block_k), :]
+      s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * qk_scale
+      return update(c, s, None, v_ref[pl.ds(j * block_k, block_k), :])
+
+    if sparse and not aligned:
+      return lax.fori_loop(lo, hi, masked, carry)
+    mid = jnp.clip(n_past, lo, hi)
+    return lax.fori_loop(mid, hi, masked, lax.fori_loop(lo, mid, unmasked, carry))
 
   def run_full():
-    def body(j, c):
-      s, causal, _ = scores(j)
-      return update(c, s, causal, v_ref[pl.ds(j * block_k, block_k), :])
-    return finish(lax.fori_loop(0, causal_end, body, init()))
+    return finish(visit(0, causal_end, init(), sparse=False))
 
   def run_sparse():
-    def body(j, c):
-      s, _, window = scores(j)
-      return update(c, s, window, v_ref[pl.ds(j * block_k, block_k), :])
     # Sink tiles, then the window (from where the sink ends if the two meet).
-    c = lax.fori_loop(0, sink_end, body, init())
-    return finish(lax.fori_loop(jnp.maximum(win_start, sink_end), causal_end, body, c))
+    c = visit(0, sink_end, init(), sparse=True)
+    return finish(visit(jnp.maximum(win_start, sink_end), causal_end, c, sparse=True))
 
   def run_mix():
     def body(j, c):
@@ -143,8 +161,9 @@ def hybrid_forward(q, k, v, gate_bk, streaming: Streaming, *, block_q: int = 64,
   b, t, n, d = q.shape
   kh = k.shape[2]
   groups = n // kh
-  block_q = min(block_q, pl.next_power_of_2(t))
-  block_k = min(block_k, pl.next_power_of_2(t))
+  # Tiles shrink for short inputs but stay >= 16 rows (the smallest Triton matrix product).
+  block_q = min(block_q, max(16, pl.next_power_of_2(t)))
+  block_k = min(block_k, max(16, pl.next_power_of_2(t)))
   tp = t + (-t % math.lcm(block_q, block_k))
   dp = max(16, pl.next_power_of_2(d))
   q, k, v = (_pad_to(_pad_to(x, 1, tp), 3, dp) for x in (q, k, v))
