@@ -72,8 +72,13 @@ def main():
       up = lambda x: x.astype(jnp.float32)
       for name, g in (("msr0.75", gates[0.75]), ("mixed", mixed)):
         want = reference(up(q), up(kk), up(v), jnp.broadcast_to(g[:, None], (b, t, k)), st)
-        for spec, kern in kernels.items():
-          got = kern(q, kk, v, g).astype(jnp.float32)
+        for spec, kern in list(kernels.items()):
+          try:
+            got = kern(q, kk, v, g).astype(jnp.float32)
+          except jax.errors.JaxRuntimeError as e:  # e.g. tiles over the shared-memory limit
+            print(f"T={t} [{spec}] does not run here, dropped: {str(e).splitlines()[0][:100]}")
+            del kernels[spec]
+            continue
           rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
           print(f"T={t} check {name} [{spec}]: rel err {rel:.2e} (bf16: expect 1e-3..1e-2)")
           assert rel < 2e-2 and bool(jnp.isfinite(got).all()), rel

@@ -154,10 +154,14 @@ def _pad_to(x, axis, multiple):
 
 @functools.partial(jax.jit, static_argnames=("streaming", "block_q", "block_k", "num_warps",
                                              "num_stages", "interpret"))
-def hybrid_forward(q, k, v, gate_bk, streaming: Streaming, *, block_q: int = 64,
-                   block_k: int = 64, num_warps: int | None = None, num_stages: int = 2,
+def hybrid_forward(q, k, v, gate_bk, streaming: Streaming, *, block_q: int = 128,
+                   block_k: int = 64, num_warps: int | None = None, num_stages: int = 3,
                    interpret: bool = False):
-  """The kernel: q [B, T, N, D], k/v [B, T, K, D], gate [B, K] -> [B, T, N, D] (q's dtype)."""
+  """The kernel: q [B, T, N, D], k/v [B, T, K, D], gate [B, K] -> [B, T, N, D] (q's dtype).
+
+  Default tiles 128 x 64 with 3 pipeline stages: the fastest of the variants timed by
+  benchmarks/bench_hybrid.py on an H200 (D = 128, bf16); 128 x 128 exceeds shared memory.
+  """
   b, t, n, d = q.shape
   kh = k.shape[2]
   groups = n // kh
