@@ -20,8 +20,9 @@ def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, gate: jax.Array, 
     gate: r in [0, 1], [B, Hkv] (or [B, T, Hkv] for packed inputs whose segments route
       differently); 1 = full causal attention, 0 = streaming (sink + local blocks).
     sink_blocks, local_blocks, block: the streaming pattern (SPEC.md section 3); any T.
-    impl: "reference" (plain jnp, memory-safe) or "pallas_gpu" (the fused kernel; pass
-      `interpret=True` to run it on CPU).
+    impl: "reference" (plain jnp, memory-safe), "pallas_gpu" or "pallas_tpu" (the fused
+      kernels; `interpret=True` runs them on CPU), or "auto" (the kernel for this backend,
+      the reference on CPU).
     segment_ids, positions: [B, T] packed segments and positions within them (optional).
   Differentiable in q, k, v and gate.
   """

@@ -13,7 +13,8 @@ import pytest
 
 from elastic_jax import ops
 from elastic_jax.attention import Streaming
-from elastic_jax.attention.pallas_gpu import hybrid_forward, modes_from_gate, tile_ranges
+from elastic_jax.attention.common import modes_from_gate, tile_ranges
+from elastic_jax.attention.pallas_gpu import hybrid_forward
 from elastic_jax.attention.reference import hybrid_attention as reference
 
 INTERPRET = jax.default_backend() != "gpu"

@@ -8,17 +8,33 @@ streaming attention per KV head (see `reference.hybrid_attention`).
 Implementations:
   reference  chunked online-softmax in plain jnp; memory-safe at long T (the spec).
   dense      the textbook [T, T] softmax (causal only); short inputs and tests.
-  pallas_gpu the fused hybrid kernel (hybrid only; Pallas Triton backend; `interpret=True`
-             runs it on CPU). Its backward pass is the reference's for now.
+  pallas_gpu the fused hybrid kernel for GPUs (hybrid only; Pallas Triton backend).
+  pallas_tpu the fused hybrid kernel for TPUs (hybrid only; Pallas Mosaic TPU).
+  auto       pallas_gpu on a GPU, pallas_tpu on a TPU, the reference elsewhere.
+Both kernels run on CPU with `interpret=True`; their backward pass is the reference's for now,
+and packed segments fall back to the reference.
 """
 
 from elastic_jax.attention.reference import (Streaming, causal_attention,
                                              dense_causal_attention, hybrid_attention)
-from elastic_jax.attention import pallas_gpu
+import jax
+
+from elastic_jax.attention import pallas_gpu, pallas_tpu
 from elastic_jax.errors import ElasticJaxError
 
+
+def _auto_hybrid(*args, **kwargs):
+  """The fused kernel for the backend this runs on; the reference on CPU."""
+  impl = {"gpu": pallas_gpu.hybrid_attention, "tpu": pallas_tpu.hybrid_attention}.get(
+      jax.default_backend(), hybrid_attention)
+  if impl is hybrid_attention:
+    kwargs.pop("interpret", None)
+  return impl(*args, **kwargs)
+
+
 IMPLS = {"reference": causal_attention, "dense": dense_causal_attention}
-HYBRID_IMPLS = {"reference": hybrid_attention, "pallas_gpu": pallas_gpu.hybrid_attention}
+HYBRID_IMPLS = {"reference": hybrid_attention, "pallas_gpu": pallas_gpu.hybrid_attention,
+                "pallas_tpu": pallas_tpu.hybrid_attention, "auto": _auto_hybrid}
 
 
 def _lookup(table, impl, what):

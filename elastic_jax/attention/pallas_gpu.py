@@ -27,32 +27,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from elastic_jax.attention.reference import Streaming, hybrid_attention as reference_hybrid
+from elastic_jax.attention.common import (MODE_FULL, MODE_MIX, MODE_SPARSE,
+                                          kernel_or_reference, modes_from_gate, tile_ranges,
+                                          with_reference_backward)
 
-MODE_SPARSE, MODE_FULL, MODE_MIX = 0, 1, 2
+assert (MODE_SPARSE, MODE_FULL, MODE_MIX) == (0, 1, 2)  # the order of lax.switch below
+from elastic_jax.attention.reference import Streaming
+
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = math.log2(math.e)
-
-
-def modes_from_gate(gate_bk: jax.Array) -> jax.Array:
-  """Run-time mode per (batch, KV head): 0 sparse, 1 full, 2 mixed."""
-  return jnp.where(gate_bk <= 0.0, MODE_SPARSE,
-                   jnp.where(gate_bk >= 1.0, MODE_FULL, MODE_MIX)).astype(jnp.int32)
-
-
-def tile_ranges(q_start: int, block_q: int, block_k: int, streaming: Streaming):
-  """KV tile ranges a sparse query tile visits: ([0, sink_end), [win_start, causal_end)).
-
-  Plain integer arithmetic (works on Python ints and traced scalars alike). The two ranges
-  may overlap or touch; the caller then visits [0, causal_end) once.
-  """
-  blk = streaming.block
-  causal_end = (q_start + block_q + block_k - 1) // block_k
-  sink_end = (streaming.sink_blocks * blk + block_k - 1) // block_k
-  first_block = q_start // blk
-  win_start_tok = jnp.maximum(first_block - streaming.local_blocks + 1, 0) * blk
-  win_start = win_start_tok // block_k
-  return jnp.minimum(sink_end, causal_end), win_start, causal_end
 
 
 def _kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block_q, block_k,
@@ -199,39 +182,7 @@ def hybrid_forward(q, k, v, gate_bk, streaming: Streaming, *, block_q: int = 128
   return out[:, :t, :, :d]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _hybrid(q, k, v, gate_bk, streaming, interpret):
-  return hybrid_forward(q, k, v, gate_bk, streaming, interpret=interpret)
-
-
-def _hybrid_fwd(q, k, v, gate_bk, streaming, interpret):
-  return _hybrid(q, k, v, gate_bk, streaming, interpret), (q, k, v, gate_bk)
-
-
-def _hybrid_bwd(streaming, interpret, res, d_out):
-  q, k, v, gate_bk = res
-  t = q.shape[1]
-  _, vjp = jax.vjp(
-      lambda q, k, v, g: reference_hybrid(
-          q, k, v, jnp.broadcast_to(g[:, None, :], (g.shape[0], t, g.shape[1])), streaming),
-      q, k, v, gate_bk)
-  return vjp(d_out)
-
-
-_hybrid.defvjp(_hybrid_fwd, _hybrid_bwd)
-
-
-def hybrid_attention(q_btnh, k_btkh, v_btkh, gate_btk, streaming: Streaming,
-                     segment_ids_bt=None, positions_bt=None, *, interpret: bool = False,
-                     **reference_kwargs):
-  """`reference.hybrid_attention`'s signature, on the kernel where it applies.
-
-  The kernel takes one gate per (batch, KV head) over unpacked rows; packed segments, custom
-  positions or a gate that varies along T use the reference.
-  """
-  if gate_btk is None:
-    gate_btk = jnp.zeros(k_btkh.shape[:3], jnp.float32)
-  if segment_ids_bt is not None or positions_bt is not None:
-    return reference_hybrid(q_btnh, k_btkh, v_btkh, gate_btk, streaming, segment_ids_bt,
-                            positions_bt, **reference_kwargs)
-  return _hybrid(q_btnh, k_btkh, v_btkh, gate_btk[:, 0, :], streaming, interpret)
+_hybrid = with_reference_backward(
+    lambda q, k, v, g, streaming, interpret: hybrid_forward(q, k, v, g, streaming,
+                                                           interpret=interpret))
+hybrid_attention = functools.partial(kernel_or_reference, _hybrid)
