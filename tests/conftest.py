@@ -8,7 +8,6 @@ missing reference environment an error instead.
 import json
 import os
 import subprocess
-import sys
 
 # Eight CPU devices so that sharding tests can build real meshes (must precede importing jax).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")

@@ -3,9 +3,9 @@
 Queries are processed in chunks of `q_chunk` rows (sequentially, `lax.map`), and for each query
 chunk the keys are streamed in chunks of `kv_chunk` columns with an online (flash-style)
 softmax, so no more than a [q_chunk, kv_chunk] score tile per head exists at once. Key chunks
-that lie wholly in a query chunk's future are skipped with `lax.cond`. Each query chunk, and within it each key chunk,
-is rematerialised in the backward pass (`jax.checkpoint`), so gradients never hold a [T, T]
-matrix either: the backward keeps O(T * H) per head plus one tile.
+that lie wholly in a query chunk's future are skipped with `lax.cond`. Each query chunk, and
+within it each key chunk, is rematerialised in the backward pass (`jax.checkpoint`), so
+gradients never hold a [T, T] matrix either: the backward keeps O(T * H) per head plus a tile.
 
 Two masks are computed in the same pass over K/V:
   full (FA)       causal, within a segment;

@@ -341,9 +341,11 @@ def write_hf_safetensors(params: Params, cfg: ModelConfig, directory: str, dtype
       f.write(len(blob).to_bytes(8, "little") + blob)
       for name, (_, begin, _) in shard.items():
         where[name] = (k, 8 + len(blob) + begin)
-    for row in progress(name_table(cfg), desc="writing tensors", unit="param", enabled=show_progress):
-      leaf = np.asarray(jax.device_get(_get_path(params, row.path))).astype(np_dtype,
-                                                                            copy=False)
+    rows = progress(name_table(cfg), desc="writing tensors", unit="param",
+                    enabled=show_progress)
+    for row in rows:
+      leaf = np.asarray(jax.device_get(_get_path(params, row.path)))
+      leaf = leaf.astype(np_dtype, copy=False)
       for i, name in enumerate(_hf_names(row, cfg)):
         arr = np.ascontiguousarray(row.to_hf(leaf[i] if row.stacked else leaf))
         k, offset = where[name]
