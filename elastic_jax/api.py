@@ -82,7 +82,8 @@ class ElasticModel:
     prompt_lengths: [B] prompt tokens per row (the router pools over the prompt); default:
       the whole input is the prompt.
     gates: for "forced", [L, B, K] or [L, K] with 1 = full attention.
-    impl: attention implementation (default: the model's `attn_impl`).
+    impl: attention implementation (default: the model's `attn_impl`); "auto" runs the fused
+      kernel of this backend for unpadded batches (the reference on CPU).
     return_routing: also return {"gates": [L, B, K], "msr": [B], "esr": [B]}.
     """
     if attention not in ATTENTION_MODES:
@@ -133,7 +134,7 @@ class ElasticModel:
     logits, stats = forward_routed_jit(
         self.params, jnp.asarray(ids), positions, segments, jnp.asarray(prompt_mask),
         cfg=self.config, rcfg=rcfg, mode=attention, router_params=self.router_params,
-        forced_gates=forced, attn_impl=impl)
+        forced_gates=forced, attn_impl=impl, packed=not bool(mask.all()))
     if not return_routing:
       return logits
     gates_lbk = (stats["gate"][:, :, 1] if "gate" in stats

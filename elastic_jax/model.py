@@ -96,6 +96,7 @@ class Attention(nn.Module):
 
   mode: str = "full"
   rcfg: rt.RouterConfig | None = None
+  packed: bool = True
 
   @nn.compact
   def __call__(self, x_bte, ctx: Context, layer: dict):
@@ -136,8 +137,10 @@ class Attention(nn.Module):
       out = get_attention(self.attn_impl)(q, kk, v, segment_ids_bt)
     else:
       gate_btk = None if self.mode == "sparse" else rt.gates_per_token(gate_bsk, segment_ids_bt)
+      # One unpadded input per row: the kernels need no segment ids or positions.
+      seg, pos = (segment_ids_bt, ctx.positions) if self.packed else (None, None)
       out = get_hybrid_attention(self.attn_impl)(q, kk, v, gate_btk, self.rcfg.streaming,
-                                                 segment_ids_bt, ctx.positions)
+                                                 seg, pos)
     wo = _param(self, "o_kernel", (n, h, e), ("q_heads", "head_dim", "embed"), dtype=dt)
     y = jnp.einsum("btnh,nhe->bte", out, wo)
     if cfg.attention_bias:
@@ -173,13 +176,14 @@ class DecoderLayer(nn.Module):
   attn_impl: str
   mode: str = "full"
   rcfg: rt.RouterConfig | None = None
+  packed: bool = True
 
   @nn.compact
   def __call__(self, x_bte, ctx: Context, layer: dict):
     cfg = self.cfg
     h = RMSNorm("embed", cfg.rms_norm_eps, self.dtype, name="attn_norm")(x_bte)
-    y, stats = Attention(cfg, self.dtype, self.attn_impl, self.mode, self.rcfg, name="attn")(
-        h, ctx, layer)
+    y, stats = Attention(cfg, self.dtype, self.attn_impl, self.mode, self.rcfg, self.packed,
+                         name="attn")(h, ctx, layer)
     x_bte = x_bte + y
     h = RMSNorm("embed", cfg.rms_norm_eps, self.dtype, name="mlp_norm")(x_bte)
     x_bte = x_bte + MLP(cfg, self.dtype, name="mlp")(h)
@@ -194,6 +198,7 @@ class Transformer(nn.Module):
   remat: bool = False
   mode: str = "full"
   rcfg: rt.RouterConfig | None = None
+  packed: bool = True             # False: each row is one unpadded input (kernels apply)
 
   @nn.compact
   def __call__(self, input_ids_bt, positions_bt, segment_ids_bt, prompt_mask_bt=None,
@@ -209,7 +214,8 @@ class Transformer(nn.Module):
     stack = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
                     in_axes=(nn.broadcast, 0), length=cfg.num_layers,
                     metadata_params={nn.PARTITION_NAME: "layers"})
-    x, stats = stack(cfg, dt, self.attn_impl, self.mode, self.rcfg, name="layers")(
+    x, stats = stack(cfg, dt, self.attn_impl, self.mode, self.rcfg, self.packed,
+                     name="layers")(
         x, ctx, per_layer or {})
     x = RMSNorm("embed", cfg.rms_norm_eps, dt, name="final_norm")(x)
     if cfg.tie_word_embeddings:
@@ -224,8 +230,8 @@ class Transformer(nn.Module):
 
 
 def _module(cfg: ModelConfig, dtype, attn_impl="reference", remat=False, mode="full",
-            rcfg=None) -> Transformer:
-  return Transformer(cfg, jnp.dtype(dtype), attn_impl, remat, mode, rcfg)
+            rcfg=None, packed=True) -> Transformer:
+  return Transformer(cfg, jnp.dtype(dtype), attn_impl, remat, mode, rcfg, packed)
 
 
 def abstract_params(cfg: ModelConfig, dtype="bfloat16") -> tuple[Params, Params]:
@@ -271,14 +277,15 @@ def forward_routed(params: Params, input_ids_bt: jax.Array, positions_bt: jax.Ar
                    rcfg: rt.RouterConfig, mode: str = "elastic", router_params=None,
                    forced_gates=None, key: jax.Array | None = None, tau=1.0,
                    attn_impl: str = "reference", remat: bool = False,
-                   rules: tuple | None = None):
+                   rules: tuple | None = None, packed: bool = True):
   """Forward pass with elastic (routed), forced or all-sparse attention. Not jitted itself:
   call it inside `jax.jit` (the train step does) or through `forward_routed_jit`.
 
   router_params: stacked router pytree (mode "elastic"); forced_gates: [L, B, S, K] in [0, 1]
   (mode "forced"); key: PRNG key for Gumbel noise, None for the noiseless inference decision.
   Returns (logits [B, T, V] float32, stats) with stats["gate"] [L, B, S, K] (1 = full) for the
-  modes that have gates.
+  modes that have gates. packed=False promises one unpadded input per row (segment 1, positions
+  0..T-1), which lets the fused kernels run; packed or padded batches need True.
   """
   if mode not in MODES[1:]:
     raise ValueError(f"mode '{mode}' is not one of {MODES[1:]}")
@@ -291,13 +298,13 @@ def forward_routed(params: Params, input_ids_bt: jax.Array, positions_bt: jax.Ar
     per_layer["gate"] = forced_gates
   dtype = jax.tree.leaves(params)[0].dtype
   with nn.logical_axis_rules(rules or ()):
-    return _module(cfg, dtype, attn_impl, remat, mode, rcfg).apply(
+    return _module(cfg, dtype, attn_impl, remat, mode, rcfg, packed).apply(
         {"params": params}, input_ids_bt, positions_bt, segment_ids_bt, prompt_mask_bt,
         per_layer, jnp.asarray(tau, jnp.float32))
 
 
 forward_routed_jit = jax.jit(forward_routed, static_argnames=(
-    "cfg", "rcfg", "mode", "attn_impl", "remat", "rules"))
+    "cfg", "rcfg", "mode", "attn_impl", "remat", "rules", "packed"))
 
 
 def positions_and_segments(attention_mask_bt: np.ndarray | jax.Array):

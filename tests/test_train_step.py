@@ -73,6 +73,19 @@ def test_routed_model_modes(backbone):
   np.testing.assert_allclose(np.asarray(elastic), np.asarray(again), atol=1e-6)
 
 
+def test_unpacked_rows_skip_segments_and_match(backbone):
+  """packed=False (the path the fused kernels take) changes nothing for unpadded rows."""
+  b = _batch()
+  router = init_router_params(CFG, RCFG, jax.random.key(1))
+  run = lambda packed, impl: forward_routed_jit(
+      backbone, b["input_ids"], b["positions"], b["segment_ids"], b["prompt_mask"], cfg=CFG,
+      rcfg=RCFG, router_params=router, packed=packed, attn_impl=impl)
+  want, _ = run(True, "reference")
+  for impl in ("reference", "auto"):
+    got, _ = run(False, impl)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+
+
 def test_model_logits_api(backbone):
   model = ej.ElasticModel(CFG, backbone, CFG.to_hf_dict(), router_config=RCFG,
                           router_params=init_router_params(CFG, RCFG, jax.random.key(2)))

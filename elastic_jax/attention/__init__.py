@@ -32,7 +32,9 @@ def _auto_hybrid(*args, **kwargs):
   return impl(*args, **kwargs)
 
 
-IMPLS = {"reference": causal_attention, "dense": dense_causal_attention}
+# The kernels are hybrid-only: a full-attention forward under "auto" uses the reference.
+IMPLS = {"reference": causal_attention, "dense": dense_causal_attention,
+         "auto": causal_attention}
 HYBRID_IMPLS = {"reference": hybrid_attention, "pallas_gpu": pallas_gpu.hybrid_attention,
                 "pallas_tpu": pallas_tpu.hybrid_attention, "auto": _auto_hybrid}
 
