@@ -83,7 +83,12 @@ def test_unpacked_rows_skip_segments_and_match(backbone):
   want, _ = run(True, "reference")
   for impl in ("reference", "auto"):
     got, _ = run(False, impl)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+    if impl == "auto" and jax.default_backend() != "cpu":
+      # A GPU kernel's float32 products run in tf32: compare relatively.
+      rel = np.linalg.norm(np.asarray(got - want)) / np.linalg.norm(np.asarray(want))
+      assert rel < 1e-2, rel
+    else:
+      np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
 
 
 def test_model_logits_api(backbone):
