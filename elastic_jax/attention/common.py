@@ -35,6 +35,16 @@ def tile_ranges(q_start, block_q: int, block_k: int, streaming: Streaming):
   return jnp.minimum(sink_end, causal_end), win_start_tok // block_k, causal_end
 
 
+def pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+  """Zero-pads `axis` of `x` up to a multiple of `multiple`."""
+  extra = -x.shape[axis] % multiple
+  if not extra:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths)
+
+
 def with_reference_backward(forward: Callable) -> Callable:
   """`forward(q, k, v, gate_bk, streaming, interpret)` as a differentiable function whose
   backward pass is the reference's VJP (exact and memory-safe, not fused)."""

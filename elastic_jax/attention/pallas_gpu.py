@@ -28,8 +28,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from elastic_jax.attention.common import (MODE_FULL, MODE_MIX, MODE_SPARSE,
-                                          kernel_or_reference, modes_from_gate, tile_ranges,
-                                          with_reference_backward)
+                                          kernel_or_reference, modes_from_gate, pad_to,
+                                          tile_ranges, with_reference_backward)
 
 assert (MODE_SPARSE, MODE_FULL, MODE_MIX) == (0, 1, 2)  # the order of lax.switch below
 from elastic_jax.attention.reference import Streaming
@@ -126,15 +126,6 @@ def _kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block_q, 
   o_ref[...] = out.astype(o_ref.dtype)
 
 
-def _pad_to(x, axis, multiple):
-  extra = -x.shape[axis] % multiple
-  if not extra:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, extra)
-  return jnp.pad(x, widths)
-
-
 @functools.partial(jax.jit, static_argnames=("streaming", "block_q", "block_k", "num_warps",
                                              "num_stages", "interpret"))
 def hybrid_forward(q, k, v, gate_bk, streaming: Streaming, *, block_q: int = 128,
@@ -153,11 +144,11 @@ def hybrid_forward(q, k, v, gate_bk, streaming: Streaming, *, block_q: int = 128
   block_k = min(block_k, max(16, pl.next_power_of_2(t)))
   tp = t + (-t % math.lcm(block_q, block_k))
   dp = max(16, pl.next_power_of_2(d))
-  q, k, v = (_pad_to(_pad_to(x, 1, tp), 3, dp) for x in (q, k, v))
+  q, k, v = (pad_to(pad_to(x, 1, tp), 3, dp) for x in (q, k, v))
   gate = gate_bk.astype(jnp.float32).reshape(-1)
   modes = modes_from_gate(gate)
   slots = pl.next_power_of_2(b * kh)
-  gate, modes = _pad_to(gate, 0, slots), _pad_to(modes, 0, slots)
+  gate, modes = pad_to(gate, 0, slots), pad_to(modes, 0, slots)
   kernel = functools.partial(
       _kernel, scale=d ** -0.5, block_q=block_q, block_k=block_k, seq_len=t,
       num_kv_heads=kh, groups=groups, streaming=streaming)

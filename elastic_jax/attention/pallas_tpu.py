@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from elastic_jax.attention.common import (MODE_FULL, MODE_SPARSE, kernel_or_reference,
-                                          modes_from_gate, tile_ranges,
+                                          modes_from_gate, pad_to, tile_ranges,
                                           with_reference_backward)
 from elastic_jax.attention.reference import Streaming
 
@@ -109,15 +109,6 @@ def _kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, o_ref, m_fa, l_fa, acc_fa,
     o_ref[...] = (r * fa + (1.0 - r) * sa).astype(o_ref.dtype)
 
 
-def _pad_to(x, axis, multiple):
-  extra = -x.shape[axis] % multiple
-  if not extra:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, extra)
-  return jnp.pad(x, widths)
-
-
 @functools.partial(jax.jit, static_argnames=("streaming", "block_q", "block_k", "interpret"))
 def hybrid_forward(q, k, v, gate_bk, streaming: Streaming, *, block_q: int = 128,
                    block_k: int = 128, interpret: bool = False):
@@ -130,7 +121,7 @@ def hybrid_forward(q, k, v, gate_bk, streaming: Streaming, *, block_q: int = 128
   block_k = min(block_k, max(8, -(-t // 8) * 8))
   tp = t + (-t % math.lcm(block_q, block_k))
   # [B, heads, T, D]: each tile is a (rows, D) matrix, the layout TPU tiles want.
-  qt, kt, vt = (_pad_to(x, 1, tp).transpose(0, 2, 1, 3) for x in (q, k, v))
+  qt, kt, vt = (pad_to(x, 1, tp).transpose(0, 2, 1, 3) for x in (q, k, v))
   gate = gate_bk.astype(jnp.float32).reshape(-1)
   modes = modes_from_gate(gate)
   nq, kv_steps = tp // block_q, tp // block_k
