@@ -165,8 +165,6 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", *,
     shapes, _ = abstract_params(cfg, dtype)
     params = checkpoint.restore_params(path, shapes)
   else:
-    if dtype == "auto":
-      dtype = _check_dtype(hf.TensorSource(path, allow_pickle).dtype(), allow_auto=False)
     params = hf.load_hf_params(path, cfg, dtype, allow_pickle=allow_pickle,
                                show_progress=show_progress)
   return ElasticModel(cfg, params, raw, source_dir=path, attn_impl=attn_impl)

@@ -274,6 +274,9 @@ def load_hf_params(directory: str, cfg: ModelConfig, dtype: str, *,
   src = TensorSource(directory, allow_pickle=allow_pickle)
   if dtype == "auto":
     dtype = src.dtype()
+    if dtype not in _DTYPES:
+      raise ElasticJaxError(f"{directory}: checkpoint dtype {dtype} is not supported "
+                            f"(pass dtype= one of {', '.join(_DTYPES)})")
   np_dtype = _DTYPES[dtype]
   shapes, _ = abstract_params(cfg, dtype)
   rows = _check_names_and_shapes(src, cfg, shapes)
