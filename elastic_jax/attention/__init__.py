@@ -10,14 +10,16 @@ Implementations:
   dense      the textbook [T, T] softmax (causal only); short inputs and tests.
   pallas_gpu the fused hybrid kernel for GPUs (hybrid only; Pallas Triton backend).
   pallas_tpu the fused hybrid kernel for TPUs (hybrid only; Pallas Mosaic TPU).
-  auto       pallas_gpu on a GPU, pallas_tpu on a TPU, the reference elsewhere.
-Both kernels run on CPU with `interpret=True`; their backward pass is the reference's for now,
-and packed segments fall back to the reference.
+  auto       hybrid: pallas_gpu on a GPU, pallas_tpu on a TPU, the reference elsewhere;
+             causal: cuDNN on a GPU (bf16/fp16, unpacked), the reference elsewhere.
+Both kernels run on CPU with `interpret=True` and have fused backward passes; packed segments
+fall back to the reference.
 """
 
 from elastic_jax.attention.reference import (Streaming, causal_attention,
                                              dense_causal_attention, hybrid_attention)
 import jax
+import jax.numpy as jnp
 
 from elastic_jax.attention import pallas_gpu, pallas_tpu
 from elastic_jax.errors import ElasticJaxError
@@ -32,9 +34,16 @@ def _auto_hybrid(*args, **kwargs):
   return impl(*args, **kwargs)
 
 
-# The kernels are hybrid-only: a full-attention forward under "auto" uses the reference.
+def _auto_causal(q, k, v, segment_ids=None):
+  """cuDNN's fused attention on a GPU for half-precision unpacked rows; the reference else."""
+  if (jax.default_backend() == "gpu" and segment_ids is None
+      and q.dtype in (jnp.bfloat16, jnp.float16)):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+  return causal_attention(q, k, v, segment_ids)
+
+
 IMPLS = {"reference": causal_attention, "dense": dense_causal_attention,
-         "auto": causal_attention}
+         "auto": _auto_causal}
 HYBRID_IMPLS = {"reference": hybrid_attention, "pallas_gpu": pallas_gpu.hybrid_attention,
                 "pallas_tpu": pallas_tpu.hybrid_attention, "auto": _auto_hybrid}
 

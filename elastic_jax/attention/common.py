@@ -1,5 +1,6 @@
-"""What the fused hybrid kernels share: run-time head modes, the tile schedule of a streaming
-head, and the wrapper that gives a forward kernel the reference's signature and gradients."""
+"""What the fused hybrid kernels share: run-time head modes, the tile schedules of a streaming
+head (forward and transposed), the backward pass's row terms, and the wrapper that makes the
+kernels one differentiable function with the reference's signature."""
 
 from __future__ import annotations
 
@@ -45,25 +46,55 @@ def pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
   return jnp.pad(x, widths)
 
 
-def with_reference_backward(forward: Callable) -> Callable:
-  """`forward(q, k, v, gate_bk, streaming, interpret)` as a differentiable function whose
-  backward pass is the reference's VJP (exact and memory-safe, not fused)."""
+def q_tile_range(kv_tile, block_q: int, block_k: int, num_q_tiles, streaming: Streaming):
+  """Query tiles that visit KV tile `kv_tile`: (lo, hi_sparse).
+
+  The transpose of `tile_ranges`, for the dK/dV pass. A full head's query tiles [lo,
+  num_q_tiles) see the tile (causally); a streaming head's see it in [lo, hi_sparse): all of
+  them when the tile holds sink keys, else those whose window still reaches it. Integer
+  arithmetic on Python ints or traced scalars alike.
+  """
+  blk = streaming.block
+  lo = kv_tile * block_k // block_q
+  sink_end = (streaming.sink_blocks * blk + block_k - 1) // block_k
+  # Query block qb reaches this tile iff qb <= last: the window's first block,
+  # qb - local_blocks + 1, starts no later than the tile's last token.
+  last = ((kv_tile + 1) * block_k + blk - 1) // blk + streaming.local_blocks - 2
+  hi_window = ((last + 1) * blk + block_q - 1) // block_q
+  hi = jnp.where(kv_tile < sink_end, num_q_tiles, jnp.minimum(hi_window, num_q_tiles))
+  return lo, jnp.maximum(hi, lo)
+
+
+def row_deltas(d_out, o_fa, o_sa, gate_bk):
+  """Per-row terms of the backward pass and the gate's gradient.
+
+  With O = r * O_FA + (1 - r) * O_SSA: D_FA = rowsum(dO * O_FA) and D_SSA = rowsum(dO * O_SSA),
+  float32 [B, T, N]; dL/dr = sum over rows and the KV head's query heads of D_FA - D_SSA, [B, K].
+  """
+  b, t, n, _ = d_out.shape
+  kh = gate_bk.shape[1]
+  up = lambda x: x.astype(jnp.float32)
+  d_fa = jnp.einsum("btnd,btnd->btn", up(d_out), up(o_fa))
+  d_sa = jnp.einsum("btnd,btnd->btn", up(d_out), up(o_sa))
+  d_gate = (d_fa - d_sa).reshape(b, t, kh, n // kh).sum(axis=(1, 3))
+  return d_fa, d_sa, d_gate.astype(gate_bk.dtype)
+
+
+def with_fused_backward(forward: Callable, forward_train: Callable,
+                        backward: Callable) -> Callable:
+  """A differentiable `fn(q, k, v, gate_bk, streaming, interpret)` made of kernels.
+
+  `forward(q, k, v, gate_bk, streaming, interpret)` -> O serves undifferentiated calls (sparse
+  heads skip their far tiles). Under differentiation `forward_train(...)` -> (O, residuals)
+  computes O_FA and O_SSA of every head in one pass (the gate's gradient needs both), and
+  `backward(streaming, interpret, residuals, dO)` -> (dq, dk, dv, d_gate).
+  """
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
   def fn(q, k, v, gate_bk, streaming, interpret):
     return forward(q, k, v, gate_bk, streaming, interpret)
 
-  def fwd(q, k, v, gate_bk, streaming, interpret):
-    return fn(q, k, v, gate_bk, streaming, interpret), (q, k, v, gate_bk)
-
-  def bwd(streaming, interpret, res, d_out):
-    q, k, v, gate_bk = res
-    b, t, kh = q.shape[0], q.shape[1], k.shape[2]
-    _, vjp = jax.vjp(lambda q, k, v, g: reference_hybrid(
-        q, k, v, jnp.broadcast_to(g[:, None, :], (b, t, kh)), streaming), q, k, v, gate_bk)
-    return vjp(d_out)
-
-  fn.defvjp(fwd, bwd)
+  fn.defvjp(forward_train, backward)
   return fn
 
 
@@ -81,3 +112,4 @@ def kernel_or_reference(kernel: Callable, q_btnh, k_btkh, v_btkh, gate_btk,
     return reference_hybrid(q_btnh, k_btkh, v_btkh, gate_btk, streaming, segment_ids_bt,
                             positions_bt, **reference_kwargs)
   return kernel(q_btnh, k_btkh, v_btkh, gate_btk[:, 0, :], streaming, interpret)
+

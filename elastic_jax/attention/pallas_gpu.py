@@ -8,17 +8,24 @@ array, so one compilation serves every routing:
                   and write r * O_FA + (1 - r) * O_SSA.
 A sparse head's far-away tiles are never loaded: that is where the speed-up comes from.
 
-The backward pass is, for now, the reference's (`jax.vjp` of `reference.hybrid_attention`):
-gradients are exact and memory-safe but not yet fused. Packed segments and custom positions
-also go to the reference. Pallas's Triton backend is deprecated since jax 0.11 (Mosaic GPU is
-the path to full Hopper speed); this kernel is the portable baseline and the interpret-mode
-test subject.
+Under differentiation (`make_hybrid`, a custom VJP) the training forward computes O_FA and
+O_SSA of every head in one walk over its causal tiles (the gate's gradient, dL/dr = sum dO .
+(O_FA - O_SSA), needs both) and keeps their base-2 log-sum-exps. The backward is two kernels,
+FlashAttention-2 style, each reading the modes at run time: dQ per (query tile, head) over the
+forward's tile walk, and dK/dV per (key tile, KV head) over the transposed walk
+(`common.q_tile_range`), summing the G query heads of the KV head in the program (GQA). Per
+tile, dS = r P_FA (dP - D_FA) + (1 - r) P_SSA (dP - D_SSA), with the FA term skipped when r = 0
+and the SSA term when r = 1; nothing of size T x T is ever stored. Packed segments and custom
+positions go to the reference. Pallas's Triton backend is deprecated since jax 0.11 (Mosaic
+GPU is the path to full Hopper speed); these kernels are the portable version and the
+interpret-mode test subject.
 
 Shape letters: B batch, T tokens, N query heads, K KV heads, G = N / K, D head dim.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -29,7 +36,8 @@ from jax.experimental import pallas as pl
 
 from elastic_jax.attention.common import (MODE_FULL, MODE_MIX, MODE_SPARSE,
                                           kernel_or_reference, modes_from_gate, pad_to,
-                                          tile_ranges, with_reference_backward)
+                                          q_tile_range, row_deltas, tile_ranges,
+                                          with_fused_backward)
 
 assert (MODE_SPARSE, MODE_FULL, MODE_MIX) == (0, 1, 2)  # the order of lax.switch below
 from elastic_jax.attention.reference import Streaming
@@ -38,8 +46,8 @@ _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = math.log2(math.e)
 
 
-def _kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block_q, block_k,
-            seq_len, num_kv_heads, groups, streaming: Streaming):
+def _kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, *out_refs, scale, block_q, block_k,
+            seq_len, num_kv_heads, groups, streaming: Streaming, train: bool):
   qi, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   slot = b * num_kv_heads + n // groups
   mode = modes_ref[slot]
@@ -113,17 +121,232 @@ def _kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block_q, 
     c = visit(0, sink_end, init(), sparse=True)
     return finish(visit(jnp.maximum(win_start, sink_end), causal_end, c, sparse=True))
 
+  def both(j, c):
+    full_c, sparse_c = c
+    s, causal, window = scores(j)
+    v = v_ref[pl.ds(j * block_k, block_k), :]
+    return update(full_c, s, causal, v), update(sparse_c, s, window, v)
+
   def run_mix():
-    def body(j, c):
-      full_c, sparse_c = c
-      s, causal, window = scores(j)
-      v = v_ref[pl.ds(j * block_k, block_k), :]
-      return update(full_c, s, causal, v), update(sparse_c, s, window, v)
-    full_c, sparse_c = lax.fori_loop(0, causal_end, body, (init(), init()))
+    full_c, sparse_c = lax.fori_loop(0, causal_end, both, (init(), init()))
     return r * finish(full_c) + (1.0 - r) * finish(sparse_c)
 
-  out = lax.switch(mode, [run_sparse, run_full, run_mix])
-  o_ref[...] = out.astype(o_ref.dtype)
+  if not train:
+    (o_ref,) = out_refs
+    out = lax.switch(mode, [run_sparse, run_full, run_mix])
+    o_ref[...] = out.astype(o_ref.dtype)
+    return
+
+  # Training: every head computes O_FA and O_SSA in one walk over its causal tiles; the SSA
+  # state is updated only on the tiles a streaming head visits (sink, then window).
+  o_ref, o_fa_ref, o_sa_ref, lse_fa_ref, lse_sa_ref = out_refs
+  lo2 = jnp.maximum(win_start, sink_end)
+
+  def full_only(j, c):
+    k = k_ref[pl.ds(j * block_k, block_k), :]
+    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * qk_scale
+    return update(c[0], s, None, v_ref[pl.ds(j * block_k, block_k), :]), c[1]
+
+  c = lax.fori_loop(0, sink_end, both, (init(), init()))
+  c = lax.fori_loop(sink_end, lo2, full_only, c)  # strictly below the diagonal: no mask
+  full_c, sparse_c = lax.fori_loop(lo2, causal_end, both, c)
+  o_fa, o_sa = finish(full_c), finish(sparse_c)
+  o_ref[...] = (r * o_fa + (1.0 - r) * o_sa).astype(o_ref.dtype)
+  o_fa_ref[...] = o_fa.astype(o_fa_ref.dtype)
+  o_sa_ref[...] = o_sa.astype(o_sa_ref.dtype)
+  for (_, m, l), ref in ((full_c, lse_fa_ref), (sparse_c, lse_sa_ref)):
+    ref[...] = m + jnp.log2(jnp.maximum(l, 1e-30))  # base-2 log-sum-exp of scaled scores
+
+
+def _dq_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, lse_fa_ref, lse_sa_ref,
+               d_fa_ref, d_sa_ref, dq_ref, *, scale, block_q, block_k, seq_len, num_kv_heads,
+               groups, streaming: Streaming):
+  """dQ of one (query tile, batch, query head): the forward's tile walk, per the head's mode."""
+  qi, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  slot = b * num_kv_heads + n // groups
+  mode = modes_ref[slot]
+  r = gate_ref[slot]
+  q, do = q_ref[...], do_ref[...]
+  lse_fa, lse_sa = lse_fa_ref[...], lse_sa_ref[...]
+  d_fa, d_sa = d_fa_ref[...], d_sa_ref[...]
+  q_start = qi * block_q
+  q_idx = q_start + jnp.arange(block_q)
+  qk_scale = scale * _LOG2E
+
+  def tile(j, acc, fa: bool, sa: bool):
+    k = k_ref[pl.ds(j * block_k, block_k), :]
+    v = v_ref[pl.ds(j * block_k, block_k), :]
+    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * qk_scale
+    dp = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
+    causal, window = _masks(q_idx, j * block_k + jnp.arange(block_k), seq_len, streaming)
+    ds = _dscores(s, dp, r, causal, window, lse_fa[:, None], lse_sa[:, None], d_fa[:, None],
+                  d_sa[:, None], fa, sa)[0]
+    return acc + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+
+  def walk(lo, hi, acc, fa, sa):
+    return lax.fori_loop(lo, hi, lambda j, a: tile(j, a, fa, sa), acc)
+
+  sink_end, win_start, causal_end = tile_ranges(q_start, block_q, block_k, streaming)
+  lo2 = jnp.maximum(win_start, sink_end)
+  zero = jnp.zeros(q.shape, jnp.float32)
+
+  def run_sparse():
+    return walk(lo2, causal_end, walk(0, sink_end, zero, False, True), False, True)
+
+  def run_full():
+    return walk(0, causal_end, zero, True, False)
+
+  def run_mix():
+    acc = walk(0, sink_end, zero, True, True)
+    return walk(lo2, causal_end, walk(sink_end, lo2, acc, True, False), True, True)
+
+  acc = lax.switch(mode, [run_sparse, run_full, run_mix])
+  dq_ref[...] = (acc * scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, lse_fa_ref, lse_sa_ref,
+                d_fa_ref, d_sa_ref, dk_ref, dv_ref, *, scale, block_q, block_k, seq_len,
+                num_q_tiles, num_kv_heads, groups, streaming: Streaming):
+  """dK and dV of one (key tile, batch, KV head), summed over the head's G query heads (GQA:
+  the K/V tile is loaded once). Query tiles walk the transposed schedule of the head's mode."""
+  kj, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  slot = b * num_kv_heads + h
+  mode = modes_ref[slot]
+  r = gate_ref[slot]
+  k, v = k_ref[...], v_ref[...]
+  k_idx = kj * block_k + jnp.arange(block_k)
+  qk_scale = scale * _LOG2E
+  lo, hi_sparse = q_tile_range(kj, block_q, block_k, num_q_tiles, streaming)
+
+  def tile(g, i, c, fa: bool, sa: bool):
+    # Transposed scores (keys x queries) so that P^T and dS^T feed the products untransposed.
+    dk, dv = c
+    rows = pl.ds(i * block_q, block_q)
+    q = q_ref[rows, g, :]
+    do = do_ref[rows, g, :]
+    s_t = jnp.dot(k, q.T, preferred_element_type=jnp.float32) * qk_scale
+    dp_t = jnp.dot(v, do.T, preferred_element_type=jnp.float32)
+    causal, window = _masks(i * block_q + jnp.arange(block_q), k_idx, seq_len, streaming)
+    row = lambda ref: ref[g, rows][None, :]
+    ds_t, p_t = _dscores(s_t, dp_t, r, causal.T, window.T, row(lse_fa_ref), row(lse_sa_ref),
+                         row(d_fa_ref), row(d_sa_ref), fa, sa)
+    dv = dv + jnp.dot(p_t.astype(do.dtype), do, preferred_element_type=jnp.float32)
+    dk = dk + jnp.dot(ds_t.astype(q.dtype), q, preferred_element_type=jnp.float32)
+    return dk, dv
+
+  def walk(lo_, hi_, c, fa, sa):
+    for g in range(groups):
+      c = lax.fori_loop(lo_, hi_, lambda i, c_, g=g: tile(g, i, c_, fa, sa), c)
+    return c
+
+  zero = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+  dk, dv = lax.switch(mode, [
+      lambda: walk(lo, hi_sparse, zero, False, True),
+      lambda: walk(lo, num_q_tiles, zero, True, False),
+      lambda: walk(hi_sparse, num_q_tiles, walk(lo, hi_sparse, zero, True, True), True, False),
+  ])
+  dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _masks(q_idx, k_idx, seq_len, streaming: Streaming):
+  """(causal, causal and SSA) for a tile of query rows x key columns."""
+  causal = (k_idx[None, :] <= q_idx[:, None]) & (k_idx[None, :] < seq_len)
+  q_blk, k_blk = q_idx // streaming.block, k_idx // streaming.block
+  window = (k_blk[None, :] < streaming.sink_blocks) | (
+      q_blk[:, None] - k_blk[None, :] < streaming.local_blocks)
+  return causal, causal & window
+
+
+def _dscores(s, dp, r, causal, window, lse_fa, lse_sa, d_fa, d_sa, fa: bool, sa: bool):
+  """(dS, P) of a tile: dS = r P_FA (dP - D_FA) + (1 - r) P_SSA (dP - D_SSA) and
+  P = r P_FA + (1 - r) P_SSA, the terms a head's mode needs (`fa`, `sa`). The per-query
+  terms (lse, D) come shaped to broadcast along the tile's query axis."""
+  ds = p = None
+  for on, ok, lse, delta, w in ((fa, causal, lse_fa, d_fa, r), (sa, window, lse_sa, d_sa, 1 - r)):
+    if not on:
+      continue
+    pw = jnp.where(ok, jnp.exp2(s - lse), 0.0) * w
+    term = pw * (dp - delta)
+    ds, p = (term, pw) if ds is None else (ds + term, p + pw)
+  return ds, p
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+  """One kernel's tiling: block_q query rows x block_k key columns, Triton warps and stages."""
+  block_q: int = 128
+  block_k: int = 64
+  num_stages: int = 3
+  num_warps: int | None = None  # None: 4 for head_dim <= 64, else 8
+
+  def fit(self, t: int) -> "Tiles":
+    """Tiles shrink for short inputs but stay >= 16 rows (the smallest Triton product)."""
+    cap = max(16, pl.next_power_of_2(t))
+    return dataclasses.replace(self, block_q=min(self.block_q, cap),
+                               block_k=min(self.block_k, cap))
+
+  def params(self, dp: int):
+    from jax.experimental.pallas import triton as plgpu
+    return plgpu.CompilerParams(num_warps=self.num_warps or (4 if dp <= 64 else 8),
+                                num_stages=self.num_stages)
+
+
+# Defaults timed by benchmarks/attention.py on an H200 (D = 128, bf16); 128 x 128 tiles exceed
+# shared memory there.
+FORWARD_TILES = Tiles(128, 64, 3)
+TRAIN_FORWARD_TILES = Tiles(64, 64, 2)
+DQ_TILES = Tiles(64, 64, 2)
+DKV_TILES = Tiles(64, 64, 2)
+
+
+def _pad_inputs(q, k, v, gate_bk, multiple: int):
+  """Pads T to `multiple` and D to a power of two >= 16; flattens gate and modes to slots."""
+  b, t, _, d = q.shape
+  kh = k.shape[2]
+  tp = t + (-t % multiple)
+  dp = max(16, pl.next_power_of_2(d))
+  q, k, v = (pad_to(pad_to(x, 1, tp), 3, dp) for x in (q, k, v))
+  gate = gate_bk.astype(jnp.float32).reshape(-1)
+  modes = modes_from_gate(gate)
+  slots = pl.next_power_of_2(b * kh)
+  return q, k, v, pad_to(gate, 0, slots), pad_to(modes, 0, slots)
+
+
+def _forward_call(q, k, v, gate, modes, *, seq_len, scale, streaming, tiles: Tiles,
+                  interpret, train):
+  """The forward kernel on padded inputs: O, or (O, O_FA, O_SSA, lse_FA, lse_SSA) in training."""
+  b, tp, n, dp = q.shape
+  kh = k.shape[2]
+  bq, bk = tiles.block_q, tiles.block_k
+  slots = gate.shape[0]
+  o_spec = pl.BlockSpec((None, bq, None, dp), lambda i, j, h: (j, i, h, 0))
+  o_shape = jax.ShapeDtypeStruct((b, tp, n, dp), q.dtype)
+  out_specs, out_shape = o_spec, o_shape
+  if train:
+    lse_spec = pl.BlockSpec((None, None, bq), lambda i, j, h: (j, h, i))
+    lse_shape = jax.ShapeDtypeStruct((b, n, tp), jnp.float32)
+    out_specs = [o_spec] * 3 + [lse_spec] * 2
+    out_shape = [o_shape] * 3 + [lse_shape] * 2
+  kernel = functools.partial(
+      _kernel, scale=scale, block_q=bq, block_k=bk, seq_len=seq_len, num_kv_heads=kh,
+      groups=n // kh, streaming=streaming, train=train)
+  return pl.pallas_call(
+      kernel,
+      grid=(tp // bq, b, n),
+      in_specs=[
+          pl.BlockSpec((slots,), lambda i, j, h: (0,)),
+          pl.BlockSpec((slots,), lambda i, j, h: (0,)),
+          pl.BlockSpec((None, bq, None, dp), lambda i, j, h: (j, i, h, 0)),
+          pl.BlockSpec((None, tp, None, dp), lambda i, j, h: (j, 0, h // (n // kh), 0)),
+          pl.BlockSpec((None, tp, None, dp), lambda i, j, h: (j, 0, h // (n // kh), 0)),
+      ],
+      out_specs=out_specs,
+      out_shape=out_shape,
+      compiler_params=tiles.params(dp),
+      interpret=interpret,
+      name="elastic_hybrid_forward_train" if train else "elastic_hybrid_forward",
+  )(modes, gate, q, k, v)
 
 
 @functools.partial(jax.jit, static_argnames=("streaming", "block_q", "block_k", "num_warps",
@@ -131,49 +354,90 @@ def _kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block_q, 
 def hybrid_forward(q, k, v, gate_bk, streaming: Streaming, *, block_q: int = 128,
                    block_k: int = 64, num_warps: int | None = None, num_stages: int = 3,
                    interpret: bool = False):
-  """The kernel: q [B, T, N, D], k/v [B, T, K, D], gate [B, K] -> [B, T, N, D] (q's dtype).
-
-  Default tiles 128 x 64 with 3 pipeline stages: the fastest of the variants timed by
-  benchmarks/bench_hybrid.py on an H200 (D = 128, bf16); 128 x 128 exceeds shared memory.
-  """
-  b, t, n, d = q.shape
-  kh = k.shape[2]
-  groups = n // kh
-  # Tiles shrink for short inputs but stay >= 16 rows (the smallest Triton matrix product).
-  block_q = min(block_q, max(16, pl.next_power_of_2(t)))
-  block_k = min(block_k, max(16, pl.next_power_of_2(t)))
-  tp = t + (-t % math.lcm(block_q, block_k))
-  dp = max(16, pl.next_power_of_2(d))
-  q, k, v = (pad_to(pad_to(x, 1, tp), 3, dp) for x in (q, k, v))
-  gate = gate_bk.astype(jnp.float32).reshape(-1)
-  modes = modes_from_gate(gate)
-  slots = pl.next_power_of_2(b * kh)
-  gate, modes = pad_to(gate, 0, slots), pad_to(modes, 0, slots)
-  kernel = functools.partial(
-      _kernel, scale=d ** -0.5, block_q=block_q, block_k=block_k, seq_len=t,
-      num_kv_heads=kh, groups=groups, streaming=streaming)
-  from jax.experimental.pallas import triton as plgpu
-  out = pl.pallas_call(
-      kernel,
-      grid=(tp // block_q, b, n),
-      in_specs=[
-          pl.BlockSpec((slots,), lambda i, j, h: (0,)),
-          pl.BlockSpec((slots,), lambda i, j, h: (0,)),
-          pl.BlockSpec((None, block_q, None, dp), lambda i, j, h: (j, i, h, 0)),
-          pl.BlockSpec((None, tp, None, dp), lambda i, j, h: (j, 0, h // groups, 0)),
-          pl.BlockSpec((None, tp, None, dp), lambda i, j, h: (j, 0, h // groups, 0)),
-      ],
-      out_specs=pl.BlockSpec((None, block_q, None, dp), lambda i, j, h: (j, i, h, 0)),
-      out_shape=jax.ShapeDtypeStruct((b, tp, n, dp), q.dtype),
-      compiler_params=plgpu.CompilerParams(
-          num_warps=num_warps or (4 if dp <= 64 else 8), num_stages=num_stages),
-      interpret=interpret,
-      name="elastic_hybrid_forward",
-  )(modes, gate, q, k, v)
+  """The inference kernel: q [B, T, N, D], k/v [B, T, K, D], gate [B, K] -> [B, T, N, D]."""
+  t, d = q.shape[1], q.shape[3]
+  tiles = Tiles(block_q, block_k, num_stages, num_warps).fit(t)
+  qp, kp, vp, gate, modes = _pad_inputs(q, k, v, gate_bk, math.lcm(tiles.block_q,
+                                                                     tiles.block_k))
+  out = _forward_call(qp, kp, vp, gate, modes, seq_len=t, scale=d ** -0.5,
+                      streaming=streaming, tiles=tiles, interpret=interpret, train=False)
   return out[:, :t, :, :d]
 
 
-_hybrid = with_reference_backward(
-    lambda q, k, v, g, streaming, interpret: hybrid_forward(q, k, v, g, streaming,
-                                                           interpret=interpret))
-hybrid_attention = functools.partial(kernel_or_reference, _hybrid)
+def make_hybrid(forward_tiles: Tiles = FORWARD_TILES,
+                train_forward_tiles: Tiles = TRAIN_FORWARD_TILES, dq_tiles: Tiles = DQ_TILES,
+                dkv_tiles: Tiles = DKV_TILES):
+  """The differentiable kernel `fn(q, k, v, gate_bk, streaming, interpret)` with these tiles."""
+
+  def fit_all(t):
+    all_tiles = [x.fit(t) for x in (train_forward_tiles, dq_tiles, dkv_tiles)]
+    multiple = max(max(x.block_q, x.block_k) for x in all_tiles)  # powers of two
+    return all_tiles, multiple
+
+  def forward(q, k, v, gate_bk, streaming, interpret):
+    f = forward_tiles
+    return hybrid_forward(q, k, v, gate_bk, streaming, block_q=f.block_q, block_k=f.block_k,
+                          num_warps=f.num_warps, num_stages=f.num_stages, interpret=interpret)
+
+  def forward_train(q, k, v, gate_bk, streaming, interpret):
+    t, d = q.shape[1], q.shape[3]
+    (tiles, _, _), multiple = fit_all(t)
+    qp, kp, vp, gate, modes = _pad_inputs(q, k, v, gate_bk, multiple)
+    o, o_fa, o_sa, lse_fa, lse_sa = _forward_call(
+        qp, kp, vp, gate, modes, seq_len=t, scale=d ** -0.5, streaming=streaming, tiles=tiles,
+        interpret=interpret, train=True)
+    cut = lambda x: x[:, :t, :, :d]
+    return cut(o), (qp, kp, vp, gate, modes, gate_bk, cut(o_fa), cut(o_sa), lse_fa, lse_sa)
+
+  def backward(streaming, interpret, res, d_out):
+    qp, kp, vp, gate, modes, gate_bk, o_fa, o_sa, lse_fa, lse_sa = res
+    b, t, n, d = d_out.shape
+    tp, dp, kh = qp.shape[1], qp.shape[3], kp.shape[2]
+    groups = n // kh
+    (_, dq_t, dkv_t), _ = fit_all(t)
+    d_fa, d_sa, d_gate = row_deltas(d_out, o_fa, o_sa, gate_bk)
+    d_fa, d_sa = (pad_to(x, 1, tp).transpose(0, 2, 1) for x in (d_fa, d_sa))  # [B, N, Tp]
+    do = pad_to(pad_to(d_out.astype(qp.dtype), 1, tp), 3, dp)
+    slots = gate.shape[0]
+    common = dict(scale=d ** -0.5, seq_len=t, num_kv_heads=kh, groups=groups,
+                  streaming=streaming)
+    scalar = pl.BlockSpec((slots,), lambda i, j, h: (0,))
+    operands = (modes, gate, qp, kp, vp, do, lse_fa, lse_sa, d_fa, d_sa)
+
+    bq, bk = dq_t.block_q, dq_t.block_k
+    q_tile = pl.BlockSpec((None, bq, None, dp), lambda i, j, h: (j, i, h, 0))
+    kv_all = pl.BlockSpec((None, tp, None, dp), lambda i, j, h: (j, 0, h // groups, 0))
+    row_tile = pl.BlockSpec((None, None, bq), lambda i, j, h: (j, h, i))
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, block_q=bq, block_k=bk, **common),
+        grid=(tp // bq, b, n),
+        in_specs=[scalar, scalar, q_tile, kv_all, kv_all, q_tile] + [row_tile] * 4,
+        out_specs=q_tile,
+        out_shape=jax.ShapeDtypeStruct(qp.shape, qp.dtype),
+        compiler_params=dq_t.params(dp),
+        interpret=interpret,
+        name="elastic_hybrid_dq",
+    )(*operands)
+
+    bq, bk = dkv_t.block_q, dkv_t.block_k
+    q_group = pl.BlockSpec((None, tp, groups, dp), lambda i, j, h: (j, 0, h, 0))
+    kv_tile = pl.BlockSpec((None, bk, None, dp), lambda i, j, h: (j, i, h, 0))
+    rows_group = pl.BlockSpec((None, groups, tp), lambda i, j, h: (j, h, 0))
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, block_q=bq, block_k=bk, num_q_tiles=tp // bq,
+                          **common),
+        grid=(tp // bk, b, kh),
+        in_specs=[scalar, scalar, q_group, kv_tile, kv_tile, q_group] + [rows_group] * 4,
+        out_specs=[kv_tile, kv_tile],
+        out_shape=[jax.ShapeDtypeStruct(kp.shape, kp.dtype)] * 2,
+        compiler_params=dkv_t.params(dp),
+        interpret=interpret,
+        name="elastic_hybrid_dkv",
+    )(*operands)
+    cut = lambda x: x[:, :t, :, :d]
+    return cut(dq), cut(dk), cut(dv), d_gate
+
+  return with_fused_backward(forward, forward_train, backward)
+
+
+hybrid_attention = functools.partial(kernel_or_reference, make_hybrid())

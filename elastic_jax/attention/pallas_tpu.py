@@ -1,16 +1,28 @@
 """Fused hybrid FA/SSA attention for TPUs in Pallas (Mosaic TPU), splash-attention style.
 
-Grid (B, N, query tiles, KV steps). Each KV head's mode (sparse, full, mixed) is prefetched
-into scalar memory and drives the K/V index maps: step j of a query tile fetches the j-th tile
-that head needs (a streaming head: the sink tiles, then its local window); steps past the
-head's last tile repeat that tile's index, so the pipeline issues no new DMA for them, and the
-body skips their compute. The online-softmax state lives in VMEM scratch across the KV steps;
-a mixed head keeps two (FA and SSA) and writes r * O_FA + (1 - r) * O_SSA.
+Forward: grid (B, N, query tiles, KV steps). Each KV head's mode (sparse, full, mixed) is
+prefetched into scalar memory and drives the K/V index maps: step j of a query tile fetches the
+j-th tile that head needs (a streaming head: the sink tiles, then its local window); steps past
+the head's last tile repeat that tile's index, so the pipeline issues no new DMA for them, and
+the body skips their compute. The online-softmax state lives in VMEM scratch across the KV
+steps; a mixed head keeps two (FA and SSA) and writes r * O_FA + (1 - r) * O_SSA.
 
-No TPU is lent to this project: the kernel is tested in Pallas TPU interpret mode on CPU
-(`interpret=True`), where it must match the reference. Its backward pass is the reference's.
-Tiles mask every element for now; masking only the diagonal tiles (as the GPU kernel does)
-is left for when a TPU can time it.
+Training: the forward walks every head's causal tiles and computes both O_FA and O_SSA (the
+gate's gradient needs both), updating the SSA state only on the streaming tiles; it keeps both
+outputs (q's dtype) and their log-sum-exps for the backward, which is two kernels:
+  dQ      grid (B, N, query tiles, KV steps), K/V index maps on the forward's schedule;
+  dK/dV   grid (B, K, KV tiles, G x query steps), the query-side index maps on the transposed
+          schedule (`q_schedule`); the G query heads of a KV head accumulate in VMEM scratch.
+There a streaming head visits only its sink and window tiles (the SSA term), a full head its
+causal tiles (the FA term), and a mixed head its causal tiles, with both terms on the streaming
+ones and the FA term alone elsewhere.
+
+No TPU is lent to this project: the kernels are tested in Pallas TPU interpret mode on CPU
+(`interpret=True`), where they must match the reference, and their lowering to Mosaic is
+checked (Mosaic's own compiler needs a TPU). Row statistics are [..., T, 1] columns (blocks of
+(tile, 1)), so tiles of any multiple of 8 rows are legal. The lane-dense layout splash
+attention uses, masking only the diagonal tiles (as the GPU kernel does) and tuning are left
+for when a TPU can time them.
 
 Shape letters: B batch, T tokens, N query heads, K KV heads, G = N / K, D head dim.
 """
@@ -22,22 +34,29 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from elastic_jax.attention.common import (MODE_FULL, MODE_SPARSE, kernel_or_reference,
-                                          modes_from_gate, pad_to, tile_ranges,
-                                          with_reference_backward)
+from elastic_jax.attention.common import (MODE_FULL, MODE_MIX, MODE_SPARSE,
+                                          kernel_or_reference, modes_from_gate, pad_to,
+                                          q_tile_range, row_deltas, tile_ranges,
+                                          with_fused_backward)
 from elastic_jax.attention.reference import Streaming
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+_NT = (((1,), (1,)), ((), ()))  # a @ b.T
+_NN = (((1,), (0,)), ((), ()))  # a @ b
+_TN = (((0,), (0,)), ((), ()))  # a.T @ b
+_SEMANTICS = ("parallel", "parallel", "parallel", "arbitrary")
 
 
 def kv_schedule(mode, qi, j, block_q: int, block_k: int, streaming: Streaming):
   """(KV tile to fetch at step j, number of steps with work) for query tile qi.
 
   Full and mixed heads walk [0, causal_end); streaming heads walk the sink tiles then the
-  window. Past the last needed step the last tile repeats (no new DMA).
+  window. Past the last needed step the last tile repeats (no new DMA). The dQ pass uses the
+  same schedule; the training forward walks every head as a full one.
   """
   sink_end, win_start, causal_end = tile_ranges(qi * block_q, block_q, block_k, streaming)
   lo2 = jnp.maximum(win_start, sink_end)
@@ -50,9 +69,52 @@ def kv_schedule(mode, qi, j, block_q: int, block_k: int, streaming: Streaming):
   return jnp.where(j < n_visit, tile(j), tile(n_visit - 1)), n_visit
 
 
-def _kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, o_ref, m_fa, l_fa, acc_fa, m_sa, l_sa,
-            acc_sa, *, scale, block_q, block_k, seq_len, num_kv_heads, groups, kv_steps,
-            streaming: Streaming):
+def q_schedule(mode, kv_tile, step, block_q: int, block_k: int, num_q_tiles: int, groups: int,
+               streaming: Streaming):
+  """(query head within the group, query tile, steps with work) at `step` of the dK/dV pass.
+
+  Each of the KV head's G query heads in turn walks the query tiles that see `kv_tile`:
+  [lo, num_q_tiles) for full and mixed heads, [lo, hi_sparse) for streaming ones
+  (`q_tile_range`). Past the last step with work the last (head, tile) repeats (no new DMA).
+  """
+  lo, hi_sparse = q_tile_range(kv_tile, block_q, block_k, num_q_tiles, streaming)
+  per_head = jnp.maximum(jnp.where(mode == MODE_SPARSE, hi_sparse, num_q_tiles) - lo, 1)
+  n_work = groups * per_head
+  s = jnp.minimum(step, n_work - 1)
+  return lax.div(s, per_head), lo + lax.rem(s, per_head), n_work
+
+
+def _streaming_tile(qi, kv_tile, block_q: int, block_k: int, streaming: Streaming):
+  """Whether a streaming head's query tile qi visits KV tile `kv_tile` (given it is causal)."""
+  sink_end, win_start, _ = tile_ranges(qi * block_q, block_q, block_k, streaming)
+  return (kv_tile < sink_end) | (kv_tile >= jnp.maximum(win_start, sink_end))
+
+
+def _scores(q, k, qi, kv_tile, *, scale, block_q, block_k, seq_len, streaming: Streaming):
+  """scale * q k^T of one (query tile, KV tile) in float32, its causal and streaming masks."""
+  s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * scale
+  q_idx = qi * block_q + lax.broadcasted_iota(jnp.int32, s.shape, 0)
+  k_idx = kv_tile * block_k + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+  causal = (k_idx <= q_idx) & (k_idx < seq_len)
+  return s, causal, causal & streaming.allows(q_idx, k_idx)
+
+
+def _tiles(t: int, block_q: int, block_k: int):
+  """Tile sizes for T tokens and the padded length, a multiple of both."""
+  # Tiles shrink for short inputs but stay multiples of 8 rows (the TPU sublane count).
+  block_q = min(block_q, max(8, -(-t // 8) * 8))
+  block_k = min(block_k, max(8, -(-t // 8) * 8))
+  return block_q, block_k, t + (-t % math.lcm(block_q, block_k))
+
+
+def _heads_major(tp: int, *xs):
+  """[B, T, H, D] -> [B, H, Tp, D] (zero-padded): each tile a (rows, D) matrix, as TPUs want."""
+  return tuple(pad_to(x, 1, tp).transpose(0, 2, 1, 3) for x in xs)
+
+
+def _forward_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, *refs, scale, block_q, block_k,
+                    seq_len, num_kv_heads, groups, kv_steps, streaming: Streaming, train: bool):
+  out_refs, (m_fa, l_fa, acc_fa, m_sa, l_sa, acc_sa) = refs[:-6], refs[-6:]
   b, h, qi, j = (pl.program_id(i) for i in range(4))
   slot = b * num_kv_heads + h // groups
   mode = modes_ref[slot]
@@ -64,21 +126,14 @@ def _kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, o_ref, m_fa, l_fa, acc_fa,
       l[...] = jnp.zeros(l.shape, jnp.float32)
       acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
-  tile, n_visit = kv_schedule(mode, qi, j, block_q, block_k, streaming)
+  # Training walks every head's causal tiles: all heads need both outputs.
+  tile, n_visit = kv_schedule(MODE_FULL if train else mode, qi, j, block_q, block_k, streaming)
 
   @pl.when(j < n_visit)
   def _visit():
-    q = q_ref[...]
-    k = k_ref[...]
     v = v_ref[...]
-    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * scale
-    q_idx = qi * block_q + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
-    k_idx = tile * block_k + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-    causal = (k_idx <= q_idx) & (k_idx < seq_len)
-    q_blk, k_blk = q_idx // streaming.block, k_idx // streaming.block
-    window = causal & ((k_blk < streaming.sink_blocks) |
-                       (q_blk - k_blk < streaming.local_blocks))
+    s, causal, window = _scores(q_ref[...], k_ref[...], qi, tile, scale=scale, block_q=block_q,
+                                block_k=block_k, seq_len=seq_len, streaming=streaming)
 
     def update(m_ref, l_ref, acc_ref, ok):
       sm = jnp.where(ok, s, _MASK_VALUE)
@@ -87,15 +142,17 @@ def _kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, o_ref, m_fa, l_fa, acc_fa,
       p = jnp.where(ok, jnp.exp(sm - m_new), 0.0)
       corr = jnp.exp(m_prev - m_new)
       l_ref[...] = l_ref[...] * corr + p.sum(axis=-1, keepdims=True)
-      acc_ref[...] = acc_ref[...] * corr + jax.lax.dot_general(
-          p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+      acc_ref[...] = acc_ref[...] * corr + lax.dot_general(
+          p.astype(v.dtype), v, _NN, preferred_element_type=jnp.float32)
       m_ref[...] = m_new
 
-    @pl.when(mode != MODE_SPARSE)
+    @pl.when((mode != MODE_SPARSE) | train)
     def _full():
       update(m_fa, l_fa, acc_fa, causal)
 
-    @pl.when(mode != MODE_FULL)
+    # A mixed head's walk also passes tiles outside the window: SSA skips them.
+    @pl.when(((mode != MODE_FULL) | train) &
+             _streaming_tile(qi, tile, block_q, block_k, streaming))
     def _sparse():
       update(m_sa, l_sa, acc_sa, window)
 
@@ -104,62 +161,288 @@ def _kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, o_ref, m_fa, l_fa, acc_fa,
     def out(l, acc):
       return acc[...] / jnp.where(l[...] == 0.0, 1.0, l[...])
     r = jnp.where(mode == MODE_SPARSE, 0.0, jnp.where(mode == MODE_FULL, 1.0, gate_ref[slot]))
-    fa = jnp.where(mode == MODE_SPARSE, 0.0, out(l_fa, acc_fa))
-    sa = jnp.where(mode == MODE_FULL, 0.0, out(l_sa, acc_sa))
+    fa, sa = out(l_fa, acc_fa), out(l_sa, acc_sa)
+    if not train:  # the skipped output's state was never updated
+      fa = jnp.where(mode == MODE_SPARSE, 0.0, fa)
+      sa = jnp.where(mode == MODE_FULL, 0.0, sa)
+    o_ref = out_refs[0]
     o_ref[...] = (r * fa + (1.0 - r) * sa).astype(o_ref.dtype)
+    if train:
+      o_fa_ref, o_sa_ref, lse_ref = out_refs[1:]
+      o_fa_ref[...] = fa.astype(o_fa_ref.dtype)
+      o_sa_ref[...] = sa.astype(o_sa_ref.dtype)
+      # Rows with no visible key (padding only) get a huge log-sum-exp: exp(s - lse) = 0.
+      for i, (m, l) in enumerate(((m_fa, l_fa), (m_sa, l_sa))):
+        lse_ref[i] = jnp.where(l[...] == 0.0, -_MASK_VALUE, m[...] + jnp.log(l[...]))
 
 
-@functools.partial(jax.jit, static_argnames=("streaming", "block_q", "block_k", "interpret"))
-def hybrid_forward(q, k, v, gate_bk, streaming: Streaming, *, block_q: int = 128,
-                   block_k: int = 128, interpret: bool = False):
-  """The kernel: q [B, T, N, D], k/v [B, T, K, D], gate [B, K] -> [B, T, N, D] (q's dtype)."""
+def _forward_call(q, k, v, gate_bk, streaming: Streaming, block_q: int, block_k: int,
+                  interpret: bool, train: bool):
+  """The forward kernel on [B, T, H, D] inputs; outputs in the padded [B, N, Tp, ...] layout."""
   b, t, n, d = q.shape
   kh = k.shape[2]
   groups = n // kh
-  # Tiles shrink for short inputs but stay multiples of 8 rows (the TPU sublane count).
-  block_q = min(block_q, max(8, -(-t // 8) * 8))
-  block_k = min(block_k, max(8, -(-t // 8) * 8))
-  tp = t + (-t % math.lcm(block_q, block_k))
-  # [B, heads, T, D]: each tile is a (rows, D) matrix, the layout TPU tiles want.
-  qt, kt, vt = (pad_to(x, 1, tp).transpose(0, 2, 1, 3) for x in (q, k, v))
+  block_q, block_k, tp = _tiles(t, block_q, block_k)
+  qt, kt, vt = _heads_major(tp, q, k, v)
   gate = gate_bk.astype(jnp.float32).reshape(-1)
   modes = modes_from_gate(gate)
   nq, kv_steps = tp // block_q, tp // block_k
 
   def kv_map(bi, hi, qi, j, modes_ref):
-    tile, _ = kv_schedule(modes_ref[bi * kh + hi // groups], qi, j, block_q, block_k,
-                          streaming)
+    mode = MODE_FULL if train else modes_ref[bi * kh + hi // groups]
+    tile, _ = kv_schedule(mode, qi, j, block_q, block_k, streaming)
     return bi, hi // groups, tile, 0
 
+  q_map = lambda bi, hi, qi, j, m: (bi, hi, qi, 0)
   kernel = functools.partial(
-      _kernel, scale=d ** -0.5, block_q=block_q, block_k=block_k, seq_len=t,
-      num_kv_heads=kh, groups=groups, kv_steps=kv_steps, streaming=streaming)
+      _forward_kernel, scale=d ** -0.5, block_q=block_q, block_k=block_k, seq_len=t,
+      num_kv_heads=kh, groups=groups, kv_steps=kv_steps, streaming=streaming, train=train)
+  out_specs = [pl.BlockSpec((None, None, block_q, d), q_map)]
+  out_shape = [jax.ShapeDtypeStruct((b, n, tp, d), q.dtype)]
+  if train:  # O_FA, O_SSA, and their log-sum-exps [B, N, 2, Tp, 1]
+    out_specs += [pl.BlockSpec((None, None, block_q, d), q_map)] * 2 + [
+        pl.BlockSpec((None, None, 2, block_q, 1), lambda bi, hi, qi, j, m: (bi, hi, 0, qi, 0))]
+    out_shape += [jax.ShapeDtypeStruct((b, n, tp, d), q.dtype)] * 2 + [
+        jax.ShapeDtypeStruct((b, n, 2, tp, 1), jnp.float32)]
   scratch = [pltpu.VMEM((block_q, 1), jnp.float32), pltpu.VMEM((block_q, 1), jnp.float32),
              pltpu.VMEM((block_q, d), jnp.float32)] * 2
-  out = pl.pallas_call(
+  return pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=1,
           grid=(b, n, nq, kv_steps),
           in_specs=[
               pl.BlockSpec(memory_space=pltpu.SMEM),
-              pl.BlockSpec((None, None, block_q, d), lambda bi, hi, qi, j, m: (bi, hi, qi, 0)),
+              pl.BlockSpec((None, None, block_q, d), q_map),
               pl.BlockSpec((None, None, block_k, d), kv_map),
               pl.BlockSpec((None, None, block_k, d), kv_map),
           ],
-          out_specs=pl.BlockSpec((None, None, block_q, d),
-                                 lambda bi, hi, qi, j, m: (bi, hi, qi, 0)),
+          out_specs=out_specs,
           scratch_shapes=scratch),
-      out_shape=jax.ShapeDtypeStruct((b, n, tp, d), q.dtype),
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+      out_shape=out_shape,
+      compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS),
       interpret=pltpu.InterpretParams() if interpret else False,
-      name="elastic_hybrid_forward_tpu",
+      name="elastic_hybrid_forward_train_tpu" if train else "elastic_hybrid_forward_tpu",
   )(modes, gate, qt, kt, vt)
-  return out.transpose(0, 2, 1, 3)[:, :t]
 
 
-_hybrid = with_reference_backward(
-    lambda q, k, v, g, streaming, interpret: hybrid_forward(q, k, v, g, streaming,
-                                                           interpret=interpret))
+def _unpad(x_bntd, t):
+  return x_bntd.transpose(0, 2, 1, 3)[:, :t]
+
+
+@functools.partial(jax.jit, static_argnames=("streaming", "block_q", "block_k", "interpret"))
+def hybrid_forward(q, k, v, gate_bk, streaming: Streaming, *, block_q: int = 128,
+                   block_k: int = 128, interpret: bool = False):
+  """The kernel: q [B, T, N, D], k/v [B, T, K, D], gate [B, K] -> [B, T, N, D] (q's dtype)."""
+  out, = _forward_call(q, k, v, gate_bk, streaming, block_q, block_k, interpret, train=False)
+  return _unpad(out, q.shape[1])
+
+
+@functools.partial(jax.jit, static_argnames=("streaming", "block_q", "block_k", "interpret"))
+def hybrid_forward_train(q, k, v, gate_bk, streaming: Streaming, *, block_q: int = 128,
+                         block_k: int = 128, interpret: bool = False):
+  """`hybrid_forward`'s output and the residuals of `hybrid_backward`.
+
+  Residuals: q, k, v, gate [B, K], O_FA and O_SSA [B, T, N, D] (q's dtype) and their
+  log-sum-exps [B, N, 2, Tp, 1] float32 (Tp: T padded to the tiles).
+  """
+  t = q.shape[1]
+  out, o_fa, o_sa, lse = _forward_call(q, k, v, gate_bk, streaming, block_q, block_k,
+                                       interpret, train=True)
+  return _unpad(out, t), (q, k, v, gate_bk, _unpad(o_fa, t), _unpad(o_sa, t), lse)
+
+
+def _backward_terms(s, causal, window, dp, stats, r, use_fa: bool, use_sa: bool):
+  """(P, dS / scale) of one tile from the terms in use: P = r P_FA + (1 - r) P_SSA.
+
+  r is None for a head that is FA or SSA alone. stats: [4, rows, 1], the log-sum-exps of FA
+  and SSA, then D_FA and D_SSA.
+  """
+  terms = []
+  if use_fa:
+    p = jnp.where(causal, jnp.exp(s - stats[0]), 0.0)
+    terms.append((p, p * (dp - stats[2]), r))
+  if use_sa:
+    p = jnp.where(window, jnp.exp(s - stats[1]), 0.0)
+    terms.append((p, p * (dp - stats[3]), None if r is None else 1.0 - r))
+  if r is None:
+    (p, ds, _), = terms
+    return p, ds
+  return sum(w * p for p, _, w in terms), sum(w * ds for _, ds, w in terms)
+
+
+def _by_mode(mode, work, streaming_tile, body):
+  """Runs body(use_fa, use_sa, mixed) in the branch the head's mode and the tile select.
+
+  A mixed head's tiles outside the streaming set carry the FA term alone.
+  """
+  mixed = mode == MODE_MIX
+  pl.when(work & (mode == MODE_SPARSE))(lambda: body(False, True, False))
+  pl.when(work & (mode == MODE_FULL))(lambda: body(True, False, False))
+  pl.when(work & mixed & ~streaming_tile)(lambda: body(True, False, True))
+  pl.when(work & mixed & streaming_tile)(lambda: body(True, True, True))
+
+
+def _dq_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dq_acc, *,
+               scale, block_q, block_k, seq_len, num_kv_heads, groups, kv_steps,
+               streaming: Streaming):
+  b, h, qi, j = (pl.program_id(i) for i in range(4))
+  slot = b * num_kv_heads + h // groups
+  mode = modes_ref[slot]
+
+  @pl.when(j == 0)
+  def _init():
+    dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
+
+  tile, n_visit = kv_schedule(mode, qi, j, block_q, block_k, streaming)
+
+  def body(use_fa, use_sa, mixed):
+    k = k_ref[...]
+    s, causal, window = _scores(q_ref[...], k, qi, tile, scale=scale, block_q=block_q,
+                                block_k=block_k, seq_len=seq_len, streaming=streaming)
+    dp = lax.dot_general(do_ref[...], v_ref[...], _NT, preferred_element_type=jnp.float32)
+    r = gate_ref[slot] if mixed else None
+    _, ds = _backward_terms(s, causal, window, dp, stats_ref[...], r, use_fa, use_sa)
+    dq_acc[...] += lax.dot_general(ds.astype(k.dtype), k, _NN,
+                                   preferred_element_type=jnp.float32)
+
+  _by_mode(mode, j < n_visit, _streaming_tile(qi, tile, block_q, block_k, streaming), body)
+
+  @pl.when(j == kv_steps - 1)
+  def _finish():
+    dq_ref[...] = (dq_acc[...] * scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, stats_ref, dk_ref, dv_ref,
+                dk_acc, dv_acc, *, scale, block_q, block_k, seq_len, num_kv_heads, groups,
+                num_q_tiles, streaming: Streaming):
+  b, kh, ki, step = (pl.program_id(i) for i in range(4))
+  slot = b * num_kv_heads + kh
+  mode = modes_ref[slot]
+
+  @pl.when(step == 0)
+  def _init():
+    dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+    dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+  _, qi, n_work = q_schedule(mode, ki, step, block_q, block_k, num_q_tiles, groups, streaming)
+  _, hi_sparse = q_tile_range(ki, block_q, block_k, num_q_tiles, streaming)
+
+  def body(use_fa, use_sa, mixed):
+    q, do = q_ref[...], do_ref[...]
+    s, causal, window = _scores(q, k_ref[...], qi, ki, scale=scale, block_q=block_q,
+                                block_k=block_k, seq_len=seq_len, streaming=streaming)
+    dp = lax.dot_general(do, v_ref[...], _NT, preferred_element_type=jnp.float32)
+    r = gate_ref[slot] if mixed else None
+    p, ds = _backward_terms(s, causal, window, dp, stats_ref[...], r, use_fa, use_sa)
+    dv_acc[...] += lax.dot_general(p.astype(do.dtype), do, _TN,
+                                   preferred_element_type=jnp.float32)
+    dk_acc[...] += lax.dot_general(ds.astype(q.dtype), q, _TN,
+                                   preferred_element_type=jnp.float32)
+
+  _by_mode(mode, step < n_work, qi < hi_sparse, body)
+
+  @pl.when(step == groups * num_q_tiles - 1)
+  def _finish():
+    dk_ref[...] = (dk_acc[...] * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("streaming", "block_q", "block_k", "interpret"))
+def hybrid_backward(residuals, d_out, streaming: Streaming, *, block_q: int = 128,
+                    block_k: int = 128, interpret: bool = False):
+  """(dq, dk, dv, d_gate) from `hybrid_forward_train`'s residuals and dO [B, T, N, D]."""
+  q, k, v, gate_bk, o_fa, o_sa, lse = residuals
+  b, t, n, d = q.shape
+  kh = k.shape[2]
+  groups = n // kh
+  block_q, block_k, tp = _tiles(t, block_q, block_k)
+  nq, nk = tp // block_q, tp // block_k
+  d_fa, d_sa, d_gate = row_deltas(d_out, o_fa, o_sa, gate_bk)
+  # Padded query rows have dO = 0 and D = 0, so they add nothing to dK and dV.
+  deltas = pad_to(jnp.stack([d_fa, d_sa], axis=1), 2, tp).transpose(0, 3, 1, 2)[..., None]
+  stats = jnp.concatenate([lse, deltas], axis=2)  # [B, N, 4, Tp, 1]
+  qt, kt, vt, d_out_t = _heads_major(tp, q, k, v, d_out.astype(q.dtype))
+  gate = gate_bk.astype(jnp.float32).reshape(-1)
+  modes = modes_from_gate(gate)
+  common = dict(scale=d ** -0.5, block_q=block_q, block_k=block_k, seq_len=t,
+                num_kv_heads=kh, groups=groups, streaming=streaming)
+  smem = pl.BlockSpec(memory_space=pltpu.SMEM)
+  params = dict(compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS),
+                interpret=pltpu.InterpretParams() if interpret else False)
+
+  def kv_map(bi, hi, qi, j, modes_ref):
+    tile, _ = kv_schedule(modes_ref[bi * kh + hi // groups], qi, j, block_q, block_k,
+                          streaming)
+    return bi, hi // groups, tile, 0
+
+  q_map = lambda bi, hi, qi, j, m: (bi, hi, qi, 0)
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, kv_steps=nk, **common),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1,
+          grid=(b, n, nq, nk),
+          in_specs=[
+              smem,
+              pl.BlockSpec((None, None, block_q, d), q_map),
+              pl.BlockSpec((None, None, block_k, d), kv_map),
+              pl.BlockSpec((None, None, block_k, d), kv_map),
+              pl.BlockSpec((None, None, block_q, d), q_map),
+              pl.BlockSpec((None, None, 4, block_q, 1),
+                           lambda bi, hi, qi, j, m: (bi, hi, 0, qi, 0)),
+          ],
+          out_specs=pl.BlockSpec((None, None, block_q, d), q_map),
+          scratch_shapes=[pltpu.VMEM((block_q, d), jnp.float32)]),
+      out_shape=jax.ShapeDtypeStruct((b, n, tp, d), q.dtype),
+      name="elastic_hybrid_backward_dq_tpu", **params,
+  )(modes, gate, qt, kt, vt, d_out_t, stats)
+
+  def q_side(bi, hi, kj, step, modes_ref):
+    g, qi, _ = q_schedule(modes_ref[bi * kh + hi], kj, step, block_q, block_k, nq, groups,
+                          streaming)
+    return bi, hi * groups + g, qi
+
+  def stats_map_t(*grid_and_modes):
+    bi, head, qi = q_side(*grid_and_modes)
+    return bi, head, 0, qi, 0
+
+  q_map_t = lambda *a: (*q_side(*a), 0)
+  kv_map_t = lambda bi, hi, kj, step, m: (bi, hi, kj, 0)
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkv_kernel, num_q_tiles=nq, **common),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1,
+          grid=(b, kh, nk, groups * nq),
+          in_specs=[
+              smem,
+              pl.BlockSpec((None, None, block_q, d), q_map_t),
+              pl.BlockSpec((None, None, block_k, d), kv_map_t),
+              pl.BlockSpec((None, None, block_k, d), kv_map_t),
+              pl.BlockSpec((None, None, block_q, d), q_map_t),
+              pl.BlockSpec((None, None, 4, block_q, 1), stats_map_t),
+          ],
+          out_specs=[pl.BlockSpec((None, None, block_k, d), kv_map_t)] * 2,
+          scratch_shapes=[pltpu.VMEM((block_k, d), jnp.float32)] * 2),
+      out_shape=[jax.ShapeDtypeStruct((b, kh, tp, d), k.dtype),
+                 jax.ShapeDtypeStruct((b, kh, tp, d), v.dtype)],
+      name="elastic_hybrid_backward_dkv_tpu", **params,
+  )(modes, gate, qt, kt, vt, d_out_t, stats)
+  return _unpad(dq, t), _unpad(dk, t), _unpad(dv, t), d_gate
+
+
+@functools.cache
+def fused_hybrid(block_q: int = 128, block_k: int = 128):
+  """The kernels on (block_q, block_k) tiles as one differentiable
+  fn(q, k, v, gate_bk, streaming, interpret): fused forward, training forward and backward."""
+  tiles = dict(block_q=block_q, block_k=block_k)
+  return with_fused_backward(
+      lambda q, k, v, g, streaming, interpret: hybrid_forward(
+          q, k, v, g, streaming, interpret=interpret, **tiles),
+      lambda q, k, v, g, streaming, interpret: hybrid_forward_train(
+          q, k, v, g, streaming, interpret=interpret, **tiles),
+      lambda streaming, interpret, res, d_out: hybrid_backward(
+          res, d_out, streaming, interpret=interpret, **tiles))
+
+
+_hybrid = fused_hybrid()
 hybrid_attention = functools.partial(kernel_or_reference, _hybrid)

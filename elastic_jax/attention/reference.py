@@ -195,3 +195,26 @@ def dense_causal_attention(q_btnh, k_btkh, v_btkh, segment_ids_bt=None, *, scale
   p = jax.nn.softmax(s, axis=-1).astype(v_btkh.dtype)
   o = jnp.einsum("bkgqs,bskh->bqkgh", p, v_btkh, preferred_element_type=jnp.float32)
   return o.reshape(b, t, n, h).astype(q_btnh.dtype)
+
+
+def dense_hybrid_attention(q_btnh, k_btkh, v_btkh, gate_bk, streaming: Streaming, *,
+                           scale=None):
+  """The textbook [T, T] form of `hybrid_attention` for unpacked rows and one gate per (batch,
+  KV head), [B, K], in float32: the fast-compiling oracle of the kernel tests."""
+  b, t, n, h = q_btnh.shape
+  k = k_btkh.shape[2]
+  scale = h ** -0.5 if scale is None else scale
+  up = lambda x: x.astype(jnp.float32)
+  q = up(q_btnh).reshape(b, t, k, n // k, h)
+  s = jnp.einsum("bqkgh,bskh->bkgqs", q, up(k_btkh)) * scale
+  pos = jnp.arange(t)
+  causal = pos[None, :] <= pos[:, None]
+  window = causal & streaming.allows(pos[:, None], pos[None, :])
+
+  def attend(ok):
+    p = jax.nn.softmax(jnp.where(ok[None, None, None], s, _MASK_VALUE), axis=-1)
+    return jnp.einsum("bkgqs,bskh->bqkgh", p, up(v_btkh))
+
+  r = up(gate_bk)[:, None, :, None, None]
+  o = r * attend(causal) + (1.0 - r) * attend(window)
+  return o.reshape(b, t, n, h)

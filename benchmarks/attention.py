@@ -1,0 +1,600 @@
+"""Hybrid FA/SSA attention on the GPU: our fused kernel and its peers, side by side in one run.
+
+    python benchmarks/attention.py [--lengths 8192 32768 131072] [--msr 0 0.5 0.75 0.875]
+        [--train-lengths 16384 65536] [--skip-torch] [--skip-train] [--json results.json]
+    python benchmarks/attention.py --dry-run [--torch-python PY]   # CPU smoke test, tiny shapes
+
+Shape: B = 1, 32 query / 8 KV heads, head_dim 128, bf16 (the Llama-3.1-8B attention); SSA =
+sink 1 block + local 16 blocks of 128 tokens. MSR m sends round(m * 8) of the 8 KV heads (the
+last ones) to SSA and the others to full causal attention. In order:
+
+1. Check, at the smallest length: ours against the float32 reference
+   (`ops.hybrid_attention(impl="reference")`) on the same inputs, relative error
+   ||out - ref|| / ||ref||, for the forward at every MSR timed and at mixed fractional gates,
+   and for the gradients (dq, dk, dv, dgate) at the first --train-msr. A forward error over
+   1e-2 stops the run. Also the (query, key) pair counts behind TFLOP/s against a brute-force
+   count of the mask.
+2. PyTorch FlexAttention (torch.compile; create_block_mask, BLOCK_SIZE = the SSA block, with
+   the same per-head pattern), forward and forward+backward, in a subprocess
+   (attention_torch.py): torch is never imported here, and it has given its GPU memory back
+   before JAX times anything. No torch, an out-of-memory case or a failure marks Flex "n/a"
+   with the reason.
+3. Forward at --lengths: cuDNN causal (`jax.nn.dot_product_attention(implementation="cudnn",
+   is_causal=True)`); cuDNN sliding window of sink + local tokens (no sink: the window-only
+   cost of an all-streaming model); ours (`ops.hybrid_attention(impl="pallas_gpu")`) at each
+   MSR and at 0 and 1; Flex hybrid; the ideal composition min(cuDNN causal, ours MSR 0) *
+   (1 - MSR) + min(cuDNN window, ours MSR 1) * MSR.
+4. Training at --train-lengths: gradients of sum(out * cot) w.r.t. q, k, v (and the gate for
+   ours, `jax.grad` through `ops.hybrid_attention(impl="pallas_gpu")`) for cuDNN causal, cuDNN
+   window, ours at each --train-msr and with every gate at 0.5 (all heads mixed, as under a
+   relaxed router), and Flex hybrid.
+Then a table per length (printed as each finishes), where the kernel issue's targets stand,
+and --json.
+
+Times are medians after two warm-up calls, by one rule for both libraries
+(`attention_torch.timed`): --reps calls at most, fewer (not under 3) once they have taken
+--seconds. A speed-up is the peer's time over the row's time (> 1: the row is faster).
+TFLOP/s counts the work the pattern needs: 4 * D FLOPs per (query, key) pair; causal pairs for
+full heads, SSA's kept pairs for streaming heads (`router.streaming_kept_fraction`), the
+window's pairs for cuDNN window; forward+backward counts 3.5 forwards. In training ours also
+computes the gate's gradient, which needs O_FA of the streaming heads too: not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from elastic_jax import ops
+from elastic_jax.attention import Streaming
+from elastic_jax.attention.pallas_gpu import Tiles, hybrid_forward, make_hybrid
+from elastic_jax.router import streaming_kept_fraction
+
+from attention_torch import TAG, short, timed  # this folder's PyTorch side; imports no torch
+
+FWD_ERR_MAX = 1e-2       # the check's limit on the forward's relative error
+MIN_REPS = 3
+PAIR_COUNT_MAX = 16384   # brute-force mask counts (T^2 elements) up to this length
+TRAIN_FLOPS = 3.5        # forward + backward, in forwards
+_START = time.perf_counter()
+
+
+def log(msg: str):
+  print(f"[{time.perf_counter() - _START:5.0f} s] {msg}", flush=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bench:
+  """The problem and the functions under test (built once; jit retraces per length)."""
+  n: int              # query heads
+  kh: int             # KV heads
+  d: int              # head dim
+  st: Streaming
+  dry_run: bool
+  timing: tuple       # (reps, min_reps, seconds) for `timed`
+  tiles: tuple        # extra kernel variants, (block_q, block_k, num_stages) each
+  train_tiles: tuple = ()  # extra training variants: "FWD/DQ/DKV", each BQxBKxS[xWARPS]
+
+  @property
+  def window(self) -> int:
+    """Tokens of the cuDNN sliding window: SSA's sink + local span."""
+    return (self.st.sink_blocks + self.st.local_blocks) * self.st.block
+
+  @property
+  def peer(self) -> str:
+    return "XLA" if self.dry_run else "cuDNN"
+
+  def pairs(self, t: int):
+    """(query, key) pairs one head needs at length t: (causal, SSA kept, window)."""
+    causal = t * (t + 1) // 2
+    kept = float(streaming_kept_fraction(jnp.asarray(t), self.st)) * causal
+    w = min(t, self.window)
+    return causal, kept, w * (w + 1) // 2 + (t - w) * w
+
+  def hybrid_work(self, t: int, s: int) -> float:
+    """Forward FLOPs with s of the KV heads streaming."""
+    causal, kept, _ = self.pairs(t)
+    return 4 * self.d * (self.n // self.kh) * ((self.kh - s) * causal + s * kept)
+
+  def gate(self, s: int) -> jax.Array:
+    """[1, K]: the last s KV heads stream (r = 0), the others are full (r = 1)."""
+    return jnp.asarray([[1.0] * (self.kh - s) + [0.0] * s], jnp.float32)
+
+  def inputs(self, t: int, with_cot: bool = False):
+    """Random bf16 q [1, T, N, D], k and v [1, T, K, D] (and a cotangent shaped like q)."""
+    keys = jax.random.split(jax.random.key(t), 4)
+    shapes = [(1, t, self.n, self.d), (1, t, self.kh, self.d), (1, t, self.kh, self.d)]
+    shapes += [(1, t, self.n, self.d)] if with_cot else []
+    return [jax.random.normal(key, shape, jnp.bfloat16) for key, shape in zip(keys, shapes)]
+
+  # The functions under test: q, k, v[, gate] -> out.
+  def cudnn(self, q, k, v, *, window: bool = False):
+    return jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="xla" if self.dry_run else "cudnn",
+        local_window_size=(self.window - 1, 0) if window else None)
+
+  def ours(self, q, k, v, gate, *, impl: str = "pallas_gpu"):
+    extra = {"interpret": True} if self.dry_run and impl == "pallas_gpu" else {}
+    return ops.hybrid_attention(q, k, v, gate, sink_blocks=self.st.sink_blocks,
+                                local_blocks=self.st.local_blocks, block=self.st.block,
+                                impl=impl, **extra)
+
+  def tiled(self, tiles):
+    bq, bk, stages = tiles
+    return jax.jit(functools.partial(hybrid_forward, streaming=self.st, block_q=bq, block_k=bk,
+                                     num_stages=stages, interpret=self.dry_run))
+
+
+  def trained(self, spec: str):
+    """q, k, v, gate -> out through `make_hybrid` with the tiles of a --train-tiles spec."""
+    f, dq, dkv = (Tiles(*(int(x) for x in part.split("x"))) for part in spec.split("/"))
+    fn = make_hybrid(train_forward_tiles=f, dq_tiles=dq, dkv_tiles=dkv)
+    return lambda q, k, v, gate: fn(q, k, v, gate, self.st, self.dry_run)
+
+
+def fwd_bwd(attend, n_args: int):
+  """jit of the gradients of sum(attend(*args) * cot) w.r.t. all n_args args: f(cot, *args)."""
+  def loss(cot, *args):
+    return jnp.sum(attend(*args).astype(jnp.float32) * cot.astype(jnp.float32))
+  return jax.jit(jax.grad(loss, argnums=tuple(range(1, n_args + 1))))
+
+
+@dataclasses.dataclass
+class Row:
+  """One case of a table. Speed-ups and targets look rows up by `key` (cudnn_causal,
+  cudnn_window, ours, ours[BQxBKxS], ours_mixed, flex, ideal) and `streams` (KV heads
+  streaming; None where no routing applies); `work` is the FLOPs the pattern needs."""
+  kernel: str
+  key: str
+  streams: int | None
+  work: float
+  sec: float | None = None
+  reps: int = 0
+  first_s: float | None = None
+  error: str | None = None
+  note: str | None = None
+
+
+def msr_label(row: Row, kh: int) -> str:
+  if row.key == "ours_mixed":
+    return "mix"
+  return "-" if row.streams is None else f"{row.streams / kh:g}"
+
+
+def measure(b: Bench, row: Row, label: str, fn, *args) -> Row:
+  """Times fn(*args) into `row`; a failure (a peer that does not run here) is recorded."""
+  what = f"{label}: {row.kernel} {msr_label(row, b.kh)}"
+  try:
+    row.sec, row.reps, row.first_s = timed(lambda: jax.block_until_ready(fn(*args)),
+                                           *b.timing)
+    log(f"{what}: {row.sec * 1e3:.3f} ms ({row.reps} reps, first call {row.first_s:.1f} s)")
+  except Exception as e:
+    row.error = short(e)
+    log(f"{what}: failed, {row.error}")
+  return row
+
+
+@dataclasses.dataclass
+class Flex:
+  """The PyTorch worker's results keyed (mode, T, streams), its versions, why any are missing."""
+  results: dict
+  meta: dict
+  missing: str
+
+  def row(self, mode: str, t: int, s: int, work: float) -> Row:
+    row = Row("Flex hybrid", "flex", s, work)
+    rec = self.results.get((mode, t, s))
+    if rec is None:
+      row.error = self.missing
+    elif "error" in rec:
+      row.error = rec["error"]
+    else:
+      row.sec, row.reps, row.first_s = rec["ms"] / 1e3, rec["reps"], rec["first_s"]
+    return row
+
+
+def torch_request(args, b: Bench, streams, train_streams) -> dict:
+  reps, min_reps, seconds = b.timing
+  return {"heads": [b.n, b.kh], "head_dim": b.d, "block": b.st.block,
+          "sink_blocks": b.st.sink_blocks, "local_blocks": b.st.local_blocks,
+          "lengths": args.lengths, "streams": streams,
+          "train_lengths": [] if args.skip_train else args.train_lengths,
+          "train_streams": train_streams, "reps": reps, "min_reps": min_reps,
+          "seconds": seconds, "count_pairs_max": min(PAIR_COUNT_MAX, min(args.lengths)),
+          "allow_cpu": args.dry_run}
+
+
+def run_torch(args, request: dict) -> Flex:
+  """Runs attention_torch.py in a subprocess and collects its `@flex` lines."""
+  if args.skip_torch:
+    return Flex({}, {"error": "--skip-torch"}, "--skip-torch")
+  cmd = [args.torch_python, str(Path(__file__).with_name("attention_torch.py")),
+         json.dumps(request)]
+  log(f"FlexAttention in a subprocess ({args.torch_python}) ...")
+  out, note = "", None
+  try:
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.torch_timeout)
+    out = proc.stdout
+    if proc.returncode:
+      note = f"torch worker exited with status {proc.returncode}"
+  except subprocess.TimeoutExpired as e:
+    out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+    note = f"torch worker stopped after --torch-timeout {args.torch_timeout:g} s"
+  except OSError as e:
+    note = f"torch worker did not start ({short(e)})"
+  results, meta = {}, {}
+  for line in out.splitlines():
+    if line.startswith(TAG + " "):
+      rec = json.loads(line[len(TAG) + 1:])
+      if rec.get("kind") == "meta":
+        meta = rec
+      else:
+        results[(rec["mode"], rec["T"], rec["streams"])] = rec
+    elif line.strip():
+      print(f"[torch stdout] {line}")
+  if note:
+    meta["note"] = note
+  missing = meta.get("error") or note or "not measured by the torch worker"
+  log(f"FlexAttention done: {len(results)} cases"
+      + (f" ({missing})" if meta.get("error") or note else ""))
+  return Flex(results, meta, missing)
+
+
+def dist_version(name: str) -> str:
+  try:
+    return importlib.metadata.version(name)
+  except importlib.metadata.PackageNotFoundError:
+    return "not installed"
+
+
+def rel_err(got, want) -> float:
+  """||got - want|| / ||want||; the absolute error where want is 0 (dgate when T fits in the
+  SSA window, so that SSA = FA); infinite if got is not finite."""
+  got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+  if not bool(jnp.isfinite(got).all()):
+    return float("inf")
+  err, norm = float(jnp.linalg.norm(got - want)), float(jnp.linalg.norm(want))
+  return err / norm if norm > 0 else err
+
+
+def check(b: Bench, t: int, streams, grad_streams: int):
+  """Ours against the float32 reference at length t, and the pair counts (see the docstring).
+
+  Returns (results, the --tiles variants that run here).
+  """
+  out = {"T": t}
+  if t <= PAIR_COUNT_MAX:
+    p = jnp.arange(t)
+    causal_qk = p[None, :] <= p[:, None]
+    causal = int(causal_qk.sum())
+    kept = int((causal_qk & b.st.allows(p[:, None], p[None, :])).sum())
+    _, closed, _ = b.pairs(t)
+    ok = causal == t * (t + 1) // 2 and abs(closed - kept) <= 1e-6 * causal
+    out["pairs_brute_force"] = {"causal": causal, "kept": kept, "kept_closed_form": closed,
+                                "agree": ok}
+    log(f"check T={t}: one head's pairs, brute force over the mask: causal {causal}, SSA kept "
+        f"{kept}; closed form {closed:.0f}: {'agree' if ok else 'DISAGREE'}")
+  q, k, v, cot = b.inputs(t, with_cot=True)
+  up = [x.astype(jnp.float32) for x in (q, k, v)]
+  ref = jax.jit(functools.partial(b.ours, impl="reference"))
+  ours = {"ours": jax.jit(b.ours)}
+  spec = lambda tl: f"ours[{'x'.join(map(str, tl))}]"
+  ours.update({spec(tl): b.tiled(tl) for tl in b.tiles})
+  mixed = jnp.asarray([[(1.0, 0.0, 0.5, 0.0, 1.0, 0.0, 0.2, 0.0)[i % 8]
+                        for i in range(b.kh)]], jnp.float32)
+  gates = [(f"msr {s / b.kh:g}", b.gate(s)) for s in streams] + [("mixed gates", mixed)]
+  fwd = {}
+  for label, gate in gates:
+    want = ref(*up, gate)
+    for name, fn in list(ours.items()):
+      try:
+        err = rel_err(fn(q, k, v, gate), want)
+      except Exception as e:
+        if name == "ours":  # the kernel does not run: the run stops on this infinite error
+          err = float("inf")
+          out["error"] = short(e)
+          log(f"check T={t} forward {label} ours: failed, {out['error']}")
+        else:  # a --tiles variant over the shared-memory limit, say
+          log(f"check T={t} {name} does not run here, dropped: {short(e)}")
+          del ours[name]
+          continue
+      fwd[f"{name} {label}"] = err
+      log(f"check T={t} forward {label} {name}: rel err {err:.2e} (limit {FWD_ERR_MAX:g})")
+  out["forward"] = fwd
+  gate = b.gate(grad_streams)
+  try:
+    got = fwd_bwd(b.ours, 4)(cot, q, k, v, gate)
+    want = fwd_bwd(functools.partial(b.ours, impl="reference"), 4)(cot, *up, gate)
+    out["grad"] = {name: rel_err(g, w) for name, g, w in zip(("dq", "dk", "dv", "dgate"),
+                                                             got, want)}
+    log(f"check T={t} gradients at msr {grad_streams / b.kh:g}: " + ", ".join(
+        f"{name} rel err {e:.2e}" for name, e in out["grad"].items()))
+  except Exception as e:
+    out["grad"] = {"error": short(e)}
+    log(f"check T={t} gradients: failed, {out['grad']['error']}")
+  return out, tuple(tl for tl in b.tiles if spec(tl) in ours)
+
+
+def forward_rows(b: Bench, t: int, streams, flex: Flex) -> list[Row]:
+  q, k, v = b.inputs(t)
+  causal, kept, window = b.pairs(t)
+  label = f"forward T={t}"
+  rows = [measure(b, Row(f"{b.peer} causal", "cudnn_causal", None, b.hybrid_work(t, 0)),
+                  label, jax.jit(b.cudnn), q, k, v),
+          measure(b, Row(f"{b.peer} window {b.window}", "cudnn_window", None,
+                         4 * b.d * b.n * window),
+                  label, jax.jit(functools.partial(b.cudnn, window=True)), q, k, v)]
+  ours = jax.jit(b.ours)
+  tiled = {"x".join(map(str, tl)): b.tiled(tl) for tl in b.tiles}
+  for s in streams:
+    work, gate = b.hybrid_work(t, s), b.gate(s)
+    rows.append(measure(b, Row("ours", "ours", s, work), label, ours, q, k, v, gate))
+    for spec, fn in tiled.items():
+      rows.append(measure(b, Row(f"ours, tiles {spec}", f"ours[{spec}]", s, work), label, fn,
+                          q, k, v, gate))
+    rows.append(flex.row("forward", t, s, work))
+    rec = flex.results.get(("forward", t, s), {})
+    if "pairs" in rec:
+      want = (b.n // b.kh) * ((b.kh - s) * causal + s * kept)
+      ok = abs(rec["pairs"] - want) <= 1e-6 * want
+      rows[-1].note = (f"mask keeps {rec['pairs']} pairs, ours {want:.0f}: "
+                       + ("same pattern" if ok else "MISMATCH"))
+      log(f"{label}: Flex {msr_label(rows[-1], b.kh)}: {rows[-1].note}")
+    rows.append(ideal(rows, b.kh, s, work))
+  return rows
+
+
+def ideal(rows: list[Row], kh: int, s: int, work: float) -> Row:
+  """min(full kernels) * (1 - MSR) + min(window kernels) * MSR, from rows timed already."""
+  def best(*which):
+    secs = [r.sec for r in rows if (r.key, r.streams) in which and r.sec is not None]
+    return min(secs) if secs else None
+  m = s / kh
+  full = best(("cudnn_causal", None), ("ours", 0)) if m < 1 else 0.0
+  window = best(("cudnn_window", None), ("ours", kh)) if m > 0 else 0.0
+  row = Row("ideal composition", "ideal", s, work)
+  if full is None or window is None:
+    row.error = "its parts were not timed"
+  else:
+    row.sec = full * (1 - m) + window * m
+  return row
+
+
+def train_rows(b: Bench, t: int, train_streams, flex: Flex) -> list[Row]:
+  q, k, v, cot = b.inputs(t, with_cot=True)
+  label = f"train T={t}"
+  full = TRAIN_FLOPS * b.hybrid_work(t, 0)
+  _, _, window = b.pairs(t)
+  rows = [measure(b, Row(f"{b.peer} causal", "cudnn_causal", None, full),
+                  label, fwd_bwd(b.cudnn, 3), cot, q, k, v),
+          measure(b, Row(f"{b.peer} window {b.window}", "cudnn_window", None,
+                         TRAIN_FLOPS * 4 * b.d * b.n * window),
+                  label, fwd_bwd(functools.partial(b.cudnn, window=True), 3), cot, q, k, v)]
+  ours = fwd_bwd(b.ours, 4)
+  for s in train_streams:
+    work = TRAIN_FLOPS * b.hybrid_work(t, s)
+    rows.append(measure(b, Row("ours", "ours", s, work), label, ours, cot, q, k, v, b.gate(s)))
+    rows.append(flex.row("train", t, s, work))
+  rows.append(measure(b, Row("ours, every gate 0.5", "ours_mixed", None, full), label, ours,
+                      cot, q, k, v, jnp.full((1, b.kh), 0.5, jnp.float32)))
+  for spec in b.train_tiles:
+    variant = fwd_bwd(b.trained(spec), 4)
+    for s in train_streams:
+      rows.append(measure(b, Row(f"ours, tiles {spec}", f"ours[{spec}]", s,
+                                 TRAIN_FLOPS * b.hybrid_work(t, s)),
+                          label, variant, cot, q, k, v, b.gate(s)))
+  return rows
+
+
+def annotate(rows: list[Row], kh: int) -> list[dict]:
+  """Rows as dicts with ms, TFLOP/s and speed-ups over cuDNN causal and Flex (same MSR)."""
+  base = next((r.sec for r in rows if r.key == "cudnn_causal"), None)
+  flex = {r.streams: r.sec for r in rows if r.key == "flex"}
+  out = []
+  for r in rows:
+    f = flex.get(r.streams) if r.streams is not None and r.key != "flex" else None
+    ok = r.sec is not None
+    out.append(dict(dataclasses.asdict(r), msr=msr_label(r, kh),
+                    ms=r.sec * 1e3 if ok else None,
+                    tflops=r.work / r.sec / 1e12 if ok else None,
+                    vs_cudnn_causal=base / r.sec if ok and base else None,
+                    vs_flex=f / r.sec if ok and f else None))
+  return out
+
+
+def print_table(title: str, rows: list[dict]):
+  print(f"\n{title}")
+  print(f"  {'kernel':<24} {'MSR':>5} {'ms':>10} {'reps':>4} {'TFLOP/s':>8} "
+        f"{'vs cuDNN causal':>15} {'vs Flex hybrid':>14}")
+  x = lambda v: f"{v:.2f}x" if v is not None else "-"
+  for r in rows:
+    if r["ms"] is None:
+      print(f"  {r['kernel']:<24} {r['msr']:>5} {'n/a':>10}  ({r['error']})")
+      continue
+    reps = r["reps"] or "-"
+    print(f"  {r['kernel']:<24} {r['msr']:>5} {r['ms']:>10.3f} {reps:>4} {r['tflops']:>8.1f} "
+          f"{x(r['vs_cudnn_causal']):>15} {x(r['vs_flex']):>14}")
+
+
+def targets(fwd: dict, train: dict, kh: int) -> list[dict]:
+  """Where the kernel issue's targets stand (at 128K forward and 64K training, or the longest
+  lengths timed)."""
+  def sec(rows, key, s=None):
+    return next((r["sec"] for r in rows if r["key"] == key and r["streams"] == s), None)
+
+  def ratio(a, b):
+    return a / b if a is not None and b is not None else None
+
+  out = []
+  s75 = round(0.75 * kh)
+  m75 = f"MSR {s75 / kh:g}"
+  if fwd:
+    t = 131072 if 131072 in fwd else max(fwd)
+    rows = fwd[t]
+    cc, cw = sec(rows, "cudnn_causal"), sec(rows, "cudnn_window")
+    ours = lambda s: sec(rows, "ours", s)
+    out += [
+        (f"T={t} {m75}: ours vs Flex hybrid, speed-up",
+         ratio(sec(rows, "flex", s75), ours(s75)), ">=", 1.6),
+        (f"T={t} {m75}: ours vs cuDNN causal, speed-up", ratio(cc, ours(s75)), ">=", 3.5),
+        (f"T={t} MSR 0: ours / cuDNN causal throughput", ratio(cc, ours(0)), ">=", 0.95),
+        (f"T={t} MSR 1: ours vs cuDNN window, speed-up", ratio(cw, ours(kh)), ">=", 1.0)]
+  if train:
+    t = 65536 if 65536 in train else max(train)
+    rows = train[t]
+    cc = sec(rows, "cudnn_causal")
+    out += [(f"train T={t} {m75}: ours / cuDNN causal fwd+bwd time",
+             ratio(sec(rows, "ours", s75), cc), "<=", 1.15),
+            (f"train T={t} every gate 0.5: ours / cuDNN causal fwd+bwd time",
+             ratio(sec(rows, "ours_mixed"), cc), "<=", 1.15)]
+  return [{"target": name, "value": v, "goal": f"{op} {goal:g}",
+           "met": None if v is None else (v >= goal if op == ">=" else v <= goal)}
+          for name, v, op, goal in out]
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 131072],
+                 help="forward lengths T (the smallest is also the check's)")
+  p.add_argument("--msr", type=float, nargs="+", default=[0, 0.5, 0.75, 0.875],
+                 help="forward MSRs (0 and 1 are always timed for ours and Flex)")
+  p.add_argument("--train-lengths", type=int, nargs="+", default=[16384, 65536])
+  p.add_argument("--train-msr", type=float, nargs="+", default=[0.75],
+                 help="training MSRs (the first is also the gradient check's)")
+  p.add_argument("--reps", type=int, default=20, help="timed calls per case, at most")
+  p.add_argument("--seconds", type=float, default=2.0,
+                 help="stop timing a case after this many seconds of timed calls (and >= 3)")
+  p.add_argument("--skip-torch", action="store_true", help="no FlexAttention")
+  p.add_argument("--skip-train", action="store_true", help="forward only")
+  p.add_argument("--json", type=Path, help="also write every result here")
+  p.add_argument("--tiles", nargs="+", default=[], metavar="BQxBKxS",
+                 help="also time the raw kernel (hybrid_forward) with these tiles, e.g. "
+                      "128x64x3: block_q x block_k x num_stages")
+  p.add_argument("--train-tiles", nargs="+", default=[], metavar="FWD/DQ/DKV",
+                 help="also time training with these tiles of the training forward, dQ and "
+                      "dK/dV kernels, each BQxBKxSTAGES[xWARPS], e.g. 128x64x3/64x64x2/64x64x2")
+  p.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("N", "K"))
+  p.add_argument("--head-dim", type=int, default=128)
+  p.add_argument("--block", type=int, default=128, help="SSA block (and Flex BLOCK_SIZE)")
+  p.add_argument("--sink-blocks", type=int, default=1)
+  p.add_argument("--local-blocks", type=int, default=16)
+  p.add_argument("--torch-python", default=sys.executable,
+                 help="interpreter for the PyTorch worker (default: this one)")
+  p.add_argument("--torch-timeout", type=float, default=360,
+                 help="seconds the PyTorch worker may take in all")
+  p.add_argument("--dry-run", action="store_true",
+                 help="CPU smoke test of the plumbing: tiny shapes (unless given), our kernel "
+                      "in interpret mode, XLA in place of cuDNN, Flex on CPU; times mean nothing")
+  args = p.parse_args(argv)
+  if args.dry_run:
+    p.set_defaults(lengths=[256], train_lengths=[256], heads=[16, 8], head_dim=32, block=16,
+                   local_blocks=4, reps=2)
+    args = p.parse_args(argv)
+  n, kh = args.heads
+  if n < 1 or kh < 1 or n % kh:
+    p.error(f"--heads {n} {kh}: query heads must be a positive multiple of the KV heads")
+  if min(args.lengths + args.train_lengths) < 1:
+    p.error("--lengths and --train-lengths must be positive")
+  if not all(0 <= m <= 1 for m in args.msr + args.train_msr):
+    p.error("--msr and --train-msr values must lie in [0, 1]")
+  for spec in args.tiles:
+    parts = spec.split("x")
+    if len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts):
+      p.error(f"--tiles {spec}: expected BQxBKxSTAGES, e.g. 128x64x3")
+  args.tiles = [tuple(int(x) for x in spec.split("x")) for spec in args.tiles]
+  for spec in args.train_tiles:
+    parts = [x.split("x") for x in spec.split("/")]
+    if len(parts) != 3 or not all(len(x) in (3, 4) and all(y.isdigit() and int(y) > 0
+                                                             for y in x) for x in parts):
+      p.error(f"--train-tiles {spec}: expected FWD/DQ/DKV, each BQxBKxSTAGES[xWARPS]")
+  return args
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  # JAX takes GPU memory as it needs it (not 75% up front), so the torch worker has room too.
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  if args.dry_run:
+    jax.config.update("jax_platforms", "cpu")
+  b = Bench(*args.heads, args.head_dim,
+            Streaming(args.sink_blocks, args.local_blocks, args.block), args.dry_run,
+            (args.reps, min(MIN_REPS, args.reps), args.seconds), tuple(args.tiles),
+            tuple(args.train_tiles))
+  streams = sorted({round(m * b.kh) for m in args.msr} | {0, b.kh})
+  train_streams = list(dict.fromkeys(round(m * b.kh) for m in args.train_msr))
+  meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+          "jax": jax.__version__, "python": platform.python_version(), "argv": sys.argv,
+          "shape": {"B": 1, "N": b.n, "K": b.kh, "D": b.d, "dtype": "bfloat16"},
+          "streaming": dataclasses.asdict(b.st), "dry_run": args.dry_run}
+  report = {"meta": meta}
+
+  def finish(code: int = 0):
+    if args.json:
+      args.json.write_text(json.dumps(report, indent=1, default=str) + "\n")
+      log(f"wrote {args.json}")
+    sys.exit(code)
+
+  if args.skip_torch:
+    torch_versions = "torch skipped"
+  elif args.torch_python == sys.executable:  # read from the installed metadata: no import
+    torch_versions = f"torch {dist_version('torch')}, triton {dist_version('triton')}"
+  else:
+    torch_versions = f"torch from {args.torch_python}"
+  print(f"{meta['date']}  {meta['device']} ({meta['backend']})  jax {jax.__version__}  "
+        f"{torch_versions}  python {meta['python']}")
+  print(f"B=1, {b.n}/{b.kh} heads, D={b.d}, bf16; SSA sink {b.st.sink_blocks} + local "
+        f"{b.st.local_blocks} blocks of {b.st.block} (window peers: {b.window} tokens)"
+        + ("; DRY RUN on CPU: times mean nothing" if args.dry_run else ""))
+
+  t_check = min(args.lengths + ([] if args.skip_train else args.train_lengths))
+  report["check"], tiles = check(b, t_check, streams, train_streams[0])
+  b = dataclasses.replace(b, tiles=tiles)
+  worst = max(report["check"]["forward"].values())
+  if worst > FWD_ERR_MAX:
+    log(f"ABORT: forward rel err {worst:.2e} > {FWD_ERR_MAX:g}; nothing timed")
+    finish(1)
+
+  flex = run_torch(args, torch_request(args, b, streams, train_streams))
+  meta["torch"] = flex.meta
+  print(f"torch {flex.meta.get('torch', 'n/a')}, triton {flex.meta.get('triton', 'n/a')}, "
+        f"device {flex.meta.get('device', 'n/a')}"
+        + (f"  (Flex n/a: {flex.missing})" if not flex.results else ""))
+
+  fwd, train = {}, {}
+  for t in args.lengths:
+    fwd[t] = annotate(forward_rows(b, t, streams, flex), b.kh)
+    print_table(f"Forward, T = {t}", fwd[t])
+  if not args.skip_train:
+    for t in args.train_lengths:
+      train[t] = annotate(train_rows(b, t, train_streams, flex), b.kh)
+      print_table(f"Forward + backward (dq, dk, dv; ours also dgate), T = {t}", train[t])
+  report["forward"], report["train"] = fwd, train
+  report["targets"] = targets(fwd, train, b.kh)
+  print(f"\nKernel issue targets ({meta['device']}, jax {jax.__version__}, "
+        f"torch {flex.meta.get('torch', 'n/a')}):")
+  width = max((len(tg["target"]) for tg in report["targets"]), default=0)
+  for tg in report["targets"]:
+    v = "n/a" if tg["value"] is None else f"{tg['value']:.2f}"
+    state = {None: "n/a", True: "met", False: "NOT met"}[tg["met"]]
+    print(f"  {tg['target']:<{width}} {v:>6}  target {tg['goal']:<7} {state}")
+  log("done")
+  finish(0)
+
+
+if __name__ == "__main__":
+  main()
