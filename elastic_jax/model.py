@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from elastic_jax import parallel
 from elastic_jax import router as rt
 from elastic_jax.attention import get_attention, get_hybrid_attention
 from elastic_jax.config import ModelConfig, rope_inv_freq
@@ -134,13 +135,15 @@ class Attention(nn.Module):
     kk = nn.with_logical_constraint(apply_rope(kk, cos, sin),
                                     ("batch", "seq", "act_kv_heads", None))
     if self.mode == "full":
-      out = get_attention(self.attn_impl)(q, kk, v, segment_ids_bt)
+      # A mesh and rules that split "seq" make this sequence parallel (parallel.py).
+      out = parallel.for_context(get_attention(self.attn_impl), hybrid=False)(
+          q, kk, v, segment_ids_bt)
     else:
       gate_btk = None if self.mode == "sparse" else rt.gates_per_token(gate_bsk, segment_ids_bt)
       # One unpadded input per row: the kernels need no segment ids or positions.
       seg, pos = (segment_ids_bt, ctx.positions) if self.packed else (None, None)
-      out = get_hybrid_attention(self.attn_impl)(q, kk, v, gate_btk, self.rcfg.streaming,
-                                                 seg, pos)
+      out = parallel.for_context(get_hybrid_attention(self.attn_impl), hybrid=True)(
+          q, kk, v, gate_btk, self.rcfg.streaming, seg, pos)
     wo = _param(self, "o_kernel", (n, h, e), ("q_heads", "head_dim", "embed"), dtype=dt)
     y = jnp.einsum("btnh,nhe->bte", out, wo)
     if cfg.attention_bias:
