@@ -55,17 +55,20 @@ def test_eval_bad_input_exits_2(tmp_path):
 
 
 def test_train_smoke_run(tmp_path):
-  proc = _run("train.py", "--steps", "4", "--batch", "2", "--length", "64", "--log-every", "2",
-              "--out", str(tmp_path / "run"))
+  run = tmp_path / "run"
+  proc = _run("train.py", "train.steps=4", "data.global_batch=8", "data.seq_len=64",
+              "log.every_steps=2", "checkpoint.every_steps=0", f"run_dir={run}")
   assert proc.returncode == 0, proc.stderr
-  assert "step    4/4" in proc.stdout and "tok/s" in proc.stdout
-  assert "held-out inference MSR" in proc.stdout
-  lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+  assert "step     4/4" in proc.stdout and "tok/s" in proc.stdout
+  assert "held-out MSR per task" in proc.stdout
+  lines = (run / "metrics.jsonl").read_text().splitlines()
   assert [json.loads(x)["step"] for x in lines] == [2, 4]
 
 
 def test_train_bad_arguments_exit_2(tmp_path):
-  proc = _run("train.py", "--steps", "0", "--out", str(tmp_path / "run"))
+  proc = _run("train.py", "train.steps=0", f"run_dir={tmp_path / 'run'}")
   assert proc.returncode == 2 and proc.stderr.startswith("error:")
-  proc = _run("train.py", "--model-config", str(tmp_path / "missing.json"))
+  assert "train" in proc.stderr and "steps" in proc.stderr
+  proc = _run("train.py", f"model.path={tmp_path / 'missing.json'}")
   assert proc.returncode == 2 and "missing.json" in proc.stderr
+  assert not (tmp_path / "run").exists()

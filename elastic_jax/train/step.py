@@ -3,7 +3,8 @@
 Only the routers and the multipliers train. The backbone is an argument of the step, never
 differentiated and never given optimizer state; it comes out untouched.
 
-A batch is a dict of arrays (B rows of T tokens, S segment slots per row):
+A batch is a dict of arrays (B rows of T tokens, S segment slots per row), optionally with a
+leading micro-batch axis [M, B/M, ...] whose gradients are accumulated:
   input_ids [B, T] int32     targets [B, T] int32 (next token)   loss_mask [B, T] (answer)
   segment_ids [B, T] int32 (0 = padding, 1.. = packed segments; must be < max_segments)
   positions [B, T] int32 (within the segment)   prompt_mask [B, T] bool
@@ -45,6 +46,8 @@ class TrainConfig:
   tau_frac: float = 0.6
   attn_impl: str = "reference"
   remat: bool = True                # rematerialise each layer in the backward pass
+  packed: bool = True               # rows may hold several samples or padding; False promises
+                                    # one unpadded sample per row, so the fused kernels run
 
   def __post_init__(self):
     if self.steps < 1:
@@ -91,12 +94,12 @@ def init_train_state(cfg: ModelConfig, rcfg: RouterConfig, tcfg: TrainConfig,
                     make_optimizer(tcfg).init(trainable), k_state)
 
 
-def _loss(trainable, backbone, batch, key, tau, *, cfg, rcfg, ocfg, tcfg):
+def _loss(trainable, backbone, batch, key, tau, *, cfg, rcfg, ocfg, tcfg, rules):
   logits, stats = forward_routed(
       backbone, batch["input_ids"], batch["positions"], batch["segment_ids"],
       batch["prompt_mask"], cfg=cfg, rcfg=rcfg, mode="elastic",
       router_params=trainable["router"], key=key, tau=tau, attn_impl=tcfg.attn_impl,
-      remat=tcfg.remat)
+      remat=tcfg.remat, rules=rules, packed=tcfg.packed)
   lm = answer_cross_entropy(logits, batch["targets"], batch["loss_mask"])
   msr_bs = msr(stats["gate"])
   penalty, msr_task, count = sparsity_penalty(msr_bs, batch["task_ids"], trainable["lambdas"],
@@ -107,15 +110,39 @@ def _loss(trainable, backbone, batch, key, tau, *, cfg, rcfg, ocfg, tcfg):
   return lm + penalty, aux
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "rcfg", "ocfg", "tcfg"), donate_argnums=0)
+def _loss_and_grads(trainable, backbone, batch, key, tau, **kw):
+  """Loss, metrics and gradients; a batch with a leading micro-batch axis [M, B/M, ...] is
+  run one micro-batch at a time (`lax.scan`) and its gradients averaged."""
+  grad_fn = jax.value_and_grad(_loss, has_aux=True)
+  if batch["input_ids"].ndim == 2:
+    return grad_fn(trainable, backbone, batch, key, tau, **kw)
+  m = batch["input_ids"].shape[0]
+
+  def body(acc, xs):
+    mb, k = xs
+    out = grad_fn(trainable, backbone, mb, k, tau, **kw)
+    return jax.tree.map(jnp.add, acc, out), None
+
+  zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(
+      grad_fn, trainable, backbone, jax.tree.map(lambda x: x[0], batch), key, tau, **kw))
+  total, _ = jax.lax.scan(body, zeros, (batch, jax.random.split(key, m)))
+  (loss, aux), grads = jax.tree.map(lambda x: x / m, total)
+  aux["task_count"] = aux["task_count"] * m  # a count, not a mean
+  return (loss, aux), grads
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "rcfg", "ocfg", "tcfg", "rules"),
+                   donate_argnums=0)
 def train_step(state: TrainState, backbone: dict, batch: dict, *, cfg: ModelConfig,
-               rcfg: RouterConfig, ocfg: ObjectiveConfig, tcfg: TrainConfig):
-  """One optimizer step on the routers (descent) and multipliers (ascent)."""
+               rcfg: RouterConfig, ocfg: ObjectiveConfig, tcfg: TrainConfig,
+               rules: tuple | None = None):
+  """One optimizer step on the routers (descent) and multipliers (ascent). `rules`: the
+  logical-axis rules of the mesh in use (`sharding.rules_for`), None on one device."""
   key, step_key = jax.random.split(state.key)
   tau = temperature(state.step, tcfg)
   backbone = jax.lax.stop_gradient(backbone)
-  (loss, aux), grads = jax.value_and_grad(_loss, has_aux=True)(
-      state.trainable, backbone, batch, step_key, tau, cfg=cfg, rcfg=rcfg, ocfg=ocfg, tcfg=tcfg)
+  (loss, aux), grads = _loss_and_grads(state.trainable, backbone, batch, step_key, tau,
+                                       cfg=cfg, rcfg=rcfg, ocfg=ocfg, tcfg=tcfg, rules=rules)
   updates, opt_state = make_optimizer(tcfg).update(grads, state.opt_state, state.trainable)
   trainable = optax.apply_updates(state.trainable, updates)
   per_layer_norm = jnp.sqrt(sum(jnp.sum(g.reshape(g.shape[0], -1) ** 2, axis=1)

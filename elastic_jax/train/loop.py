@@ -1,0 +1,346 @@
+"""The router-training run behind train.py: mesh, frozen backbone, data, train state,
+checkpoints, progress, metrics, evaluation and the final router export.
+
+Every process runs this same code (`jax.distributed` for many hosts). The backbone is loaded
+once, sharded over the mesh by its logical axes and never saved; only the routers, the
+multipliers, the optimizer state, the step and the data order are checkpointed, so a resumed
+run continues bit-exactly. SIGTERM or SIGINT make the run save at the end of the current step
+and stop cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from elastic_jax import sharding
+from elastic_jax.config import ModelConfig, read_config_file
+from elastic_jax.errors import ElasticJaxError
+from elastic_jax.model import abstract_params, forward_routed_jit, init_params
+from elastic_jax.router import msr
+from elastic_jax.train import export
+from elastic_jax.train.checkpointing import PreemptionGuard, TrainCheckpointer, train_fingerprint
+from elastic_jax.train.objective import TASK_TYPES
+from elastic_jax.train.run_config import (RunConfig, check_batch_layout, dump_run_config,
+                                          resolve_mesh_shape, resolve_model_path)
+from elastic_jax.train.step import init_train_state, train_step
+from elastic_jax.train.synthetic import synthetic_batch
+
+
+def say(msg: str) -> None:
+  """Progress for people: printed by the first process only."""
+  if jax.process_index() == 0:
+    print(msg, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backbone and mesh
+
+
+def load_backbone(cfg: RunConfig, mesh) -> tuple[ModelConfig, dict]:
+  """The frozen backbone, placed on the mesh by its logical axes (random for a config JSON)."""
+  path = resolve_model_path(cfg.model)
+  if cfg.model.random_init:
+    mcfg, _ = read_config_file(path)
+    shapes, axes = abstract_params(mcfg, cfg.model.dtype)
+    shardings = sharding.param_shardings(axes, mesh, shapes)
+    init = jax.jit(lambda key: init_params(mcfg, key, cfg.model.dtype), out_shardings=shardings)
+    return mcfg, init(jax.random.key(cfg.seed + 7919))
+  from elastic_jax.api import from_pretrained
+  model = from_pretrained(path, cfg.model.dtype, show_progress=jax.process_index() == 0)
+  shapes, axes = abstract_params(model.config, cfg.model.dtype)
+  shardings = sharding.param_shardings(axes, mesh, shapes)
+  return model.config, jax.device_put(model.params, shardings)
+
+
+def batch_sharding(mesh, micro: bool) -> dict[str, NamedSharding]:
+  """Rows over data x fsdp, tokens over sequence; task ids follow the rows."""
+  rows = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1) or None
+  seq = "sequence" if mesh.shape["sequence"] > 1 else None
+  lead = (None,) if micro else ()
+  tokens = NamedSharding(mesh, PartitionSpec(*lead, rows, seq))
+  slots = NamedSharding(mesh, PartitionSpec(*lead, rows, None))
+  return {k: slots if k == "task_ids" else tokens
+          for k in ("input_ids", "targets", "loss_mask", "segment_ids", "positions",
+                    "prompt_mask", "task_ids")}
+
+
+def to_global(local: dict[str, np.ndarray], shardings, micro: int | None) -> dict:
+  """This process's rows -> global arrays; micro-batched as [M, rows/M, ...] when asked."""
+  out = {}
+  for k, x in local.items():
+    if micro:
+      x = x.reshape(micro, x.shape[0] // micro, *x.shape[1:])
+      global_shape = (micro, x.shape[1] * jax.process_count(), *x.shape[2:])
+    else:
+      global_shape = (x.shape[0] * jax.process_count(), *x.shape[1:])
+    out[k] = jax.make_array_from_process_local_data(shardings[k], x, global_shape)
+  return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Data
+
+
+class SyntheticData:
+  """Synthetic two-task rows (train/synthetic.py) with the TrainData interface."""
+
+  def __init__(self, cfg: RunConfig, vocab: int, seed_offset: int = 0):
+    self.cfg, self.vocab, self.seed = cfg, vocab, cfg.data.shuffle_seed + seed_offset
+    self.step = 0
+    self.stats = {"source": "synthetic"}
+
+  def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    d = self.cfg.data
+    b = synthetic_batch(self.step, d.global_batch, d.seq_len, self.vocab,
+                        prompt_frac=d.synthetic.prompt_frac, max_segments=d.max_segments,
+                        seed=self.seed)
+    self.step += 1
+    per = d.global_batch // jax.process_count()
+    lo = jax.process_index() * per
+    return {k: v[lo:lo + per] for k, v in b.items()}
+
+  def state(self) -> dict:
+    return {"synthetic_step": self.step, "fingerprint": f"synthetic-{self.seed}"}
+
+  def restore(self, state: dict) -> "SyntheticData":
+    if state.get("fingerprint") != f"synthetic-{self.seed}":
+      raise ElasticJaxError("the checkpoint's data state is not this run's synthetic data")
+    self.step = int(state["synthetic_step"])
+    return self
+
+  @property
+  def fingerprint(self) -> str:
+    return f"synthetic-{self.seed}"
+
+
+def make_data(cfg: RunConfig, vocab: int, path: str | None, *, eval_split: bool = False):
+  if path is None:
+    return SyntheticData(cfg, vocab, seed_offset=1000 if eval_split else 0)
+  from elastic_jax.train.data import TrainData
+  if cfg.tokenizer_dir is None:
+    raise ElasticJaxError("data.tokenizer must name a tokenizer dir when the model is a random "
+                          "config and data.train_path is set")
+  d = cfg.data
+  return TrainData(path, cfg.tokenizer_dir, d.seq_len, d.global_batch, d.max_segments,
+                   overlong=d.overlong, seed=d.shuffle_seed + (1 if eval_split else 0),
+                   use_chat_template=d.use_chat_template, process_index=jax.process_index(),
+                   process_count=jax.process_count(), num_epochs=1 if eval_split else None)
+
+
+def data_fingerprint(data) -> str:
+  return data.fingerprint if isinstance(data, SyntheticData) else data.state()["fingerprint"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics
+
+
+class Metrics:
+  """metrics.jsonl (appended, one object per logged step) and TensorBoard when asked."""
+
+  def __init__(self, cfg: RunConfig):
+    self.jsonl = self.tb = None
+    if jax.process_index() != 0:
+      return
+    os.makedirs(cfg.log_dir, exist_ok=True)
+    if cfg.log.jsonl:
+      self.jsonl = open(os.path.join(cfg.log_dir, "metrics.jsonl"), "a")
+    if cfg.log.tensorboard:
+      try:
+        from tensorboardX import SummaryWriter
+      except ImportError:
+        raise ElasticJaxError("log.tensorboard needs the tensorboardX package (pip install "
+                              "tensorboardX), or set log.tensorboard=false") from None
+      self.tb = SummaryWriter(os.path.join(cfg.log_dir, "tensorboard"))
+
+  def write(self, record: dict[str, Any]) -> None:
+    if self.jsonl:
+      self.jsonl.write(json.dumps(record) + "\n")
+      self.jsonl.flush()
+    if self.tb:
+      for k, v in _flatten(record).items():
+        if k != "step" and isinstance(v, (int, float)):
+          self.tb.add_scalar(k, v, record["step"])
+
+  def close(self) -> None:
+    for f in (self.jsonl, self.tb):
+      if f is not None:
+        f.close()
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flatten(v, f"{prefix}{k}/"))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def step_record(step: int, m: dict, tokens_per_s: float | None, eta_s: float | None) -> dict:
+  """One metrics record from a train step's (host) metrics; rates are None until a step after
+  the compiling one has been timed."""
+  count = np.asarray(m["task_count"])
+  seen = [t for t in range(len(TASK_TYPES)) if count[t] > 0]
+  return {
+      "step": step, "loss": float(m["loss"]), "lm_loss": float(m["lm_loss"]),
+      "penalty": float(m["penalty"]), "msr": float(m["msr"]), "tau": float(m["tau"]),
+      "msr_task": {TASK_TYPES[t]: float(m["msr_task"][t]) for t in seen},
+      "lambda1": {TASK_TYPES[t]: float(m["lambda1"][t]) for t in seen},
+      "lambda2": {TASK_TYPES[t]: float(m["lambda2"][t]) for t in seen},
+      "tokens_per_s": tokens_per_s, "eta_s": eta_s}
+
+
+def progress_line(r: dict, steps: int) -> str:
+  tasks = " ".join(f"{k} {v:.2f}" for k, v in r["msr_task"].items())
+  lam = "/".join(f"{v:.3f}" for v in r["lambda1"].values())
+  rate, eta = r["tokens_per_s"], r["eta_s"]
+  eta = "?" if eta is None else time.strftime("%H:%M:%S", time.gmtime(eta))
+  rate = "?" if rate is None else f"{rate:,.0f}"
+  return (f"step {r['step']:5d}/{steps}  loss {r['loss']:.4f}  lm {r['lm_loss']:.4f}  "
+          f"msr {r['msr']:.2f} [{tasks}]  tau {r['tau']:.2f}  l1 {lam}  "
+          f"{rate} tok/s  eta {eta}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation: noiseless routing on held-out rows
+
+
+def evaluate_msr(cfg: RunConfig, mcfg: ModelConfig, backbone, router, data, batches: int,
+                 shardings, rules) -> dict[str, float]:
+  """Mean MSR per task type over up to `batches` held-out batches (inference routing)."""
+  sums = np.zeros(len(TASK_TYPES))
+  counts = np.zeros(len(TASK_TYPES))
+  for i, local in enumerate(data):
+    if i >= batches:
+      break
+    b = to_global(local, shardings, None)
+    _, stats = forward_routed_jit(backbone, b["input_ids"], b["positions"], b["segment_ids"],
+                                  b["prompt_mask"], cfg=mcfg, rcfg=cfg.router,
+                                  router_params=router, attn_impl=cfg.model.attn_impl,
+                                  rules=rules)
+    m = np.asarray(jax.experimental.multihost_utils.process_allgather(msr(stats["gate"]),
+                                                                        tiled=True))
+    tasks = np.asarray(jax.experimental.multihost_utils.process_allgather(b["task_ids"],
+                                                                            tiled=True))
+    valid = tasks >= 0
+    np.add.at(sums, tasks[valid], m[valid])
+    np.add.at(counts, tasks[valid], 1)
+  return {TASK_TYPES[t]: float(sums[t] / counts[t]) for t in range(len(TASK_TYPES))
+          if counts[t]}
+
+
+# ----------------------------------------------------------------------------------------------
+# The run
+
+
+def train(cfg: RunConfig) -> dict[str, Any]:
+  """Trains the routers as `cfg` says; returns a summary (final step, metrics, eval MSR)."""
+  import jax.experimental.multihost_utils  # noqa: F401  (evaluate_msr)
+
+  mesh_shape = resolve_mesh_shape(cfg.mesh, jax.device_count())
+  check_batch_layout(cfg, mesh_shape)
+  mesh = sharding.make_mesh(mesh_shape)
+  rules = sharding.rules_for(mesh)
+  micro = (cfg.data.global_batch // cfg.data.micro_batch
+           if cfg.data.micro_batch and cfg.data.micro_batch < cfg.data.global_batch else None)
+
+  t0 = time.perf_counter()
+  mcfg, backbone = load_backbone(cfg, mesh)
+  if cfg.data.seq_len > mcfg.max_position_embeddings:
+    say(f"note: data.seq_len {cfg.data.seq_len} exceeds the model's max_position_embeddings "
+        f"({mcfg.max_position_embeddings}); RoPE positions extrapolate")
+  data = make_data(cfg, mcfg.vocab_size, cfg.data.train_path)
+  say(f"backbone {mcfg.family}: {mcfg.num_layers} layers x {mcfg.num_kv_heads} KV heads, "
+      f"{cfg.model.dtype}, loaded in {time.perf_counter() - t0:.1f}s; mesh "
+      f"{dict(mesh.shape)} over {jax.device_count()} devices, {jax.process_count()} "
+      f"process(es)")
+
+  replicated = NamedSharding(mesh, PartitionSpec())
+  init = jax.jit(lambda key: init_train_state(mcfg, cfg.router, cfg.train, key),
+                 out_shardings=replicated)
+  abstract = jax.eval_shape(lambda key: init_train_state(mcfg, cfg.router, cfg.train, key),
+                            jax.random.key(0))
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+                          abstract)
+  fingerprint = train_fingerprint(mcfg, cfg.router, cfg.objective, data_fingerprint(data))
+  ckpt = TrainCheckpointer.from_run_config(cfg, fingerprint)
+  resumed = ckpt.resume(abstract)
+  if resumed is None:
+    state = init(jax.random.key(cfg.seed))
+    say(f"fresh start; checkpoints in {cfg.checkpoint_dir}")
+  else:
+    state, data_state, _ = resumed
+    if data_state is not None:
+      data.restore(data_state)
+    say(f"resumed from step {int(state.step)} ({cfg.checkpoint_dir})")
+  if jax.process_index() == 0:
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    dump_run_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
+
+  shardings = batch_sharding(mesh, micro is not None)
+  eval_shardings = batch_sharding(mesh, False)
+  metrics = Metrics(cfg)
+  steps = cfg.train.steps
+  start = int(state.step)
+  tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
+  step_kw = dict(cfg=mcfg, rcfg=cfg.router, ocfg=cfg.objective, tcfg=cfg.train, rules=rules)
+  last: dict[str, Any] = {}
+  stopped = False
+  t_timing = None
+  timed_steps = 0
+  with jax.set_mesh(mesh), PreemptionGuard() as guard, ckpt:
+    for step in range(start, steps):
+      batch = to_global(next(data), shardings, micro)
+      state, m = train_step(state, backbone, batch, **step_kw)
+      done = step + 1
+      if t_timing is None:  # the first step compiles: time from its end
+        jax.block_until_ready(m["loss"])
+        t_timing, timed_steps = time.perf_counter(), 0
+      else:
+        timed_steps += 1
+      if done % cfg.log.every_steps == 0 or done == steps:
+        m = jax.device_get(m)
+        elapsed = time.perf_counter() - t_timing
+        rate = timed_steps * tokens_per_step / elapsed if timed_steps else None
+        eta = (steps - done) * tokens_per_step / rate if timed_steps else None
+        last = step_record(done, m, rate, eta)
+        say(progress_line(last, steps))
+        metrics.write(last)
+      stop = guard.sync()
+      if ckpt.should_save(done) or stop or done == steps:
+        ckpt.save(done, state, data.state(), force=stop or done == steps)
+      if stop:
+        say(f"signal received: saved step {done} to {cfg.checkpoint_dir}; stopping")
+        stopped = True
+        break
+  metrics.close()
+
+  summary: dict[str, Any] = {"step": int(state.step), "stopped": stopped, "last": last}
+  if stopped:
+    return summary
+  eval_batches = cfg.data.synthetic.eval_batches if cfg.data.eval_path is None else 10 ** 9
+  if eval_batches:
+    eval_data = make_data(cfg, mcfg.vocab_size, cfg.data.eval_path, eval_split=True)
+    with jax.set_mesh(mesh):
+      summary["eval_msr"] = evaluate_msr(cfg, mcfg, backbone, state.trainable["router"],
+                                         eval_data, eval_batches, eval_shardings, rules)
+    if jax.process_index() == 0:
+      with open(os.path.join(cfg.log_dir, "eval.json"), "w") as f:
+        json.dump({"step": summary["step"], "msr_task": summary["eval_msr"],
+                   "targets": dict(zip(TASK_TYPES, cfg.objective.targets))}, f, indent=1)
+  if jax.process_index() == 0 and (cfg.export.ours or cfg.export.authors):
+    summary["export"] = export.export_routers(cfg, mcfg, jax.device_get(state.trainable))
+  return summary
+
