@@ -136,7 +136,8 @@ def started(cache_dir, tmp_path_factory):
   runs = {
       "ref": (str(base / "ref"), [_start(cache_dir, str(base / "ref"))]),
       "mesh8": (str(base / "mesh8"), [_start(cache_dir, str(base / "mesh8"), "mesh.data=2",
-                                             "mesh.fsdp=4", *NO_EVAL, devices=8)]),
+                                             "mesh.fsdp=2", "mesh.sequence=2", *NO_EVAL,
+                                             devices=8)]),
       "two": (str(base / "two"), [_start(cache_dir, str(base / "two"), *NO_EVAL, devices=2,
                                          flags=[*dist, "--process-id", str(i)])
                                   for i in range(2)]),
@@ -267,10 +268,11 @@ def _assert_close_losses(run_dir, ref_dir):
 
 
 def test_eight_device_mesh_matches_one_device(reference, started):
+  """data 2 x fsdp 2 x sequence 2: sharded backbone, split rows and sequence-parallel attention."""
   ref_dir, _ = reference
   run_dir, (proc,) = started["mesh8"]
   proc = _ok(_finish(proc))
-  assert "over 8 devices" in proc.stdout and "'data': 2, 'fsdp': 4" in proc.stdout
+  assert "over 8 devices" in proc.stdout and "'data': 2, 'fsdp': 2, 'sequence': 2" in proc.stdout
   _assert_close_losses(run_dir, ref_dir)
 
 
