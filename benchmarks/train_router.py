@@ -23,13 +23,13 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from elastic_jax.config import config_from_hf_dict
 from elastic_jax.model import init_params
 from elastic_jax.router import RouterConfig
-from elastic_jax.train.objective import TASK_TYPES, ObjectiveConfig
+from elastic_jax.train.objective import ObjectiveConfig
 from elastic_jax.train.step import TrainConfig, init_train_state, train_step
+from elastic_jax.train.synthetic import synthetic_batch
 
 SHAPES = {
     "llama3_8b": {  # Llama-3.1-8B
@@ -86,14 +86,7 @@ def main(argv=None):
         f"parameters in {time.perf_counter() - t0:.1f}s", flush=True)
 
   t = args.seq_len
-  prompt = 3 * t // 4
-  rng = np.random.default_rng(0)
-  ids = rng.integers(0, cfg.vocab_size, (1, t), dtype=np.int32)
-  ar = np.arange(t, dtype=np.int32)[None]
-  batch = {"input_ids": ids, "targets": np.roll(ids, -1, 1), "loss_mask": ar >= prompt,
-           "segment_ids": np.ones((1, t), np.int32), "positions": ar,
-           "prompt_mask": ar < prompt,
-           "task_ids": np.asarray([[-1, TASK_TYPES.index("single_qa")]], np.int32)}
+  batch = synthetic_batch(0, 1, t, cfg.vocab_size, prompt_frac=0.75, max_segments=2)
   batch = {k: jnp.asarray(v) for k, v in batch.items()}
   kw = dict(cfg=cfg, rcfg=rcfg, ocfg=ocfg, tcfg=tcfg)
 

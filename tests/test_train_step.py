@@ -171,3 +171,29 @@ def test_optimizer_state_covers_only_routers_and_lambdas():
   n_opt = sum(x.size for x in jax.tree.leaves(state.opt_state) if x.ndim > 0)
   assert n_opt == 2 * n_trainable  # Adam's two moments of the trainables; none for the backbone
   assert n_opt < CFG.num_params()
+
+
+def test_micro_batches_accumulate(backbone):
+  """A leading micro-batch axis: one micro-batch is the plain step; two micro-batches of
+  a task-sorted batch (each holding one task) report each task's MSR, not NaN, and the mean
+  LM loss of the halves."""
+  tcfg = TrainConfig(steps=10, remat=False)
+  ocfg = ObjectiveConfig()
+  kw = dict(cfg=CFG, rcfg=RCFG, ocfg=ocfg, tcfg=tcfg)
+  b = _batch()
+  state = lambda: init_train_state(CFG, RCFG, tcfg, jax.random.key(3))
+  s_plain, s_one = state(), state()
+  for _ in range(2):  # the second step has a nonzero learning rate (warm-up starts at 0)
+    s_plain, m_plain = train_step(s_plain, backbone, b, **kw)
+    s_one, m_one = train_step(s_one, backbone, jax.tree.map(lambda x: x[None], b), **kw)
+  for a, c in zip(jax.tree.leaves(s_plain.trainable), jax.tree.leaves(s_one.trainable)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(float(m_one["loss"]), float(m_plain["loss"]), rtol=1e-6)
+
+  order = np.argsort(np.asarray(b["task_ids"])[:, 1], kind="stable")  # single_qa rows, code rows
+  halves = jax.tree.map(lambda x: x[order].reshape(2, 2, *x.shape[1:]), b)
+  _, m_two = train_step(state(), backbone, halves, **kw)
+  assert float(m_two["task_count"][CODE]) == 2 and float(m_two["task_count"][SINGLE_QA]) == 2
+  assert np.isfinite(float(m_two["msr_task"][CODE]))
+  assert np.isfinite(float(m_two["msr_task"][SINGLE_QA]))
+  assert np.isnan(float(m_two["msr_task"][TASK_TYPES.index("summarization")]))

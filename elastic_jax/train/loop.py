@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from elastic_jax import sharding
@@ -229,11 +230,9 @@ def evaluate_msr(cfg: RunConfig, mcfg: ModelConfig, backbone, router, data, batc
     _, stats = forward_routed_jit(backbone, b["input_ids"], b["positions"], b["segment_ids"],
                                   b["prompt_mask"], cfg=mcfg, rcfg=cfg.router,
                                   router_params=router, attn_impl=cfg.model.attn_impl,
-                                  rules=rules)
-    m = np.asarray(jax.experimental.multihost_utils.process_allgather(msr(stats["gate"]),
-                                                                        tiled=True))
-    tasks = np.asarray(jax.experimental.multihost_utils.process_allgather(b["task_ids"],
-                                                                            tiled=True))
+                                  rules=rules, packed=cfg.train.packed)
+    m = np.asarray(multihost_utils.process_allgather(msr(stats["gate"]), tiled=True))
+    tasks = np.asarray(multihost_utils.process_allgather(b["task_ids"], tiled=True))
     valid = tasks >= 0
     np.add.at(sums, tasks[valid], m[valid])
     np.add.at(counts, tasks[valid], 1)
@@ -247,8 +246,6 @@ def evaluate_msr(cfg: RunConfig, mcfg: ModelConfig, backbone, router, data, batc
 
 def train(cfg: RunConfig) -> dict[str, Any]:
   """Trains the routers as `cfg` says; returns a summary (final step, metrics, eval MSR)."""
-  import jax.experimental.multihost_utils  # noqa: F401  (evaluate_msr)
-
   mesh_shape = resolve_mesh_shape(cfg.mesh, jax.device_count())
   check_batch_layout(cfg, mesh_shape)
   mesh = sharding.make_mesh(mesh_shape)
@@ -318,7 +315,10 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         last = step_record(done, m, rate, eta)
         say(progress_line(last, steps))
         metrics.write(last)
-      stop = guard.sync()
+      # Agreeing on a signal is a collective across processes: poll it at the logging cadence
+      # there, so the host does not wait for every step.
+      poll = jax.process_count() == 1 or done % cfg.log.every_steps == 0 or done == steps
+      stop = guard.sync() if poll else False
       if ckpt.should_save(done) or stop or done == steps:
         ckpt.save(done, state, data.state(), force=stop or done == steps)
       if stop:

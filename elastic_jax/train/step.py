@@ -113,21 +113,28 @@ def _loss(trainable, backbone, batch, key, tau, *, cfg, rcfg, ocfg, tcfg, rules)
 def _loss_and_grads(trainable, backbone, batch, key, tau, **kw):
   """Loss, metrics and gradients; a batch with a leading micro-batch axis [M, B/M, ...] is
   run one micro-batch at a time (`lax.scan`) and its gradients averaged."""
-  grad_fn = jax.value_and_grad(_loss, has_aux=True)
+  grad_fn = functools.partial(jax.value_and_grad(_loss, has_aux=True), **kw)
+  # Micro-batch i draws its noise from fold_in(key, i): one micro-batch is the plain step.
   if batch["input_ids"].ndim == 2:
-    return grad_fn(trainable, backbone, batch, key, tau, **kw)
+    return grad_fn(trainable, backbone, batch, jax.random.fold_in(key, 0), tau)
   m = batch["input_ids"].shape[0]
 
   def body(acc, xs):
     mb, k = xs
-    out = grad_fn(trainable, backbone, mb, k, tau, **kw)
-    return jax.tree.map(jnp.add, acc, out), None
+    (loss, aux), grads = grad_fn(trainable, backbone, mb, k, tau)
+    # Per-task MSR is NaN where a micro-batch has no sample of the task: sum it count-weighted.
+    aux = dict(aux, msr_task=jnp.where(aux["task_count"] > 0,
+                                       aux["msr_task"] * aux["task_count"], 0.0))
+    return jax.tree.map(jnp.add, acc, ((loss, aux), grads)), None
 
   zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(
-      grad_fn, trainable, backbone, jax.tree.map(lambda x: x[0], batch), key, tau, **kw))
-  total, _ = jax.lax.scan(body, zeros, (batch, jax.random.split(key, m)))
+      grad_fn, trainable, backbone, jax.tree.map(lambda x: x[0], batch), key, tau))
+  keys = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(m))
+  total, _ = jax.lax.scan(body, zeros, (batch, keys))
   (loss, aux), grads = jax.tree.map(lambda x: x / m, total)
-  aux["task_count"] = aux["task_count"] * m  # a count, not a mean
+  count = aux["task_count"] * m  # a count, not a mean
+  aux = dict(aux, task_count=count,
+             msr_task=jnp.where(count > 0, aux["msr_task"] * m / jnp.maximum(count, 1), jnp.nan))
   return (loss, aux), grads
 
 
