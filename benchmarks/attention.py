@@ -85,7 +85,7 @@ class Bench:
   st: Streaming
   dry_run: bool
   timing: tuple       # (reps, min_reps, seconds) for `timed`
-  tiles: tuple        # extra kernel variants, (block_q, block_k, num_stages) each
+  tiles: tuple        # extra kernel variants, (block_q, block_k, num_stages[, warps]) each
   train_tiles: tuple = ()  # extra training variants: "FWD/DQ/DKV", each BQxBKxS[xWARPS]
 
   @property
@@ -133,9 +133,10 @@ class Bench:
                                 impl=impl, **extra)
 
   def tiled(self, tiles):
-    bq, bk, stages = tiles
+    bq, bk, stages, *warps = tiles
     return jax.jit(functools.partial(hybrid_forward, streaming=self.st, block_q=bq, block_k=bk,
-                                     num_stages=stages, interpret=self.dry_run))
+                                     num_stages=stages, num_warps=warps[0] if warps else None,
+                                     interpret=self.dry_run))
 
 
   def trained(self, spec: str):
@@ -481,9 +482,9 @@ def parse_args(argv=None):
   p.add_argument("--skip-torch", action="store_true", help="no FlexAttention")
   p.add_argument("--skip-train", action="store_true", help="forward only")
   p.add_argument("--json", type=Path, help="also write every result here")
-  p.add_argument("--tiles", nargs="+", default=[], metavar="BQxBKxS",
+  p.add_argument("--tiles", nargs="+", default=[], metavar="BQxBKxS[xW]",
                  help="also time the raw kernel (hybrid_forward) with these tiles, e.g. "
-                      "128x64x3: block_q x block_k x num_stages")
+                      "128x64x3: block_q x block_k x num_stages [x num_warps]")
   p.add_argument("--train-tiles", nargs="+", default=[], metavar="FWD/DQ/DKV",
                  help="also time training with these tiles of the training forward, dQ and "
                       "dK/dV kernels, each BQxBKxSTAGES[xWARPS], e.g. 128x64x3/64x64x2/64x64x2")
@@ -513,8 +514,8 @@ def parse_args(argv=None):
     p.error("--msr and --train-msr values must lie in [0, 1]")
   for spec in args.tiles:
     parts = spec.split("x")
-    if len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts):
-      p.error(f"--tiles {spec}: expected BQxBKxSTAGES, e.g. 128x64x3")
+    if len(parts) not in (3, 4) or not all(x.isdigit() and int(x) > 0 for x in parts):
+      p.error(f"--tiles {spec}: expected BQxBKxSTAGES[xWARPS], e.g. 128x64x3")
   args.tiles = [tuple(int(x) for x in spec.split("x")) for spec in args.tiles]
   for spec in args.train_tiles:
     parts = [x.split("x") for x in spec.split("/")]

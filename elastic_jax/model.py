@@ -205,7 +205,7 @@ class Transformer(nn.Module):
 
   @nn.compact
   def __call__(self, input_ids_bt, positions_bt, segment_ids_bt, prompt_mask_bt=None,
-               per_layer=None, tau=None):
+               per_layer=None, tau=None, return_hidden=False):
     cfg, dt = self.cfg, self.dtype
     embed = _param(self, "embed", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
                    dtype=dt)
@@ -221,11 +221,14 @@ class Transformer(nn.Module):
                      name="layers")(
         x, ctx, per_layer or {})
     x = RMSNorm("embed", cfg.rms_norm_eps, dt, name="final_norm")(x)
+    if not cfg.tie_word_embeddings:
+      head = _param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
+                    dtype=dt)
+    if return_hidden:
+      return x, stats
     if cfg.tie_word_embeddings:
       logits = jnp.einsum("bte,ve->btv", x, embed)
     else:
-      head = _param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
-                    dtype=dt)
       logits = jnp.einsum("bte,ev->btv", x, head)
     logits = nn.with_logical_constraint(logits.astype(jnp.float32),
                                         ("batch", "seq", "act_vocab"))
@@ -280,7 +283,8 @@ def forward_routed(params: Params, input_ids_bt: jax.Array, positions_bt: jax.Ar
                    rcfg: rt.RouterConfig, mode: str = "elastic", router_params=None,
                    forced_gates=None, key: jax.Array | None = None, tau=1.0,
                    attn_impl: str = "reference", remat: bool = False,
-                   rules: tuple | None = None, packed: bool = True):
+                   rules: tuple | None = None, packed: bool = True,
+                   return_hidden: bool = False):
   """Forward pass with elastic (routed), forced or all-sparse attention. Not jitted itself:
   call it inside `jax.jit` (the train step does) or through `forward_routed_jit`.
 
@@ -289,6 +293,8 @@ def forward_routed(params: Params, input_ids_bt: jax.Array, positions_bt: jax.Ar
   Returns (logits [B, T, V] float32, stats) with stats["gate"] [L, B, S, K] (1 = full) for the
   modes that have gates. packed=False promises one unpadded input per row (segment 1, positions
   0..T-1), which lets the fused kernels run; packed or padded batches need True.
+  return_hidden: return the final-normed hidden states [B, T, E] instead of the logits (apply
+  `output_head` where they are needed, e.g. `objective.chunked_answer_cross_entropy`).
   """
   if mode not in MODES[1:]:
     raise ValueError(f"mode '{mode}' is not one of {MODES[1:]}")
@@ -303,11 +309,16 @@ def forward_routed(params: Params, input_ids_bt: jax.Array, positions_bt: jax.Ar
   with nn.logical_axis_rules(rules or ()):
     return _module(cfg, dtype, attn_impl, remat, mode, rcfg, packed).apply(
         {"params": params}, input_ids_bt, positions_bt, segment_ids_bt, prompt_mask_bt,
-        per_layer, jnp.asarray(tau, jnp.float32))
+        per_layer, jnp.asarray(tau, jnp.float32), return_hidden)
 
 
 forward_routed_jit = jax.jit(forward_routed, static_argnames=(
-    "cfg", "rcfg", "mode", "attn_impl", "remat", "rules", "packed"))
+    "cfg", "rcfg", "mode", "attn_impl", "remat", "rules", "packed", "return_hidden"))
+
+
+def output_head(params: Params, cfg: ModelConfig) -> jax.Array:
+  """The output projection [E, V]: the lm_head, or the transposed embedding when tied."""
+  return params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
 
 
 def positions_and_segments(attention_mask_bt: np.ndarray | jax.Array):

@@ -17,35 +17,18 @@ from elastic_jax.train.data import (AUTHOR_TASKS, TrainData, load_tokenizer, rea
                                     task_id)
 from elastic_jax.train.objective import TASK_TYPES
 from elastic_jax.train.synthetic import synthetic_batch
+from toktools import CHAT_TEMPLATE, make_tokenizer
 
 WORDS = ("the quick brown fox jumps over a lazy dog while paris is the capital of france and "
          "code returns values from functions when questions ask what who where").split()
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-
 
 @pytest.fixture(scope="module")
 def tok_dirs(tmp_path_factory):
   """{"plain": dir, "chat": dir} of two tokenizers sharing one vocabulary."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-  from transformers import PreTrainedTokenizerFast
-  tok = Tokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  special = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>"]
-  tok.train_from_iterator(
-      [" ".join(WORDS), "What is the capital of France? Paris.", "def f(x): return x + 1"],
-      trainers.BpeTrainer(vocab_size=400, special_tokens=special, show_progress=False,
-                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-  tok.post_processor = processors.TemplateProcessing(
-      single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
-  hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                               pad_token="<pad>")
-  dirs = {"plain": tmp_path_factory.mktemp("tok_plain"), "chat": tmp_path_factory.mktemp("chat")}
-  hf.save_pretrained(dirs["plain"])
-  hf.chat_template = CHAT_TEMPLATE
-  hf.save_pretrained(dirs["chat"])
-  return {k: str(v) for k, v in dirs.items()}
+  texts = [" ".join(WORDS), "What is the capital of France? Paris.", "def f(x): return x + 1"]
+  return {"plain": make_tokenizer(tmp_path_factory.mktemp("tok_plain"), texts),
+          "chat": make_tokenizer(tmp_path_factory.mktemp("chat"), texts,
+                                 chat_template=CHAT_TEMPLATE)}
 
 
 @pytest.fixture(scope="module")

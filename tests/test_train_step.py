@@ -11,7 +11,8 @@ import elastic_jax as ej
 from elastic_jax.config import config_from_hf_dict
 from elastic_jax.model import forward, forward_routed_jit, init_params
 from elastic_jax.router import RouterConfig, init_router_params, msr
-from elastic_jax.train.objective import TASK_TYPES, ObjectiveConfig, sparsity_penalty
+from elastic_jax.train.objective import (TASK_TYPES, ObjectiveConfig,
+                                         chunked_answer_cross_entropy, sparsity_penalty)
 from elastic_jax.train.step import TrainConfig, init_train_state, temperature, train_step
 
 CFG = config_from_hf_dict(dict(model_type="qwen3", vocab_size=64, hidden_size=32,
@@ -122,6 +123,31 @@ def test_penalty_averages_per_task_then_over_tasks():
   assert float(penalty) == pytest.approx((qa + code) / 2)
   assert float(msr_task[0]) == pytest.approx(0.7) and np.isnan(float(msr_task[1]))
   np.testing.assert_array_equal(np.asarray(count), [2, 0, 0, 1, 0])
+
+
+@pytest.mark.parametrize("t, chunk", [(50, 16), (64, 64), (7, 1024)])
+def test_chunked_cross_entropy_matches_full_logits(t, chunk):
+  """Value and gradient equal the plain CE of x @ head (NumPy), with padding and with chunks
+  that hold no answer token (skipped)."""
+  rng = np.random.default_rng(t)
+  b, e, v = 2, 8, 40
+  x = rng.normal(size=(b, t, e)).astype(np.float32)
+  head = rng.normal(size=(e, v)).astype(np.float32)
+  tgt = rng.integers(0, v, (b, t)).astype(np.int32)
+  mask = np.zeros((b, t), bool)
+  mask[0, t - 3:] = True                                # only the last chunk of row 0 counts
+  mask[1, :2] = True
+  got, grad = jax.value_and_grad(chunked_answer_cross_entropy)(
+      jnp.asarray(x), jnp.asarray(head), jnp.asarray(tgt), jnp.asarray(mask), chunk=chunk)
+  logits = x.astype(np.float64) @ head
+  logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+  nll = logz - np.take_along_axis(logits, tgt[..., None], -1)[..., 0]
+  want = (nll * mask).sum() / mask.sum()
+  p = np.exp(logits - logz[..., None])
+  p[np.arange(b)[:, None], np.arange(t)[None], tgt] -= 1.0
+  want_grad = (p * mask[..., None] / mask.sum()) @ head.T
+  np.testing.assert_allclose(float(got), want, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-4, atol=1e-6)
 
 
 def test_temperature_schedules():

@@ -43,11 +43,50 @@ def init_lambdas(key: jax.Array) -> dict:
 
 
 def answer_cross_entropy(logits_btv, targets_bt, loss_mask_bt):
-  """Mean token cross-entropy over the positions with loss_mask (answer tokens)."""
+  """Mean token cross-entropy over the positions with loss_mask (answer tokens). The plain
+  form; the train step uses `chunked_answer_cross_entropy`."""
   logz = jax.nn.logsumexp(logits_btv, axis=-1)
   picked = jnp.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0]
   mask = loss_mask_bt.astype(jnp.float32)
   return jnp.sum((logz - picked) * mask) / jnp.maximum(mask.sum(), 1.0)
+
+
+def chunked_answer_cross_entropy(x_bte, head_ev, targets_bt, loss_mask_bt, chunk: int = 1024):
+  """`answer_cross_entropy` of the logits x @ head, without the [B, T, V] logits tensor.
+
+  Tokens are taken `chunk` at a time (a scan; each chunk's logits are recomputed in the
+  backward pass), and a chunk with no loss position is skipped: at 64K tokens and a 128K
+  vocabulary the full float32 logits would take 32 GiB, while answers are a small share of
+  the tokens.
+  """
+  b, t, e = x_bte.shape
+  c = min(chunk, t)
+  pad = -t % c
+  if pad:
+    x_bte = jnp.pad(x_bte, ((0, 0), (0, pad), (0, 0)))
+    targets_bt = jnp.pad(targets_bt, ((0, 0), (0, pad)))
+    loss_mask_bt = jnp.pad(loss_mask_bt, ((0, 0), (0, pad)))
+  n = (t + pad) // c
+  split = lambda a: jnp.moveaxis(a.reshape((b, n, c) + a.shape[2:]), 1, 0)
+  mask = loss_mask_bt.astype(jnp.float32)
+
+  @jax.checkpoint
+  def chunk_loss(x_bce, tgt_bc, m_bc):
+    logits = jnp.einsum("bce,ev->bcv", x_bce, head_ev,
+                        preferred_element_type=jnp.float32)
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, tgt_bc[..., None], axis=-1)[..., 0]
+    return jnp.sum((logz - picked) * m_bc)
+
+  def body(total, xs):
+    x_bce, tgt_bc, m_bc = xs
+    part = jax.lax.cond(jnp.any(m_bc > 0), chunk_loss, lambda *_: jnp.zeros((), jnp.float32),
+                        x_bce, tgt_bc, m_bc)
+    return total + part, None
+
+  total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
+                          (split(x_bte), split(targets_bt), split(mask)))
+  return total / jnp.maximum(mask.sum(), 1.0)
 
 
 def sparsity_penalty(msr_bs, task_bs, lambdas, ocfg: ObjectiveConfig):

@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import optax
 
 from elastic_jax.config import ModelConfig
-from elastic_jax.model import forward_routed
+from elastic_jax.model import forward_routed, output_head
 from elastic_jax.router import RouterConfig, init_router_params, msr
-from elastic_jax.train.objective import (ObjectiveConfig, answer_cross_entropy, init_lambdas,
-                                         sparsity_penalty)
+from elastic_jax.train.objective import (ObjectiveConfig, chunked_answer_cross_entropy,
+                                         init_lambdas, sparsity_penalty)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,12 +95,13 @@ def init_train_state(cfg: ModelConfig, rcfg: RouterConfig, tcfg: TrainConfig,
 
 
 def _loss(trainable, backbone, batch, key, tau, *, cfg, rcfg, ocfg, tcfg, rules):
-  logits, stats = forward_routed(
+  hidden, stats = forward_routed(
       backbone, batch["input_ids"], batch["positions"], batch["segment_ids"],
       batch["prompt_mask"], cfg=cfg, rcfg=rcfg, mode="elastic",
       router_params=trainable["router"], key=key, tau=tau, attn_impl=tcfg.attn_impl,
-      remat=tcfg.remat, rules=rules, packed=tcfg.packed)
-  lm = answer_cross_entropy(logits, batch["targets"], batch["loss_mask"])
+      remat=tcfg.remat, rules=rules, packed=tcfg.packed, return_hidden=True)
+  lm = chunked_answer_cross_entropy(hidden, output_head(backbone, cfg), batch["targets"],
+                                    batch["loss_mask"])
   msr_bs = msr(stats["gate"])
   penalty, msr_task, count = sparsity_penalty(msr_bs, batch["task_ids"], trainable["lambdas"],
                                               ocfg)
