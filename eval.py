@@ -1,47 +1,233 @@
-"""python eval.py --model DIR (--text FILE | --ids FILE) [--dtype D] [--max-tokens N]
+"""python eval.py {ruler,longbench,longbench-v2,ppl} ...
 
-Next-token loss and perplexity of a text under full attention: a first check that a converted
-model behaves like its original. Long-context benchmarks (RULER, LongBench), sparsity and speed
-reports are to come. DIR is an HF directory or one `python -m elastic_jax.convert` wrote; --text
-needs the tokenizer files in DIR; --ids reads a JSON list of token ids.
+Long-context quality, sparsity and speed of a converted model, elastic against full attention
+and fixed baselines, on benchmarks generated or read locally (nothing is downloaded):
+
+  python eval.py ruler --model DIR [--routers R] --lengths 4096,8192 \\
+      --tasks niah_single_1,niah_multikey_1,vt,cwe [--samples 8] [--out runs/eval_ruler]
+  python eval.py longbench --model DIR [--routers R] --data LB_DIR [--datasets a,b] [--e]
+  python eval.py longbench-v2 --model DIR [--routers R] --data LB2_DIR
+  python eval.py ppl --model DIR --text FILE          # next-token loss, full attention
+
+DIR: an HF directory (safetensors) or one `python -m elastic_jax.convert` wrote, with its
+tokenizer files. R: the routers `train.py` exported (runs/X/export/elastic_jax). --attention
+picks the settings (full, elastic, sparse, static; default full,elastic,static with routers,
+else full,sparse). The output directory gets predictions.jsonl (resumable: a rerun skips the
+items already there), report.json, report.md (the paper's Table 1 layout) and PNG plots.
+LongBench data: the published JSONL files of THUDM/LongBench (data/*.jsonl; LongBench-E:
+*_e.jsonl) or LongBench-v2's data.json, in --data.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import sys
 import time
 
 import numpy as np
 
 
-def main(argv=None) -> int:
+def _common(p):
+  p.add_argument("--model", required=True, help="model directory (with tokenizer files)")
+  p.add_argument("--routers", help="router export directory (train.py's export/elastic_jax)")
+  p.add_argument("--attention", help="comma-separated settings: full,elastic,sparse,static")
+  p.add_argument("--out", help="output directory (default runs/eval_<benchmark>)")
+  p.add_argument("--dtype", default="bfloat16")
+  p.add_argument("--impl", default="auto", help="attention implementation (default auto)")
+  p.add_argument("--batch-size", type=int, default=1)
+  p.add_argument("--chat", choices=("auto", "on", "off"), default="auto",
+                 help="wrap prompts in the tokenizer's chat template (auto: when it has one)")
+
+
+def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--model", required=True)
-  src = p.add_mutually_exclusive_group(required=True)
+  sub = p.add_subparsers(dest="command", required=True)
+  r = sub.add_parser("ruler", help="RULER synthetic tasks, generated locally")
+  _common(r)
+  r.add_argument("--lengths", default="4096", help="comma-separated context lengths (tokens)")
+  r.add_argument("--tasks", default="niah_single_1,niah_multikey_1,vt,cwe")
+  r.add_argument("--samples", type=int, default=4, help="samples per task and length")
+  r.add_argument("--seed", type=int, default=0)
+  for name in ("longbench", "longbench-v2"):
+    lb = sub.add_parser(name, help=f"{name} from local files")
+    _common(lb)
+    lb.add_argument("--data", required=True, help="directory holding the published files")
+    lb.add_argument("--limit", type=int, help="at most this many records per dataset")
+    lb.add_argument("--max-length", type=int, default=None,
+                    help="prompt tokens kept (middle truncation; default LongBench's 31500, "
+                         "120000 for v2, capped by the model)")
+    if name == "longbench":
+      lb.add_argument("--datasets", help="comma-separated datasets (default: all)")
+      lb.add_argument("--e", action="store_true", help="LongBench-E (*_e.jsonl), by length")
+  pp = sub.add_parser("ppl", help="next-token loss and perplexity of a text, full attention")
+  pp.add_argument("--model", required=True)
+  src = pp.add_mutually_exclusive_group(required=True)
   src.add_argument("--text", help="UTF-8 text file, tokenized with DIR's tokenizer")
   src.add_argument("--ids", help="JSON file holding a list of token ids")
-  p.add_argument("--dtype", default="bfloat16")
-  p.add_argument("--max-tokens", type=int, default=4096, help="truncate the input (default 4096)")
-  args = p.parse_args(argv)
+  pp.add_argument("--dtype", default="bfloat16")
+  pp.add_argument("--max-tokens", type=int, default=4096)
+  return p.parse_args(argv)
 
+
+def _csv(text: str) -> list[str]:
+  return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _load(args):
+  """(model with its router config, routers or None, tokenizer)."""
+  import elastic_jax as ej
+  from elastic_jax.errors import ElasticJaxError
+  from elastic_jax.router import RouterConfig
+  from elastic_jax.train.data import load_tokenizer
+  from elastic_jax.train.export import load_routers
+  model = ej.from_pretrained(args.model, dtype=args.dtype, show_progress=False)
+  tokenizer = load_tokenizer(args.model)
+  routers = None
+  if args.routers:
+    trainable, meta = load_routers(args.routers)
+    want = meta.get("backbone", {})
+    have = {"num_layers": model.config.num_layers, "num_kv_heads": model.config.num_kv_heads}
+    if any(want.get(k) != v for k, v in have.items()):
+      raise ElasticJaxError(f"{args.routers}: routers trained for {want}, the model has {have}")
+    model = dataclasses.replace(model, router_config=RouterConfig(**meta["router"]))
+    routers = trainable["router"]
+  return model, routers, tokenizer
+
+
+def _settings(args, routers) -> list[str]:
+  if args.attention:
+    return _csv(args.attention)
+  return ["full", "elastic", "static"] if routers is not None else ["full", "sparse"]
+
+
+def _chat(args):
+  return {"auto": None, "on": True, "off": False}[args.chat]
+
+
+def ruler_items(args, tokenizer, max_positions: int):
+  from elastic_jax.errors import ElasticJaxError
+  from elastic_jax.eval import ruler
+  from elastic_jax.eval.longbench import apply_chat_template, input_ids
+  from elastic_jax.eval.runner import Item
+  lengths = [int(x) for x in _csv(args.lengths)]
+  if any(n > max_positions for n in lengths):
+    raise ElasticJaxError(f"--lengths {args.lengths}: the model holds at most {max_positions} "
+                          "positions")
+  chat = _chat(args)
+  use_chat = bool(getattr(tokenizer, "chat_template", None)) if chat is None else chat
+  items, samples = [], {}
+  for task in _csv(args.tasks):
+    for n in lengths:
+      for s in ruler.generate(task, tokenizer, n, args.samples, seed=args.seed):
+        text = apply_chat_template(s.input, tokenizer) if use_chat else s.input
+        text += s.answer_prefix
+        key = f"{task}/{n}/{s.index}"
+        items.append(Item(key, f"{task}@{n}", tuple(input_ids(text, tokenizer, use_chat)),
+                          s.max_new_tokens))
+        samples[key] = s
+  return items, samples
+
+
+def ruler_score(samples):
+  from elastic_jax.eval import ruler
+
+  def score(task_at_len, predictions, items):
+    task = task_at_len.split("@")[0]
+    return ruler.score(task, predictions, [samples[it.key] for it in items])
+  return score
+
+
+def ruler_category(task_at_len: str) -> str:
+  task = task_at_len.split("@")[0]
+  return ("retrieval (NIAH)" if task.startswith("niah") else
+          "multi-hop tracing" if task == "vt" else "aggregation")
+
+
+def longbench_items(args, tokenizer, max_positions: int, v2: bool):
+  from elastic_jax.eval import longbench as lb
+  from elastic_jax.eval.runner import Item
+  if v2:
+    records = lb.load_longbench_v2(args.data, limit=args.limit)
+  else:
+    records = lb.load_longbench(args.data, _csv(args.datasets) if args.datasets else None,
+                                e=args.e, limit=args.limit)
+  default = lb.V2_MODEL_MAX_LENGTH if v2 else 31500
+  items, by_key = [], {}
+  for rec in records:
+    max_new = lb.V2_MAX_NEW_TOKENS if v2 else lb.MAX_NEW_TOKENS[rec.dataset]
+    max_len = min(args.max_length or default, max_positions - max_new)
+    text, max_new, apply_chat = lb.model_input(rec, tokenizer, max_len, _chat(args))
+    task = "longbench-v2" if v2 else rec.dataset
+    key = f"{task}/{rec.id}"
+    items.append(Item(key, task if not v2 else f"{rec.difficulty}/{rec.length}",
+                      tuple(lb.input_ids(text, tokenizer, apply_chat)), max_new,
+                      tuple(lb.extra_stop_ids(rec, tokenizer))))
+    by_key[key] = rec
+  return items, by_key
+
+
+def longbench_score(by_key, v2: bool):
+  from elastic_jax.eval import metrics
+
+  def score(task, predictions, items):
+    recs = [by_key[it.key] for it in items]
+    if v2:
+      return metrics.score_longbench_v2(
+          [{"difficulty": r.difficulty, "length": r.length, "answer": r.answer} for r in recs],
+          predictions)["overall"]
+    return metrics.score_longbench(task, predictions, [list(r.answers) for r in recs],
+                                   recs[0].all_classes)
+  return score
+
+
+def run_benchmark(args) -> int:
+  from elastic_jax.eval import metrics, report, runner
+  model, routers, tokenizer = _load(args)
+  settings = _settings(args, routers)
+  runner.check_settings(settings, routers)
+  max_positions = model.config.max_position_embeddings
+  if args.command == "ruler":
+    items, samples = ruler_items(args, tokenizer, max_positions)
+    score, category = ruler_score(samples), ruler_category
+  else:
+    v2 = args.command == "longbench-v2"
+    items, by_key = longbench_items(args, tokenizer, max_positions, v2)
+    score = longbench_score(by_key, v2)
+    category = ((lambda t: "LongBench-v2") if v2
+                else (lambda t: metrics.DATASET_CATEGORY[t]))
+  out = args.out or os.path.join("runs", f"eval_{args.command.replace('-', '_')}")
+  t0 = time.perf_counter()
+  records = runner.run(model, tokenizer, items, settings, out, router_params=routers,
+                       batch_size=args.batch_size, attn_impl=args.impl)
+  summary = report.summarize(records, items, score, category)
+  import jax
+  meta = {"benchmark": args.command, "model": os.path.basename(os.path.normpath(args.model)),
+          "settings_requested": settings, "device": jax.devices()[0].device_kind,
+          "date": time.strftime("%Y-%m-%d"), "items": len(items)}
+  paths = report.write(summary, records, out, f"{args.command}: {meta['model']}", meta)
+  print(open(os.path.join(out, "report.md"), encoding="utf-8").read())
+  print(f"wrote {', '.join(paths)} ({time.perf_counter() - t0:.0f} s)")
+  return 0
+
+
+def perplexity(args) -> int:
   import jax
   import elastic_jax as ej
   from elastic_jax.errors import ElasticJaxError
-
   model = ej.from_pretrained(args.model, dtype=args.dtype)
   try:
     if args.ids:
       with open(args.ids) as f:
         ids = np.asarray(json.load(f), dtype=np.int64)
     else:
-      from transformers import AutoTokenizer
+      from elastic_jax.train.data import load_tokenizer
       with open(args.text, encoding="utf-8") as f:
         text = f.read()
-      tok = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
-      ids = np.asarray(tok(text)["input_ids"], dtype=np.int64)
+      ids = np.asarray(load_tokenizer(args.model)(text)["input_ids"], dtype=np.int64)
   except (OSError, ValueError, UnicodeDecodeError) as e:
     raise ElasticJaxError(f"cannot read the evaluation input ({e})") from None
   ids = ids[: args.max_tokens]
@@ -56,6 +242,13 @@ def main(argv=None) -> int:
                     "perplexity": float(np.exp(nll.mean())), "seconds": round(dt, 3),
                     "dtype": model.dtype}))
   return 0
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  if args.command == "ppl":
+    return perplexity(args)
+  return run_benchmark(args)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from elastic_jax import parallel
+from elastic_jax import kv_cache, parallel
 from elastic_jax import router as rt
 from elastic_jax.attention import get_attention, get_hybrid_attention
 from elastic_jax.config import ModelConfig, rope_inv_freq
@@ -48,6 +48,7 @@ class Context:
   positions: jax.Array            # [B, T] int, position within the segment
   prompt_mask: jax.Array | None = None  # [B, T] bool, token is part of its segment's prompt
   tau: jax.Array | None = None    # Gumbel-softmax temperature (training)
+  return_kv: bool = flax.struct.field(pytree_node=False, default=False)  # prefill for decoding
 
 _normal = nn.initializers.normal(0.02)
 
@@ -121,6 +122,12 @@ class Attention(nn.Module):
       q = RMSNorm("head_dim", cfg.rms_norm_eps, dt, name="q_norm")(q)
       kk = RMSNorm("head_dim", cfg.rms_norm_eps, dt, name="k_norm")(kk)
     stats = {}
+    if "cache" in layer:
+      # One decode step (kv_cache.py): the modes were decided at prefill and live in the cache.
+      q, kk = apply_rope(q, cos, sin), apply_rope(kk, cos, sin)
+      out, cache = kv_cache.attend(q[:, 0], kk[:, 0], v[:, 0], ctx.positions[:, 0],
+                                   layer["cache"], self.rcfg.streaming, h ** -0.5)
+      return self._out_proj(out[:, None]), {"cache": cache}
     if self.mode == "elastic":
       # The router reads the keys after k-norm and before RoPE (SPEC.md section 4).
       pooled = rt.pool_prompt(kk, segment_ids_bt, ctx.positions, ctx.prompt_mask, self.rcfg)
@@ -134,6 +141,8 @@ class Attention(nn.Module):
     q = nn.with_logical_constraint(apply_rope(q, cos, sin), ("batch", "seq", "act_heads", None))
     kk = nn.with_logical_constraint(apply_rope(kk, cos, sin),
                                     ("batch", "seq", "act_kv_heads", None))
+    if ctx.return_kv:
+      stats = dict(stats, k=kk, v=v)
     if self.mode == "full":
       # A mesh and rules that split "seq" make this sequence parallel (parallel.py).
       out = parallel.for_context(get_attention(self.attn_impl), hybrid=False)(
@@ -144,11 +153,17 @@ class Attention(nn.Module):
       seg, pos = (segment_ids_bt, ctx.positions) if self.packed else (None, None)
       out = parallel.for_context(get_hybrid_attention(self.attn_impl), hybrid=True)(
           q, kk, v, gate_btk, self.rcfg.streaming, seg, pos)
-    wo = _param(self, "o_kernel", (n, h, e), ("q_heads", "head_dim", "embed"), dtype=dt)
-    y = jnp.einsum("btnh,nhe->bte", out, wo)
+    return self._out_proj(out), stats
+
+  def _out_proj(self, out_btnh):
+    cfg = self.cfg
+    n, h, e = cfg.num_heads, cfg.head_dim, cfg.hidden_size
+    wo = _param(self, "o_kernel", (n, h, e), ("q_heads", "head_dim", "embed"), dtype=self.dtype)
+    y = jnp.einsum("btnh,nhe->bte", out_btnh, wo)
     if cfg.attention_bias:
-      y = y + _lead(_param(self, "o_bias", (e,), ("embed",), nn.initializers.zeros, dt), y.ndim)
-    return y, stats
+      y = y + _lead(_param(self, "o_bias", (e,), ("embed",), nn.initializers.zeros, self.dtype),
+                    y.ndim)
+    return y
 
 
 class MLP(nn.Module):
@@ -205,14 +220,14 @@ class Transformer(nn.Module):
 
   @nn.compact
   def __call__(self, input_ids_bt, positions_bt, segment_ids_bt, prompt_mask_bt=None,
-               per_layer=None, tau=None, return_hidden=False):
+               per_layer=None, tau=None, return_hidden=False, return_kv=False):
     cfg, dt = self.cfg, self.dtype
     embed = _param(self, "embed", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
                    dtype=dt)
     x = jnp.take(embed, input_ids_bt, axis=0)
     x = nn.with_logical_constraint(x, ("batch", "seq", "act_embed"))
     cos, sin = rope_tables(cfg, positions_bt, dt)
-    ctx = Context(cos, sin, segment_ids_bt, positions_bt, prompt_mask_bt, tau)
+    ctx = Context(cos, sin, segment_ids_bt, positions_bt, prompt_mask_bt, tau, return_kv)
     layer_cls = nn.remat(DecoderLayer, prevent_cse=False) if self.remat else DecoderLayer
     stack = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
                     in_axes=(nn.broadcast, 0), length=cfg.num_layers,
@@ -284,7 +299,7 @@ def forward_routed(params: Params, input_ids_bt: jax.Array, positions_bt: jax.Ar
                    forced_gates=None, key: jax.Array | None = None, tau=1.0,
                    attn_impl: str = "reference", remat: bool = False,
                    rules: tuple | None = None, packed: bool = True,
-                   return_hidden: bool = False):
+                   return_hidden: bool = False, return_kv: bool = False):
   """Forward pass with elastic (routed), forced or all-sparse attention. Not jitted itself:
   call it inside `jax.jit` (the train step does) or through `forward_routed_jit`.
 
@@ -295,9 +310,11 @@ def forward_routed(params: Params, input_ids_bt: jax.Array, positions_bt: jax.Ar
   0..T-1), which lets the fused kernels run; packed or padded batches need True.
   return_hidden: return the final-normed hidden states [B, T, E] instead of the logits (apply
   `output_head` where they are needed, e.g. `objective.chunked_answer_cross_entropy`).
+  return_kv: also return every layer's keys (after RoPE) and values, stats["k"], stats["v"]
+  [L, B, T, K, H], to fill a decoding cache (`kv_cache.build`).
   """
-  if mode not in MODES[1:]:
-    raise ValueError(f"mode '{mode}' is not one of {MODES[1:]}")
+  if mode not in MODES:
+    raise ValueError(f"mode '{mode}' is not one of {MODES}")
   per_layer: dict[str, Any] = {}
   if mode == "elastic":
     per_layer["router"] = router_params
@@ -309,11 +326,24 @@ def forward_routed(params: Params, input_ids_bt: jax.Array, positions_bt: jax.Ar
   with nn.logical_axis_rules(rules or ()):
     return _module(cfg, dtype, attn_impl, remat, mode, rcfg, packed).apply(
         {"params": params}, input_ids_bt, positions_bt, segment_ids_bt, prompt_mask_bt,
-        per_layer, jnp.asarray(tau, jnp.float32), return_hidden)
+        per_layer, jnp.asarray(tau, jnp.float32), return_hidden, return_kv)
 
 
 forward_routed_jit = jax.jit(forward_routed, static_argnames=(
-    "cfg", "rcfg", "mode", "attn_impl", "remat", "rules", "packed", "return_hidden"))
+    "cfg", "rcfg", "mode", "attn_impl", "remat", "rules", "packed", "return_hidden",
+    "return_kv"))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "rcfg"), donate_argnames=("cache",))
+def decode_step(params: Params, ids_b: jax.Array, positions_b: jax.Array,
+                cache: kv_cache.HeadCache, *, cfg: ModelConfig, rcfg: rt.RouterConfig):
+  """One token per row through every layer with the per-head cache [L, ...] (the modes it was
+  built with): (float32 logits [B, V], the updated cache, donated)."""
+  dtype = jax.tree.leaves(params)[0].dtype
+  ids, pos = ids_b[:, None], positions_b[:, None]
+  logits, stats = _module(cfg, dtype, "reference", False, "full", rcfg).apply(
+      {"params": params}, ids, pos, jnp.ones_like(ids), None, {"cache": cache})
+  return logits[:, 0], stats["cache"]
 
 
 def output_head(params: Params, cfg: ModelConfig) -> jax.Array:

@@ -7,7 +7,7 @@ import os
 import shutil
 import sys
 import uuid
-from typing import Iterable, Iterator, TypeVar
+from typing import Callable, Iterable, Iterator, TypeVar
 
 from elastic_jax.errors import ElasticJaxError
 
@@ -21,6 +21,20 @@ def progress(items: Iterable[T], desc: str, unit: str = "it", enabled: bool = Tr
     return items
   from tqdm.auto import tqdm
   return tqdm(items, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True)
+
+
+def text_lines(path: str, where: Callable[[int], str]) -> Iterator[tuple[int, str]]:
+  """(line number, text) of the non-blank lines of a UTF-8 file (JSONL); a line that is not
+  UTF-8 raises ElasticJaxError starting with `where(line number)`."""
+  with open(path, "rb") as f:
+    for line_no, raw in enumerate(f, start=1):
+      try:
+        text = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise ElasticJaxError(f"{where(line_no)}: the line is not valid UTF-8 (byte "
+                              f"{e.start + 1})") from None
+      if text.strip():
+        yield line_no, text
 
 
 @contextlib.contextmanager

@@ -37,8 +37,8 @@ def test_eval_perplexity_matches_logits(tmp_path):
   ej.save_pretrained(model, tmp_path / "m")
   ids = [5, 17, 300, 2, 2, 99, 511, 0]
   (tmp_path / "ids.json").write_text(json.dumps(ids))
-  proc = _run("eval.py", "--model", str(tmp_path / "m"), "--ids", str(tmp_path / "ids.json"),
-              "--dtype", "float32")
+  proc = _run("eval.py", "ppl", "--model", str(tmp_path / "m"), "--ids",
+              str(tmp_path / "ids.json"), "--dtype", "float32")
   assert proc.returncode == 0, proc.stderr
   result = json.loads(proc.stdout.strip().splitlines()[-1])
   logits = np.asarray(model.logits(ids))[0, :-1].astype(np.float64)
@@ -50,7 +50,7 @@ def test_eval_perplexity_matches_logits(tmp_path):
 
 def test_eval_bad_input_exits_2(tmp_path):
   (tmp_path / "ids.json").write_text("[1, 2,")
-  proc = _run("eval.py", "--model", str(tmp_path), "--ids", str(tmp_path / "ids.json"))
+  proc = _run("eval.py", "ppl", "--model", str(tmp_path), "--ids", str(tmp_path / "ids.json"))
   assert proc.returncode == 2 and proc.stderr.startswith("error:")
 
 

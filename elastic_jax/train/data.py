@@ -42,7 +42,7 @@ import numpy as np
 
 from elastic_jax.errors import ElasticJaxError
 from elastic_jax.train.objective import TASK_TYPES
-from elastic_jax.utils import progress
+from elastic_jax.utils import progress, text_lines
 
 log = logging.getLogger(__name__)
 
@@ -112,19 +112,11 @@ def read_records(path: str | os.PathLike) -> list[Record]:
   if not os.path.isfile(path):
     raise ElasticJaxError(f"{path}: no such data file")
   records = []
-  with open(path, "rb") as f:
-    for line_no, raw in enumerate(f, start=1):
-      try:
-        text = raw.decode("utf-8")
-      except UnicodeDecodeError as e:
-        raise ElasticJaxError(f"{path}:{line_no}: the line is not valid UTF-8 (byte "
-                              f"{e.start + 1})") from None
-      if not text.strip():
-        continue
-      parsed = _parse_line(text, line_no)
-      if isinstance(parsed, str):
-        raise ElasticJaxError(f"{path}:{line_no}: the line {parsed}")
-      records.append(parsed)
+  for line_no, text in text_lines(path, lambda n: f"{path}:{n}"):
+    parsed = _parse_line(text, line_no)
+    if isinstance(parsed, str):
+      raise ElasticJaxError(f"{path}:{line_no}: the line {parsed}")
+    records.append(parsed)
   if not records:
     raise ElasticJaxError(f"{path}: holds no records")
   return records

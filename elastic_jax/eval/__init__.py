@@ -1,0 +1,1 @@
+"""Long-context evaluation: benchmark generators and loaders, scorers, generation, reports."""

@@ -1,0 +1,164 @@
+"""Per-task reports (JSON and Markdown, the paper's Table 1 layout) and plots (PNG).
+
+Plots: the routing map (how often each (layer, KV head) pair went to full attention under the
+elastic setting, one panel per task; paper Fig. 6), MSR per task, and quality against
+prefill speed-up over full attention (paper Fig. 8).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Mapping
+
+import numpy as np
+
+from elastic_jax.eval.runner import SETTINGS
+
+
+def summarize(records: Mapping[tuple[str, str], dict], items, score_task: Callable,
+              category_of: Callable[[str], str]) -> dict:
+  """{"settings": {setting: {"tasks": {task: {score, msr, esr, n, prefill_seconds}},
+  "categories": {...}, "average": {...}}}} from the prediction records."""
+  by_task: dict[str, list] = {}
+  for it in items:
+    by_task.setdefault(it.task, []).append(it)
+  settings = [s for s in SETTINGS if any(k[0] == s for k in records)]
+  out: dict = {"settings": {}}
+  for s in settings:
+    tasks = {}
+    for task, its in by_task.items():
+      recs = [records[(s, it.key)] for it in its if (s, it.key) in records]
+      if len(recs) != len(its):
+        continue
+      tasks[task] = {
+          "score": float(score_task(task, [r["prediction"] for r in recs], its)),
+          "msr": float(np.mean([r["msr"] for r in recs])),
+          "esr": float(np.mean([r["esr"] for r in recs])),
+          "n": len(recs), "category": category_of(task),
+          "prefill_seconds": float(np.sum([r["prefill_seconds"] for r in recs])),
+          "cache_bytes": float(np.mean([r["cache_bytes"] for r in recs])),
+          "dense_cache_bytes": float(np.mean([r["dense_cache_bytes"] for r in recs]))}
+    cats: dict[str, list] = {}
+    for t in tasks.values():
+      cats.setdefault(t["category"], []).append(t)
+    mean = lambda rows, key: float(np.mean([r[key] for r in rows])) if rows else float("nan")
+    out["settings"][s] = {
+        "tasks": tasks,
+        "categories": {c: {"score": mean(rows, "score"), "msr": mean(rows, "msr"),
+                           "esr": mean(rows, "esr")} for c, rows in cats.items()},
+        "average": {"score": mean(list(tasks.values()), "score"),
+                    "msr": mean(list(tasks.values()), "msr"),
+                    "esr": mean(list(tasks.values()), "esr"),
+                    "prefill_seconds": float(sum(t["prefill_seconds"] for t in tasks.values()))}}
+  full = out["settings"].get("full")
+  for s, body in out["settings"].items():
+    body["average"]["prefill_speedup_vs_full"] = (
+        full["average"]["prefill_seconds"] / body["average"]["prefill_seconds"]
+        if full and body["average"]["prefill_seconds"] > 0 else None)
+  return out
+
+
+def markdown(summary: dict, title: str) -> str:
+  """Tasks as rows grouped by category, one 'score (MSR)' column per setting."""
+  settings = list(summary["settings"])
+  if not settings:
+    return f"# {title}\n\nNo finished tasks.\n"
+  lines = [f"# {title}", "", "Each cell: score (MSR, ESR).", "",
+           "| category | task | " + " | ".join(settings) + " |",
+           "|---|---|" + "---|" * len(settings)]
+  first = summary["settings"][settings[0]]["tasks"]
+  order = sorted(first, key=lambda t: (first[t]["category"], t))
+
+  def cell(row):
+    if row is None:
+      return "-"
+    return f"{row['score']:.1f} ({row['msr']:.2f}, {row['esr']:.2f})"
+
+  for task in order:
+    cat = first[task]["category"]
+    lines.append(f"| {cat} | {task} | " + " | ".join(
+        cell(summary["settings"][s]["tasks"].get(task)) for s in settings) + " |")
+  for cat in sorted({first[t]["category"] for t in order}):
+    lines.append(f"| **{cat}** | *mean* | " + " | ".join(
+        cell(summary["settings"][s]["categories"].get(cat)) for s in settings) + " |")
+  lines.append("| **all** | *mean* | " + " | ".join(
+      cell(summary["settings"][s]["average"]) for s in settings) + " |")
+  speed = [summary["settings"][s]["average"].get("prefill_speedup_vs_full") for s in settings]
+  if any(x is not None for x in speed):
+    lines.append("| | prefill speed-up vs full | " + " | ".join(
+        "-" if x is None else f"{x:.2f}x" for x in speed) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def plots(summary: dict, records: Mapping[tuple[str, str], dict], out_dir: str) -> list[str]:
+  """Writes the PNG plots; returns their paths."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  written = []
+  elastic = [r for (s, _), r in records.items() if s == "elastic"]
+  if elastic:
+    tasks = sorted({r["task"] for r in elastic})
+    cols = min(4, len(tasks))
+    rows = -(-len(tasks) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.8 * rows), squeeze=False)
+    for ax in axes.flat[len(tasks):]:
+      ax.axis("off")
+    for ax, task in zip(axes.flat, tasks):
+      freq = np.mean([np.asarray(r["gates"], float) for r in elastic if r["task"] == task], 0)
+      im = ax.imshow(freq.T, aspect="auto", vmin=0, vmax=1, cmap="viridis", origin="lower")
+      ax.set_title(task, fontsize=9)
+      ax.set_xlabel("layer")
+      ax.set_ylabel("KV head")
+    fig.colorbar(im, ax=axes, shrink=0.8, label="share of inputs routed to full attention")
+    written.append(_save(fig, out_dir, "routing_map.png"))
+    plt.close(fig)
+  settings = summary["settings"]
+  if settings:
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    names = list(next(iter(settings.values()))["tasks"])
+    width = 0.8 / len(settings)
+    for i, (s, body) in enumerate(settings.items()):
+      ax.bar(np.arange(len(names)) + i * width,
+             [body["tasks"].get(t, {}).get("msr", np.nan) for t in names], width, label=s)
+    ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names, rotation=30, ha="right",
+                  fontsize=8)
+    ax.set_ylabel("MSR")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=8)
+    written.append(_save(fig, out_dir, "msr_per_task.png"))
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(4.5, 3.5))
+    for s, body in settings.items():
+      x = body["average"].get("prefill_speedup_vs_full")
+      if x is not None:
+        ax.scatter([x], [body["average"]["score"]], label=s)
+        ax.annotate(s, (x, body["average"]["score"]), fontsize=8)
+    ax.set_xlabel("prefill speed-up over full attention")
+    ax.set_ylabel("average score")
+    written.append(_save(fig, out_dir, "quality_vs_speedup.png"))
+    plt.close(fig)
+  return written
+
+
+def _save(fig, out_dir: str, name: str) -> str:
+  path = os.path.join(out_dir, name)
+  tmp = path + ".partial.png"
+  fig.savefig(tmp, dpi=110, bbox_inches="tight")
+  os.replace(tmp, path)
+  return path
+
+
+def write(summary: dict, records, out_dir: str, title: str, meta: dict) -> list[str]:
+  """report.json, report.md and the plots, each written whole or not at all."""
+  paths = []
+  for name, text in (("report.json", json.dumps({**meta, **summary}, indent=2)),
+                     ("report.md", markdown(summary, title))):
+    path = os.path.join(out_dir, name)
+    with open(path + ".partial", "w", encoding="utf-8") as f:
+      f.write(text)
+    os.replace(path + ".partial", path)
+    paths.append(path)
+  return paths + plots(summary, records, out_dir)
+

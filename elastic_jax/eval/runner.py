@@ -1,0 +1,139 @@
+"""The evaluation loop: generate for every item under every attention setting, resumably.
+
+Settings:
+  full     the unmodified backbone (every head full attention, dense cache)
+  elastic  the trained routers decide per input (needs routers)
+  sparse   every head streaming (SSA)
+  static   one fixed head set for every input, at the average MSR that elastic reached on
+           the same items: the (layer, KV head) pairs elastic sent to full attention most
+           often stay full (a DuoAttention-style static baseline; runs after elastic)
+
+Each finished item is appended to `predictions.jsonl` in the output directory at once, so an
+interrupted run resumes where it stopped: items already there are not generated again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from elastic_jax.errors import ElasticJaxError
+from elastic_jax.generate import SamplingConfig, generate
+
+SETTINGS = ("full", "elastic", "sparse", "static")
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+  """One prompt to answer: `key` is unique within its benchmark run."""
+  key: str
+  task: str
+  prompt_ids: tuple[int, ...]
+  max_new_tokens: int
+  stop_ids: tuple[int, ...] = ()
+  meta: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+
+
+def read_predictions(path: str) -> dict[tuple[str, str], dict]:
+  """{(setting, key): line} of a predictions file; a torn last line (a run killed while
+  writing) is dropped, any other unreadable line is an error."""
+  out: dict[tuple[str, str], dict] = {}
+  if not os.path.exists(path):
+    return out
+  with open(path, encoding="utf-8") as f:
+    lines = f.read().split("\n")
+  for i, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      rec = json.loads(line)
+      out[(rec["setting"], rec["key"])] = rec
+    except (json.JSONDecodeError, KeyError, TypeError):
+      if i >= len(lines) - 1:          # the last line, cut short
+        continue
+      raise ElasticJaxError(f"{path}, line {i}: not a prediction record; move the file away "
+                            "to start over") from None
+  return out
+
+
+def static_gates(elastic_records: Sequence[dict]) -> np.ndarray:
+  """[L, K] gates keeping full the pairs elastic chose most often, as many as elastic's
+  average share of full pairs over these records."""
+  freq = np.mean([np.asarray(r["gates"], np.float32) for r in elastic_records], axis=0)
+  n_full = int(round(freq.mean() * freq.size))
+  gates = np.zeros(freq.size, np.float32)
+  gates[np.argsort(-freq.reshape(-1), kind="stable")[:n_full]] = 1.0
+  return gates.reshape(freq.shape)
+
+
+def check_settings(settings: Sequence[str], router_params) -> None:
+  for s in settings:
+    if s not in SETTINGS:
+      raise ElasticJaxError(f"attention setting '{s}' is unknown (known: {', '.join(SETTINGS)})")
+  if ("elastic" in settings or "static" in settings) and router_params is None:
+    raise ElasticJaxError("the elastic and static settings need trained routers (--routers)")
+
+
+def run(model, tokenizer, items: Sequence[Item], settings: Sequence[str], out_dir: str, *,
+        router_params=None, batch_size: int = 1, attn_impl: str = "auto",
+        decode: Callable[[list[int]], str] | None = None, log=print) -> dict:
+  """Generates every (setting, item) not yet in `out_dir/predictions.jsonl`; returns all
+  records of the file for these items, {(setting, key): record}."""
+  check_settings(settings, router_params)
+  if batch_size < 1:
+    raise ElasticJaxError(f"batch size must be >= 1, got {batch_size}")
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, "predictions.jsonl")
+  done = read_predictions(path)
+  decode = decode or (lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+  eos = tuple(x for x in np.atleast_1d(tokenizer.eos_token_id or []).tolist())
+  order = [s for s in SETTINGS if s in settings]
+  if "static" in order and "elastic" not in order:
+    order.insert(order.index("static"), "elastic")   # static is derived from elastic's choices
+  with open(path, "a", encoding="utf-8") as f:
+    for setting in order:
+      gates = None
+      if setting == "static":
+        gates = static_gates([done[("elastic", it.key)] for it in items])
+      todo = [it for it in items if (setting, it.key) not in done]
+      if not todo:
+        continue
+      log(f"{setting}: {len(todo)} of {len(items)} items to generate")
+      groups: dict[tuple, list[Item]] = {}
+      for it in todo:
+        groups.setdefault((it.max_new_tokens, it.stop_ids), []).append(it)
+      bar = tqdm(total=len(todo), desc=setting, unit="item", file=sys.stderr,
+                 dynamic_ncols=True)
+      for (max_new, stop_ids), group in groups.items():
+        for start in range(0, len(group), batch_size):
+          batch = group[start:start + batch_size]
+          gen = generate(model.params, model.config, [list(it.prompt_ids) for it in batch],
+                         attention="forced" if setting == "static" else setting,
+                         rcfg=model.router_config, router_params=router_params,
+                         gates=gates, sampling=SamplingConfig(max_new_tokens=max_new),
+                         eos_ids=eos + stop_ids, attn_impl=attn_impl)
+          for i, it in enumerate(batch):
+            toks = [t for t in gen.tokens[i] if t not in eos + stop_ids]
+            rec = {"setting": setting, "key": it.key, "task": it.task,
+                   "prediction": decode(toks), "msr": float(gen.msr[i]),
+                   "esr": float(gen.esr[i]), "gates": gen.gates[:, i].astype(int).tolist(),
+                   "prompt_tokens": len(it.prompt_ids), "new_tokens": len(gen.tokens[i]),
+                   "prefill_seconds": gen.prefill_seconds / len(batch),
+                   "decode_seconds": gen.decode_seconds / len(batch),
+                   "cache_bytes": gen.cache_bytes // len(batch),
+                   "dense_cache_bytes": gen.dense_cache_bytes // len(batch),
+                   "time": time.time()}
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            done[(setting, it.key)] = rec
+          bar.update(len(batch))
+      bar.close()
+  keys = {it.key for it in items}
+  return {k: v for k, v in done.items() if k[1] in keys and k[0] in order}

@@ -1,0 +1,201 @@
+"""Prefill, then decode with the per-head cache (kv_cache.py): greedy or sampled, batched.
+
+The router decides each (layer, row, KV head)'s mode once, on the prompt, as in the method;
+decoding keeps those modes. Rows of different lengths are right-padded: attention is causal,
+so a row's real tokens never see its padding, and the fused kernels run unpacked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from elastic_jax import kv_cache
+from elastic_jax.config import ModelConfig
+from elastic_jax.errors import ElasticJaxError
+from elastic_jax.model import Params, decode_step, forward_routed, output_head
+from elastic_jax.router import RouterConfig, esr, msr
+
+MODES = ("full", "elastic", "forced", "sparse")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  max_new_tokens: int = 64
+  temperature: float = 0.0          # 0: greedy
+  top_p: float = 1.0
+  stop: tuple[str, ...] = ()        # stop strings (need a tokenizer to decode)
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.max_new_tokens < 1:
+      raise ElasticJaxError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+    if self.temperature < 0 or not 0 < self.top_p <= 1:
+      raise ElasticJaxError(f"temperature must be >= 0 and top_p in (0, 1], got "
+                            f"{self.temperature} and {self.top_p}")
+
+
+@dataclasses.dataclass
+class Generation:
+  """What `generate` returns: per row the new tokens (stop string or EOS included, nothing
+  after), the text when a tokenizer was given, why it stopped; routing, cache and timings."""
+  tokens: list[list[int]]
+  texts: list[str] | None
+  finish: list[str]                 # "eos", "stop" or "length"
+  gates: np.ndarray                 # [L, B, K], 1 = full attention
+  msr: np.ndarray                   # [B]
+  esr: np.ndarray                   # [B]
+  cache_bytes: int                  # the per-head cache, keys and values
+  dense_cache_bytes: int            # a cache that keeps every position of every head
+  prefill_seconds: float            # to the first token's logits (time-to-first-token)
+  decode_seconds: float
+  info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _bucket(n: int, multiple: int = 128) -> int:
+  """Padded prompt length: few distinct shapes, so few compilations."""
+  return -(-n // multiple) * multiple
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "rcfg", "mode", "attn_impl"))
+def _prefill(params, ids_bt, seg_bt, lengths_b, router_params, forced, *, cfg, rcfg, mode,
+             attn_impl):
+  positions = jnp.broadcast_to(jnp.arange(ids_bt.shape[1], dtype=jnp.int32), ids_bt.shape)
+  hidden, stats = forward_routed(
+      params, ids_bt, positions, seg_bt, seg_bt > 0, cfg=cfg, rcfg=rcfg,
+      mode=mode, router_params=router_params,
+      forced_gates=forced, attn_impl=attn_impl, packed=False, return_hidden=True,
+      return_kv=True)
+  last = jnp.take_along_axis(hidden, (lengths_b - 1)[:, None, None], axis=1)[:, 0]
+  logits = jnp.einsum("be,ev->bv", last, output_head(params, cfg),
+                      preferred_element_type=jnp.float32)
+  gates = (stats["gate"][:, :, 1] if "gate" in stats
+           else jnp.zeros((cfg.num_layers,) + ids_bt.shape[:1] + (cfg.num_kv_heads,)))
+  return logits, gates, stats["k"], stats["v"]
+
+
+@functools.partial(jax.jit, static_argnames=("temperature", "top_p"))
+def _sample(logits_bv, key, *, temperature, top_p):
+  if temperature == 0:
+    return jnp.argmax(logits_bv, -1).astype(jnp.int32)
+  logits = logits_bv / temperature
+  if top_p < 1:
+    order = jnp.argsort(-logits, axis=-1)
+    sorted_logits = jnp.take_along_axis(logits, order, -1)
+    probs = jax.nn.softmax(sorted_logits, -1)
+    keep = jnp.cumsum(probs, -1) - probs < top_p          # the smallest set reaching top_p
+    sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
+    logits = jnp.full_like(logits, -jnp.inf).at[
+        jnp.arange(logits.shape[0])[:, None], order].set(sorted_logits)
+  return jax.random.categorical(key, logits, -1).astype(jnp.int32)
+
+
+def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *,
+             attention: str = "elastic", rcfg: RouterConfig | None = None,
+             router_params: Params | None = None, gates=None,
+             sampling: SamplingConfig = SamplingConfig(), eos_ids: Sequence[int] = (),
+             tokenizer=None, attn_impl: str = "auto") -> Generation:
+  """Generate up to `sampling.max_new_tokens` tokens after each prompt (lists of token ids).
+
+  attention: "full" (every head full, cache dense), "elastic" (routers decide; needs
+  `router_params`), "forced" (`gates` [L, K] or [L, B, K], 1 = full), "sparse" (every head
+  streaming). A row stops at an EOS id or, with a tokenizer, once its text holds a stop string.
+  """
+  if attention not in MODES:
+    raise ElasticJaxError(f"attention='{attention}' is not one of {', '.join(MODES)}")
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise ElasticJaxError("every prompt needs at least one token")
+  if sampling.stop and tokenizer is None:
+    raise ElasticJaxError("stop strings need a tokenizer to decode the generated text")
+  if attention == "elastic" and router_params is None:
+    raise ElasticJaxError("attention='elastic' needs trained routers (router_params)")
+  rcfg = dataclasses.replace(rcfg or RouterConfig(), max_segments=2)
+  b, n_layers, kh = len(prompts), cfg.num_layers, cfg.num_kv_heads
+  lengths = np.asarray([len(p) for p in prompts], np.int32)
+  capacity_needed = int(lengths.max()) + sampling.max_new_tokens
+  if capacity_needed > cfg.max_position_embeddings:
+    raise ElasticJaxError(f"prompt ({int(lengths.max())} tokens) + max_new_tokens "
+                          f"({sampling.max_new_tokens}) exceeds the model's "
+                          f"max_position_embeddings ({cfg.max_position_embeddings})")
+  t = _bucket(int(lengths.max()))
+  ids = np.zeros((b, t), np.int32)
+  seg = np.zeros((b, t), np.int32)
+  for i, p in enumerate(prompts):
+    ids[i, :len(p)], seg[i, :len(p)] = p, 1
+  if ((ids < 0) | (ids >= cfg.vocab_size)).any():
+    raise ElasticJaxError(f"a prompt holds a token id outside the vocabulary [0, "
+                          f"{cfg.vocab_size})")
+
+  forced = None
+  mode = attention
+  if attention == "forced":
+    g = np.asarray(gates, np.float32)
+    g = np.broadcast_to(g[:, None], (n_layers, b, kh)) if g.shape == (n_layers, kh) else g
+    if g.shape != (n_layers, b, kh):
+      raise ElasticJaxError(f"gates must be [L, K] or [L, B, K] = {[n_layers, b, kh]}, got "
+                            f"{list(np.shape(gates))}")
+    forced = jnp.asarray(np.stack([np.zeros_like(g), g], axis=2))
+
+  start = time.perf_counter()
+  logits, gates_lbk, k, v = _prefill(params, jnp.asarray(ids), jnp.asarray(seg),
+                                     jnp.asarray(lengths), router_params, forced, cfg=cfg,
+                                     rcfg=rcfg, mode=mode, attn_impl=attn_impl)
+  gates_np = np.asarray(jax.device_get(gates_lbk))
+  if attention == "full":     # no routing: every head keeps every position
+    gates_np = np.ones_like(gates_np)
+  prefill_s = time.perf_counter() - start
+
+  capacity = _bucket(capacity_needed)
+  cache = kv_cache.build(k, v, gates_np, lengths, capacity, rcfg.streaming)
+  del k, v
+  dt = jax.tree.leaves(params)[0].dtype
+  dense = kv_cache.dense_cache_bytes(n_layers, b, kh, capacity, cfg.head_dim, dt)
+
+  key = jax.random.key(sampling.seed)
+  eos = set(int(x) for x in eos_ids)
+  out: list[list[int]] = [[] for _ in range(b)]
+  finish = [""] * b
+  pos = jnp.asarray(lengths)
+  start = time.perf_counter()
+  for step in range(sampling.max_new_tokens):
+    key, sub = jax.random.split(key)
+    tok = _sample(logits, sub, temperature=sampling.temperature, top_p=sampling.top_p)
+    tok_np = np.asarray(tok)
+    for i in range(b):
+      if finish[i]:
+        continue
+      out[i].append(int(tok_np[i]))
+      if tok_np[i] in eos:
+        finish[i] = "eos"
+      elif sampling.stop and any(s in tokenizer.decode(out[i]) for s in sampling.stop):
+        finish[i] = "stop"
+    if all(finish) or step == sampling.max_new_tokens - 1:
+      break
+    logits, cache = decode_step(params, tok, pos, cache, cfg=cfg, rcfg=rcfg)
+    pos = pos + 1
+  jax.block_until_ready(logits)
+  decode_s = time.perf_counter() - start
+  finish = [f or "length" for f in finish]
+
+  texts = None
+  if tokenizer is not None:
+    texts = []
+    for toks, why in zip(out, finish):
+      text = tokenizer.decode([x for x in toks if x not in eos], skip_special_tokens=True)
+      if why == "stop":
+        text = text[:min(text.find(s) for s in sampling.stop if s in text)]
+      texts.append(text)
+  g = jnp.asarray(gates_np)
+  return Generation(
+      tokens=out, texts=texts, finish=finish, gates=gates_np,
+      msr=np.asarray(msr(g[:, :, None]))[:, 0],
+      esr=np.asarray(esr(g[-1][:, None], jnp.asarray(lengths)[:, None], rcfg.streaming))[:, 0],
+      cache_bytes=cache.nbytes, dense_cache_bytes=dense, prefill_seconds=prefill_s,
+      decode_seconds=decode_s,
+      info={"new_tokens": sum(len(o) for o in out), "capacity": capacity})

@@ -1,0 +1,113 @@
+"""eval.py end to end on a tiny random model with a tokenizer built here: RULER and LongBench
+reports and plots, resumption, bad input."""
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import jax
+import pytest
+
+import elastic_jax as ej
+from elastic_jax.config import config_from_hf_dict
+from elastic_jax.model import init_params
+from elastic_jax.router import RouterConfig, init_router_params
+from elastic_jax.train.export import export_routers
+from elastic_jax.train.objective import ObjectiveConfig, init_lambdas
+from toktools import make_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEXTS = ["the special magic number for apple is 12345 and the grass is green and the sky is "
+         "blue", "What is the answer? Paragraph 3 question passage count words memorize"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+  """A tiny Qwen3 model with a tokenizer, and routers exported as train.py does."""
+  root = tmp_path_factory.mktemp("eval")
+  cfg = config_from_hf_dict(dict(model_type="qwen3", vocab_size=512, hidden_size=32,
+                                 intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                 max_position_embeddings=4096))
+  model = ej.ElasticModel(cfg, init_params(cfg, jax.random.key(0), "float32"),
+                          cfg.to_hf_dict())
+  ej.save_pretrained(model, root / "m")
+  make_tokenizer(root / "m", TEXTS)
+  rcfg = RouterConfig(block=16, local_blocks=4, boundary=8)
+  trainable = {"router": init_router_params(cfg, rcfg, jax.random.key(1)),
+               "lambdas": init_lambdas(jax.random.key(2))}
+  run_cfg = types.SimpleNamespace(router=rcfg, objective=ObjectiveConfig(),
+                                  export=types.SimpleNamespace(ours=True, authors=False),
+                                  export_dir=str(root / "export"))
+  export_routers(run_cfg, cfg, trainable)
+  return root
+
+
+def _eval(*args):
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  return subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), *map(str, args)],
+                        capture_output=True, text=True, env=env, timeout=900)
+
+
+def test_ruler_report_plots_and_resume(model_dir):
+  out = model_dir / "ruler"
+  args = ("ruler", "--model", model_dir / "m", "--routers", model_dir / "export/elastic_jax",
+          "--lengths", "1024", "--tasks", "niah_single_1,vt", "--samples", "2",
+          "--dtype", "float32", "--impl", "reference", "--out", out)
+  proc = _eval(*args)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = (out / "predictions.jsonl").read_text().splitlines()
+  assert len(lines) == 2 * 2 * 3                       # tasks x samples x settings
+  report = json.loads((out / "report.json").read_text())
+  assert set(report["settings"]) == {"full", "elastic", "static"}
+  for body in report["settings"].values():
+    assert set(body["tasks"]) == {"niah_single_1@1024", "vt@1024"}
+    for row in body["tasks"].values():
+      assert 0 <= row["score"] <= 100 and 0 <= row["msr"] <= 1 and row["n"] == 2
+  assert report["settings"]["full"]["average"]["msr"] == 0
+  elastic_msr = report["settings"]["elastic"]["average"]["msr"]
+  assert abs(report["settings"]["static"]["average"]["msr"] - elastic_msr) <= 0.25 + 1e-6
+  md = (out / "report.md").read_text()
+  assert "| retrieval (NIAH) | niah_single_1@1024 |" in md
+  for png in ("routing_map.png", "msr_per_task.png", "quality_vs_speedup.png"):
+    assert (out / png).read_bytes()[:4] == b"\x89PNG"
+  # A rerun generates nothing new and rewrites the same report.
+  again = _eval(*args)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert (out / "predictions.jsonl").read_text().splitlines() == lines
+  assert "items to generate" not in again.stdout + again.stderr
+
+
+def test_longbench_from_local_files(model_dir):
+  data = model_dir / "lb"
+  data.mkdir()
+  rec = lambda i, ds, ans, classes=None: json.dumps(
+      {"input": f"question {i}?", "context": "the grass is green " * 30, "answers": [ans],
+       "length": 120, "dataset": ds, "language": "en", "all_classes": classes, "_id": f"{i}"})
+  (data / "hotpotqa.jsonl").write_text("\n".join(rec(i, "hotpotqa", "green") for i in range(2)))
+  (data / "trec.jsonl").write_text(
+      "\n".join(rec(i, "trec", "Number", ["Number", "Place"]) for i in range(2)))
+  out = model_dir / "lb_out"
+  proc = _eval("longbench", "--model", model_dir / "m", "--data", data, "--datasets",
+               "hotpotqa,trec", "--dtype", "float32", "--impl", "reference",
+               "--attention", "full,sparse", "--max-length", "256", "--out", out)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  report = json.loads((out / "report.json").read_text())
+  tasks = report["settings"]["sparse"]["tasks"]
+  assert tasks["hotpotqa"]["category"] == "Multi-Doc QA" and tasks["trec"]["n"] == 2
+  assert report["settings"]["sparse"]["average"]["msr"] == 1
+
+
+def test_bad_input(model_dir):
+  proc = _eval("longbench", "--model", model_dir / "m", "--data", model_dir / "nowhere",
+               "--datasets", "hotpotqa", "--out", model_dir / "bad")
+  assert proc.returncode == 2 and "nowhere" in proc.stderr
+  assert not (model_dir / "bad" / "report.json").exists()
+  proc = _eval("ruler", "--model", model_dir / "m", "--tasks", "no_such_task", "--out",
+               model_dir / "bad2")
+  assert proc.returncode == 2 and "no_such_task" in proc.stderr
+  proc = _eval("ruler", "--model", model_dir / "m", "--attention", "elastic", "--lengths", "512",
+               "--tasks", "vt", "--samples", "1", "--out", model_dir / "bad3")
+  assert proc.returncode == 2 and "routers" in proc.stderr

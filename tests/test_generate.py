@@ -1,0 +1,158 @@
+"""Generation with the per-head cache against recomputation without any cache.
+
+The reference re-runs the whole routed forward pass (plain-jnp attention, the same gates) over
+the prompt and the tokens generated so far, at every step: it shares no code with the cache.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from elastic_jax.config import config_from_hf_dict
+from elastic_jax.errors import ElasticJaxError
+from elastic_jax.generate import SamplingConfig, generate
+from elastic_jax.kv_cache import assign_slots
+from elastic_jax.model import forward_routed_jit, init_params
+from elastic_jax.router import RouterConfig, init_router_params
+
+# Small SSA blocks so that prompts of ~40 tokens already leave the local window.
+RCFG = RouterConfig(block=4, sink_blocks=1, local_blocks=2, boundary=4, max_segments=2)
+CONFIGS = {
+    "qwen3": dict(model_type="qwen3", vocab_size=97, hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, max_position_embeddings=512),
+    "llama": dict(model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                  head_dim=8, max_position_embeddings=512, tie_word_embeddings=True),
+}
+
+
+REF_LEN = 64
+
+
+def _model(name):
+  cfg = config_from_hf_dict(CONFIGS[name])
+  return cfg, init_params(cfg, jax.random.key(1), "float32")
+
+
+def _reference(params, cfg, prompts, gates_lbk, steps):
+  """Greedy tokens and each step's logits, recomputing the forward pass without a cache."""
+  out, logits_steps = [], []
+  for row, prompt in enumerate(prompts):
+    seq, row_logits = list(prompt), []
+    g = jnp.asarray(gates_lbk[:, row:row + 1])                       # [L, 1, K]
+    forced = jnp.stack([jnp.zeros_like(g), g], axis=2)               # [L, 1, S=2, K]
+    for _ in range(steps):
+      # One padded shape for every call (one compilation): causal attention keeps the
+      # trailing padding out of the real positions.
+      ids = jnp.asarray([seq + [0] * (REF_LEN - len(seq))], jnp.int32)
+      pos = jnp.arange(REF_LEN, dtype=jnp.int32)[None]
+      logits, _ = forward_routed_jit(params, ids, pos, jnp.ones_like(ids), pos < len(prompt),
+                                     cfg=cfg, rcfg=RCFG, mode="forced", forced_gates=forced)
+      row_logits.append(np.asarray(logits[0, len(seq) - 1]))
+      seq.append(int(np.argmax(row_logits[-1])))
+    out.append(seq[len(prompt):])
+    logits_steps.append(row_logits)
+  return out, logits_steps
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama"])
+def test_forced_mixed_heads_match_recomputation(name):
+  cfg, params = _model(name)
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (37, 21, 5)]
+  gates = rng.integers(0, 2, (cfg.num_layers, 3, cfg.num_kv_heads)).astype(np.float32)
+  gates[0, 0] = [1, 0]                       # every row mixes modes somewhere
+  steps = 14                                 # decoding crosses several SSA blocks
+  gen = generate(params, cfg, prompts, attention="forced", rcfg=RCFG, gates=gates,
+                 sampling=SamplingConfig(max_new_tokens=steps), attn_impl="reference")
+  want, _ = _reference(params, cfg, prompts, gates, steps)
+  assert gen.tokens == want
+  assert gen.finish == ["length"] * 3
+  np.testing.assert_allclose(gen.msr, 1 - gates.mean(axis=(0, 2)), rtol=1e-6)
+
+
+def test_elastic_routing_is_decided_once_and_cached():
+  cfg, params = _model("qwen3")
+  router = init_router_params(cfg, RCFG, jax.random.key(3))
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (30, 44)]
+  gen = generate(params, cfg, prompts, attention="elastic", rcfg=RCFG, router_params=router,
+                 sampling=SamplingConfig(max_new_tokens=10), attn_impl="reference")
+  assert set(np.unique(gen.gates)) <= {0.0, 1.0}
+  want, _ = _reference(params, cfg, prompts, gen.gates, 10)
+  assert gen.tokens == want
+
+
+def test_cache_memory_shrinks_with_msr():
+  cfg, params = _model("qwen3")
+  prompt = [list(range(1, 60))]
+  sizes = {}
+  for label, g in (("dense", 1.0), ("half", None), ("sparse", 0.0)):
+    gates = (np.full((cfg.num_layers, cfg.num_kv_heads), g, np.float32) if g is not None
+             else np.tile([1.0, 0.0], (cfg.num_layers, 1)).astype(np.float32))
+    gen = generate(params, cfg, prompt, attention="forced", rcfg=RCFG, gates=gates,
+                   sampling=SamplingConfig(max_new_tokens=4), attn_impl="reference")
+    sizes[label] = gen.cache_bytes
+    dense = gen.dense_cache_bytes
+  cap = gen.info["capacity"]
+  window = RCFG.block * (RCFG.sink_blocks + RCFG.local_blocks)
+  per_pos = 2 * cfg.num_layers * cfg.head_dim * 4              # k and v, float32, per slot
+  index = 2 * 4 * cfg.num_layers * cfg.num_kv_heads            # row and head, int32
+  assert sizes["dense"] == per_pos * 2 * cap + index
+  assert sizes["half"] == per_pos * (cap + window) + index
+  assert sizes["sparse"] == per_pos * 2 * window + index
+  assert dense == per_pos * 2 * cap
+  assert sizes["sparse"] < sizes["half"] < sizes["dense"]
+
+
+def test_slot_tables():
+  g = np.asarray([[[1, 0], [0, 0]], [[1, 1], [0, 1]]], np.float32)      # [L=2, B=2, K=2]
+  full_b, full_h, st_b, st_h = assign_slots(g)
+  assert full_b.tolist() == [[0, 2, 2], [0, 0, 1]] and full_h.tolist() == [[0, 0, 0], [0, 1, 1]]
+  assert st_b.tolist() == [[0, 1, 1], [1, 2, 2]] and st_h.tolist() == [[1, 0, 1], [0, 0, 0]]
+
+
+class _Tok:
+  """Decodes token i as the letter chr(97 + i % 26)."""
+  def decode(self, ids, skip_special_tokens=False):
+    return "".join(chr(97 + i % 26) for i in ids)
+
+
+def test_eos_stop_strings_and_sampling():
+  cfg, params = _model("llama")
+  prompt = [[3, 9, 27, 4, 4, 8]]
+  greedy = generate(params, cfg, prompt, attention="sparse", rcfg=RCFG,
+                    sampling=SamplingConfig(max_new_tokens=8), attn_impl="reference")
+  toks = greedy.tokens[0]
+  eos = generate(params, cfg, prompt, attention="sparse", rcfg=RCFG, eos_ids=[toks[2]],
+                 sampling=SamplingConfig(max_new_tokens=8), attn_impl="reference")
+  first = toks.index(toks[2])
+  assert eos.tokens[0] == toks[:first + 1] and eos.finish == ["eos"]
+  stop = _Tok().decode(toks[3:5])
+  got = generate(params, cfg, prompt, attention="sparse", rcfg=RCFG, tokenizer=_Tok(),
+                 sampling=SamplingConfig(max_new_tokens=8, stop=(stop,)), attn_impl="reference")
+  text = _Tok().decode(toks)
+  assert got.finish == ["stop"] and got.texts == [text[:text.find(stop)]]
+  sampled = [generate(params, cfg, prompt, attention="sparse", rcfg=RCFG,
+                      sampling=SamplingConfig(max_new_tokens=8, temperature=1.0, seed=s),
+                      attn_impl="reference").tokens[0] for s in (0, 0, 1)]
+  assert sampled[0] == sampled[1] and sampled[0] != sampled[2]
+
+
+def test_bad_requests():
+  cfg, params = _model("llama")
+  with pytest.raises(ElasticJaxError, match="at least one token"):
+    generate(params, cfg, [[]], attention="sparse", rcfg=RCFG)
+  with pytest.raises(ElasticJaxError, match="max_position_embeddings"):
+    generate(params, cfg, [[1] * 500], attention="sparse", rcfg=RCFG,
+             sampling=SamplingConfig(max_new_tokens=20))
+  with pytest.raises(ElasticJaxError, match="needs trained routers"):
+    generate(params, cfg, [[1, 2]], attention="elastic", rcfg=RCFG)
+  with pytest.raises(ElasticJaxError, match="gates must be"):
+    generate(params, cfg, [[1, 2]], attention="forced", rcfg=RCFG, gates=np.ones((5, 2)))
+  with pytest.raises(ElasticJaxError, match="max_new_tokens"):
+    dataclasses.replace(SamplingConfig(), max_new_tokens=0)
