@@ -54,6 +54,8 @@ from pathlib import Path
 from types import MappingProxyType
 
 from elastic_jax.errors import ElasticJaxError
+from elastic_jax.eval.metrics import LONGBENCH_DATASETS, LONGBENCH_E_DATASETS
+from elastic_jax.train.data import render_user_turn
 from elastic_jax.utils import text_lines
 
 _SPEC = json.loads(Path(__file__).with_name("longbench_prompts.json").read_text("utf-8"))
@@ -63,10 +65,10 @@ _V2 = _SPEC["longbench_v2"]
 SOURCE: str = _SPEC["source"]
 """Where the published specification below comes from (repository, files, commit)."""
 
-DATASETS: tuple[str, ...] = tuple(_V1["datasets"])
-"""The 21 LongBench (v1) tasks, in the published order."""
+DATASETS: tuple[str, ...] = LONGBENCH_DATASETS
+"""The 21 LongBench (v1) tasks (the metric table's order)."""
 
-DATASETS_E: tuple[str, ...] = tuple(_V1["datasets_e"])
+DATASETS_E: tuple[str, ...] = LONGBENCH_E_DATASETS
 """The 13 tasks that LongBench-E also has (files `{task}_e.jsonl`)."""
 
 PROMPTS: Mapping[str, str] = MappingProxyType(dict(_V1["dataset2prompt"]))
@@ -448,15 +450,7 @@ def apply_chat_template(text: str, tokenizer) -> str:
   """
   if not _has_chat_template(tokenizer):
     raise ElasticJaxError("the tokenizer has no chat template to apply")
-  try:
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                             tokenize=False, add_generation_prompt=True)
-  except Exception as err:  # jinja2 missing, or the template raising on a lone user turn
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    raise ElasticJaxError(f"the tokenizer's chat template cannot be rendered ({first})") from err
-  if not isinstance(rendered, str):
-    raise ElasticJaxError("the tokenizer's chat template did not render to a string")
-  return rendered
+  return render_user_turn(tokenizer, text)
 
 
 def model_input(record: Record | V2Record, tokenizer, max_length: int,

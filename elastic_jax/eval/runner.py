@@ -19,7 +19,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -82,8 +82,7 @@ def check_settings(settings: Sequence[str], router_params) -> None:
 
 
 def run(model, tokenizer, items: Sequence[Item], settings: Sequence[str], out_dir: str, *,
-        router_params=None, batch_size: int = 1, attn_impl: str = "auto",
-        decode: Callable[[list[int]], str] | None = None, log=print) -> dict:
+        router_params=None, batch_size: int = 1, attn_impl: str = "auto", log=print) -> dict:
   """Generates every (setting, item) not yet in `out_dir/predictions.jsonl`; returns all
   records of the file for these items, {(setting, key): record}."""
   check_settings(settings, router_params)
@@ -92,8 +91,8 @@ def run(model, tokenizer, items: Sequence[Item], settings: Sequence[str], out_di
   os.makedirs(out_dir, exist_ok=True)
   path = os.path.join(out_dir, "predictions.jsonl")
   done = read_predictions(path)
-  decode = decode or (lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-  eos = tuple(x for x in np.atleast_1d(tokenizer.eos_token_id or []).tolist())
+  eos = () if tokenizer.eos_token_id is None else tuple(
+      int(x) for x in np.atleast_1d(tokenizer.eos_token_id))
   order = [s for s in SETTINGS if s in settings]
   if "static" in order and "elastic" not in order:
     order.insert(order.index("static"), "elastic")   # static is derived from elastic's choices
@@ -122,7 +121,8 @@ def run(model, tokenizer, items: Sequence[Item], settings: Sequence[str], out_di
           for i, it in enumerate(batch):
             toks = [t for t in gen.tokens[i] if t not in eos + stop_ids]
             rec = {"setting": setting, "key": it.key, "task": it.task,
-                   "prediction": decode(toks), "msr": float(gen.msr[i]),
+                   "prediction": tokenizer.decode(toks, skip_special_tokens=True),
+                   "msr": float(gen.msr[i]),
                    "esr": float(gen.esr[i]), "gates": gen.gates[:, i].astype(int).tolist(),
                    "prompt_tokens": len(it.prompt_ids), "new_tokens": len(gen.tokens[i]),
                    "prefill_seconds": gen.prefill_seconds / len(batch),

@@ -153,6 +153,19 @@ def _ids(tokenizer, texts: list[str]) -> list[list[int]]:
   return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
+def render_user_turn(tokenizer, content: str) -> str:
+  """The chat template applied to one user message, with the generation prompt, as text."""
+  try:
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": content}],
+                                             tokenize=False, add_generation_prompt=True)
+  except Exception as e:  # jinja2 missing, or the template raising on a lone user turn
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise ElasticJaxError(f"the tokenizer's chat template cannot be rendered ({first})") from e
+  if not isinstance(rendered, str):
+    raise ElasticJaxError("the tokenizer's chat template did not render to a string")
+  return rendered
+
+
 def prompt_format(tokenizer, use_chat_template: bool | str = "auto") -> PromptFormat:
   """How prompts are framed: the chat template's user turn, or plain concatenation.
 
@@ -165,13 +178,7 @@ def prompt_format(tokenizer, use_chat_template: bool | str = "auto") -> PromptFo
   if use_chat_template is True and not has_template:
     raise ElasticJaxError("use_chat_template is True but the tokenizer has no chat template")
   if has_template and use_chat_template is not False:
-    try:
-      rendered = tokenizer.apply_chat_template([{"role": "user", "content": _MARKER}],
-                                               tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # jinja2 missing, or the template raising on a lone user turn
-      first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-      raise ElasticJaxError(f"the tokenizer's chat template cannot be rendered ({first})") from e
-    parts = rendered.split(_MARKER) if isinstance(rendered, str) else []
+    parts = render_user_turn(tokenizer, _MARKER).split(_MARKER)
     if len(parts) != 2:
       raise ElasticJaxError("the tokenizer's chat template does not render the user message "
                             "verbatim exactly once")
