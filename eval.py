@@ -149,6 +149,7 @@ def ruler_category(task_at_len: str) -> str:
 
 def longbench_items(args, tokenizer, max_positions: int, v2: bool):
   from elastic_jax.eval import longbench as lb
+  from elastic_jax.eval.metrics import longbench_e_bucket
   from elastic_jax.eval.runner import Item
   if v2:
     records = lb.load_longbench_v2(args.data, limit=args.limit)
@@ -161,9 +162,11 @@ def longbench_items(args, tokenizer, max_positions: int, v2: bool):
     max_new = lb.V2_MAX_NEW_TOKENS if v2 else lb.MAX_NEW_TOKENS[rec.dataset]
     max_len = min(args.max_length or default, max_positions - max_new)
     text, max_new, apply_chat = lb.model_input(rec, tokenizer, max_len, _chat(args))
-    task = "longbench-v2" if v2 else rec.dataset
-    key = f"{task}/{rec.id}"
-    items.append(Item(key, task if not v2 else f"{rec.difficulty}/{rec.length}",
+    key = f"{'longbench-v2' if v2 else rec.dataset}/{rec.id}"
+    # LongBench-E is reported per dataset and length bucket (0-4k, 4-8k, 8k+), as published.
+    task = (f"{rec.difficulty}/{rec.length}" if v2 else
+            f"{rec.dataset}@{longbench_e_bucket(rec.length)}" if rec.e else rec.dataset)
+    items.append(Item(key, task,
                       tuple(lb.input_ids(text, tokenizer, apply_chat)), max_new,
                       tuple(lb.extra_stop_ids(rec, tokenizer))))
     by_key[key] = rec
@@ -179,8 +182,8 @@ def longbench_score(by_key, v2: bool):
       return metrics.score_longbench_v2(
           [{"difficulty": r.difficulty, "length": r.length, "answer": r.answer} for r in recs],
           predictions)["overall"]
-    return metrics.score_longbench(task, predictions, [list(r.answers) for r in recs],
-                                   recs[0].all_classes)
+    return metrics.score_longbench(recs[0].dataset, predictions,
+                                   [list(r.answers) for r in recs], recs[0].all_classes)
   return score
 
 
@@ -198,7 +201,7 @@ def run_benchmark(args) -> int:
     items, by_key = longbench_items(args, tokenizer, max_positions, v2)
     score = longbench_score(by_key, v2)
     category = ((lambda t: "LongBench-v2") if v2
-                else (lambda t: metrics.DATASET_CATEGORY[t]))
+                else (lambda t: metrics.DATASET_CATEGORY[t.split("@")[0]]))
   out = args.out or os.path.join("runs", f"eval_{args.command.replace('-', '_')}")
   t0 = time.perf_counter()
   records = runner.run(model, tokenizer, items, settings, out, router_params=routers,

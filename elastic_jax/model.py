@@ -145,8 +145,10 @@ class Attention(nn.Module):
       stats = dict(stats, k=kk, v=v)
     if self.mode == "full":
       # A mesh and rules that split "seq" make this sequence parallel (parallel.py).
+      # One unpadded input per row (or right padding only): no segment ids, so the fused
+      # causal kernel (cuDNN on a GPU) applies.
       out = parallel.for_context(get_attention(self.attn_impl), hybrid=False)(
-          q, kk, v, segment_ids_bt)
+          q, kk, v, segment_ids_bt if self.packed else None)
     else:
       gate_btk = None if self.mode == "sparse" else rt.gates_per_token(gate_bsk, segment_ids_bt)
       # One unpadded input per row: the kernels need no segment ids or positions.

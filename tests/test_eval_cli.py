@@ -98,6 +98,17 @@ def test_longbench_from_local_files(model_dir):
   tasks = report["settings"]["sparse"]["tasks"]
   assert tasks["hotpotqa"]["category"] == "Multi-Doc QA" and tasks["trec"]["n"] == 2
   assert report["settings"]["sparse"]["average"]["msr"] == 1
+  # LongBench-E: one row per dataset and length bucket.
+  (data / "hotpotqa_e.jsonl").write_text("\n".join(
+      json.dumps(dict(json.loads(rec(i, "hotpotqa", "green")), length=n))
+      for i, n in enumerate((1000, 5000, 9000))))
+  proc = _eval("longbench", "--model", model_dir / "m", "--data", data, "--datasets",
+               "hotpotqa", "--e", "--dtype", "float32", "--impl", "reference",
+               "--attention", "full", "--max-length", "256", "--out", model_dir / "lbe_out")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  tasks = json.loads((model_dir / "lbe_out" / "report.json").read_text())["settings"]["full"]
+  assert set(tasks["tasks"]) == {"hotpotqa@0-4k", "hotpotqa@4-8k", "hotpotqa@8k+"}
+  assert tasks["categories"].keys() == {"Multi-Doc QA"}
 
 
 def test_bad_input(model_dir):

@@ -75,6 +75,19 @@ def test_forced_mixed_heads_match_recomputation(name):
   np.testing.assert_allclose(gen.msr, 1 - gates.mean(axis=(0, 2)), rtol=1e-6)
 
 
+def test_full_attention_equals_all_gates_full():
+  """attention="full" (plain causal attention, right-padded rows) decodes like forced gates
+  that send every head to full attention."""
+  cfg, params = _model("llama")
+  rng = np.random.default_rng(2)
+  prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (33, 9)]
+  kw = dict(rcfg=RCFG, sampling=SamplingConfig(max_new_tokens=6), attn_impl="reference")
+  full = generate(params, cfg, prompts, attention="full", **kw)
+  forced = generate(params, cfg, prompts, attention="forced",
+                    gates=np.ones((cfg.num_layers, cfg.num_kv_heads), np.float32), **kw)
+  assert full.tokens == forced.tokens and (full.msr == 0).all()
+
+
 def test_elastic_routing_is_decided_once_and_cached():
   cfg, params = _model("qwen3")
   router = init_router_params(cfg, RCFG, jax.random.key(3))
