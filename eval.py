@@ -37,6 +37,10 @@ def _common(p):
   p.add_argument("--out", help="output directory (default runs/eval_<benchmark>)")
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--impl", default="auto", help="attention implementation (default auto)")
+  p.add_argument("--setting", choices=("fa-ssa", "fa-xa", "xa-ssa"),
+                 help="what full and sparse heads run (default: the routers' setting, else "
+                      "fa-ssa); xa = XAttention's content-chosen blocks")
+  p.add_argument("--xa-threshold", type=float, help="XAttention's mass threshold (default 0.9)")
   p.add_argument("--batch-size", type=int, default=1)
   p.add_argument("--chat", choices=("auto", "on", "off"), default="auto",
                  help="wrap prompts in the tokenizer's chat template (auto: when it has one)")
@@ -95,6 +99,14 @@ def _load(args):
       raise ElasticJaxError(f"{args.routers}: routers trained for {want}, the model has {have}")
     model = dataclasses.replace(model, router_config=RouterConfig(**meta["router"]))
     routers = trainable["router"]
+  changes = {k: v for k, v in (("setting", args.setting), ("xa_threshold", args.xa_threshold))
+             if v is not None}
+  if changes:
+    try:
+      rcfg = dataclasses.replace(model.router_config, **changes)
+    except ValueError as e:
+      raise ElasticJaxError(str(e)) from None
+    model = dataclasses.replace(model, router_config=rcfg)
   return model, routers, tokenizer
 
 
@@ -187,6 +199,22 @@ def longbench_score(by_key, v2: bool):
   return score
 
 
+def _check_setting(out: str, setting: dict) -> None:
+  """Predictions in `out` are reused on a rerun: only under the head setting that made them."""
+  from elastic_jax.errors import ElasticJaxError
+  from elastic_jax.utils import atomic_write_text
+  path = os.path.join(out, "setting.json")
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      before = json.load(f)
+    if before != setting:
+      raise ElasticJaxError(f"{out} holds predictions made with {before}, not {setting}: pass "
+                            "another --out")
+    return
+  os.makedirs(out, exist_ok=True)
+  atomic_write_text(path, json.dumps(setting) + "\n")
+
+
 def run_benchmark(args) -> int:
   from elastic_jax.eval import metrics, report, runner
   model, routers, tokenizer = _load(args)
@@ -202,7 +230,13 @@ def run_benchmark(args) -> int:
     score = longbench_score(by_key, v2)
     category = ((lambda t: "LongBench-v2") if v2
                 else (lambda t: metrics.DATASET_CATEGORY[t.split("@")[0]]))
-  out = args.out or os.path.join("runs", f"eval_{args.command.replace('-', '_')}")
+  rcfg = model.router_config
+  setting = {"setting": rcfg.setting,
+             **({"xa_threshold": rcfg.xa_threshold} if rcfg.uses_xattention else {})}
+  out = args.out or os.path.join(
+      "runs", f"eval_{args.command.replace('-', '_')}"
+      + ("" if rcfg.setting == "fa-ssa" else f"_{rcfg.setting}"))
+  _check_setting(out, setting)
   t0 = time.perf_counter()
   records = runner.run(model, tokenizer, items, settings, out, router_params=routers,
                        batch_size=args.batch_size, attn_impl=args.impl)
@@ -210,7 +244,7 @@ def run_benchmark(args) -> int:
   import jax
   meta = {"benchmark": args.command, "model": os.path.basename(os.path.normpath(args.model)),
           "settings_requested": settings, "device": jax.devices()[0].device_kind,
-          "date": time.strftime("%Y-%m-%d"), "items": len(items)}
+          "date": time.strftime("%Y-%m-%d"), "items": len(items), **setting}
   paths = report.write(summary, records, out, f"{args.command}: {meta['model']}", meta)
   print(open(os.path.join(out, "report.md"), encoding="utf-8").read())
   print(f"wrote {', '.join(paths)} ({time.perf_counter() - t0:.0f} s)")

@@ -141,7 +141,8 @@ class ElasticModel:
                  else jnp.zeros((l, b, k), jnp.float32))
     lengths = jnp.asarray(mask.sum(1))
     report = {"gates": gates_lbk, "msr": msr(gates_lbk[:, :, None])[:, 0],
-              "esr": esr(gates_lbk[-1], lengths, rcfg.streaming)}
+              "esr": esr(gates_lbk[-1], lengths, rcfg.streaming, setting=rcfg.setting,
+                         xa_kept_bsk=stats["xa_kept"][-1] if "xa_kept" in stats else None)}
     return logits, report
 
 

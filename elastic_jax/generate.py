@@ -77,7 +77,7 @@ def _prefill(params, ids_bt, seg_bt, lengths_b, router_params, forced, *, cfg, r
                       preferred_element_type=jnp.float32)
   gates = (stats["gate"][:, :, 1] if "gate" in stats
            else jnp.zeros((cfg.num_layers,) + ids_bt.shape[:1] + (cfg.num_kv_heads,)))
-  return logits, gates, stats["k"], stats["v"]
+  return logits, gates, stats.get("xa_kept"), stats["k"], stats["v"]
 
 
 @functools.partial(jax.jit, static_argnames=("temperature", "top_p"))
@@ -100,12 +100,14 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
              attention: str = "elastic", rcfg: RouterConfig | None = None,
              router_params: Params | None = None, gates=None,
              sampling: SamplingConfig = SamplingConfig(), eos_ids: Sequence[int] = (),
-             tokenizer=None, attn_impl: str = "auto") -> Generation:
+             tokenizer=None, attn_impl: str = "auto", unroll_decode: bool = False
+             ) -> Generation:
   """Generate up to `sampling.max_new_tokens` tokens after each prompt (lists of token ids).
 
   attention: "full" (every head full, cache dense), "elastic" (routers decide; needs
   `router_params`), "forced" (`gates` [L, K] or [L, B, K], 1 = full), "sparse" (every head
   streaming). A row stops at an EOS id or, with a tokenizer, once its text holds a stop string.
+  unroll_decode: unroll the decode step's loop over layers (`model.decode_step`).
   """
   if attention not in MODES:
     raise ElasticJaxError(f"attention='{attention}' is not one of {', '.join(MODES)}")
@@ -143,7 +145,7 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
     forced = jnp.asarray(np.stack([np.zeros_like(g), g], axis=2))
 
   start = time.perf_counter()
-  logits, gates_lbk, k, v = _prefill(params, jnp.asarray(ids), jnp.asarray(seg),
+  logits, gates_lbk, xa_kept, k, v = _prefill(params, jnp.asarray(ids), jnp.asarray(seg),
                                      jnp.asarray(lengths), router_params, forced, cfg=cfg,
                                      rcfg=rcfg, mode=mode, attn_impl=attn_impl)
   gates_np = np.asarray(jax.device_get(gates_lbk))
@@ -152,7 +154,9 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   prefill_s = time.perf_counter() - start
 
   capacity = _bucket(capacity_needed)
-  cache = kv_cache.build(k, v, gates_np, lengths, capacity, rcfg.streaming)
+  # XAttention selects blocks at prefill only: its heads decode as full heads (whole cache).
+  cache_gates = np.ones_like(gates_np) if rcfg.setting == "fa-xa" else gates_np
+  cache = kv_cache.build(k, v, cache_gates, lengths, capacity, rcfg.streaming)
   del k, v
   dt = jax.tree.leaves(params)[0].dtype
   dense = kv_cache.dense_cache_bytes(n_layers, b, kh, capacity, cfg.head_dim, dt)
@@ -177,7 +181,8 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
         finish[i] = "stop"
     if all(finish) or step == sampling.max_new_tokens - 1:
       break
-    logits, cache = decode_step(params, tok, pos, cache, cfg=cfg, rcfg=rcfg)
+    logits, cache = decode_step(params, tok, pos, cache, cfg=cfg, rcfg=rcfg,
+                                unroll=unroll_decode)
     pos = pos + 1
   jax.block_until_ready(logits)
   decode_s = time.perf_counter() - start
@@ -195,7 +200,9 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   return Generation(
       tokens=out, texts=texts, finish=finish, gates=gates_np,
       msr=np.asarray(msr(g[:, :, None]))[:, 0],
-      esr=np.asarray(esr(g[-1][:, None], jnp.asarray(lengths)[:, None], rcfg.streaming))[:, 0],
+      esr=np.asarray(esr(g[-1][:, None], jnp.asarray(lengths)[:, None], rcfg.streaming,
+                         setting=rcfg.setting if attention != "full" else "fa-ssa",
+                         xa_kept_bsk=None if xa_kept is None else xa_kept[-1][:, None]))[:, 0],
       cache_bytes=cache.nbytes, dense_cache_bytes=dense, prefill_seconds=prefill_s,
       decode_seconds=decode_s,
       info={"new_tokens": sum(len(o) for o in out), "capacity": capacity})

@@ -6,18 +6,24 @@ its sink blocks and the last `local_blocks` blocks: it keeps the sink, and a rin
 `local_blocks * block` slots that each new token overwrites at `position % ring`. Decode memory
 therefore shrinks with the MSR, where a dense cache keeps every position of every head.
 
-Layout per layer (stacked over L in front of every array; shape letters as in model.py, plus
-F full-head slots and S streaming-head slots per layer, M cache capacity in tokens):
-  full_k, full_v [F, M, H]   full_b, full_h [F] (row and KV head of the slot)
-  sink_k, sink_v [S, sink_len, H]   ring_k, ring_v [S, ring, H]   st_b, st_h [S]
-A slot whose row index is B (out of range) is empty. F and S are the largest counts over the
-layers, so a layer with fewer heads of a kind leaves slots empty. A query at position p in
-block i of a streaming head sees the sink positions < min(sink_len, p + 1) and the ring's
-positions q in [sink_len, p] with i - q // block < local_blocks: exactly `Streaming.allows`.
+Layout (shape letters as in model.py, plus M the cache capacity in tokens):
+  full_k, full_v [P, M, H]  one pool of full-head slots for all layers, layer by layer:
+      layer l owns slots full_start[l] .. full_start[l] + n_l - 1 (n_l its full heads), so
+      the pool holds as many slots as there are full heads (plus at most F - 1 spare at the
+      end, F = max n_l, so that every layer can read a window of F slots);
+  full_start [L]; full_b, full_h [L, F]  row and KV head of each slot of a layer's window
+      (row B, out of range, for the window's slots that belong to the next layer);
+  sink_k, sink_v [L, S, sink_len, H]; ring_k, ring_v [L, S, ring, H]; st_b, st_h [L, S]
+      streaming slots, S the most any layer has (a few blocks each, so the padding is small).
+Decoding writes one token per slot in place (`decode_step` carries the cache through its loop
+over layers) and reads the layer's window. A query at position p in block i of a streaming
+head sees the sink positions < min(sink_len, p + 1) and the ring's positions q in
+[sink_len, p] with i - q // block < local_blocks: exactly `Streaming.allows`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.struct
@@ -32,6 +38,7 @@ from elastic_jax.attention.reference import Streaming
 class HeadCache:
   full_k: jax.Array
   full_v: jax.Array
+  full_start: jax.Array
   full_b: jax.Array
   full_h: jax.Array
   sink_k: jax.Array
@@ -46,25 +53,46 @@ class HeadCache:
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self)))
 
 
-def assign_slots(gates_lbk: np.ndarray) -> tuple[np.ndarray, ...]:
-  """Host-side slot tables from concrete gates [L, B, K] (1 = full, 0 = streaming).
+@dataclasses.dataclass(frozen=True)
+class Slots:
+  """Host-side slot tables (numpy int32); see the module docstring for the layout."""
+  full_start: np.ndarray        # [L]
+  full_b: np.ndarray            # [L, F]
+  full_h: np.ndarray            # [L, F]
+  pool_l: np.ndarray            # [P] layer, row (B: spare) and head held by each pool slot
+  pool_b: np.ndarray
+  pool_h: np.ndarray
+  st_b: np.ndarray              # [L, S]
+  st_h: np.ndarray
 
-  Returns full_b, full_h [L, F] and st_b, st_h [L, S] (empty slots: row B, head 0); F or S
-  is 0 when no layer has a head of that kind.
-  """
+
+def assign_slots(gates_lbk: np.ndarray) -> Slots:
+  """Slot tables from concrete gates [L, B, K] (1 = full, 0 = streaming)."""
   gates = np.asarray(gates_lbk) > 0.5
   n_layers, b, _ = gates.shape
 
-  def table(mask):
-    width = int(mask.reshape(n_layers, -1).sum(1).max())
+  def per_layer(mask):
+    rows_heads = [np.nonzero(mask[layer]) for layer in range(n_layers)]
+    width = max(rr.size for rr, _ in rows_heads)
     rows = np.full((n_layers, width), b, np.int32)
     heads = np.zeros((n_layers, width), np.int32)
-    for layer in range(n_layers):
-      rr, hh = np.nonzero(mask[layer])
+    for layer, (rr, hh) in enumerate(rows_heads):
       rows[layer, :rr.size], heads[layer, :rr.size] = rr, hh
     return rows, heads
 
-  return (*table(gates), *table(~gates))
+  full_b, full_h = per_layer(gates)
+  st_b, st_h = per_layer(~gates)
+  counts = (full_b < b).sum(1)
+  start = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int32)
+  size = int((start + full_b.shape[1]).max()) if full_b.shape[1] else 0
+  pool_l, pool_b, pool_h = (np.zeros(size, np.int32), np.full(size, b, np.int32),
+                            np.zeros(size, np.int32))
+  for layer in range(n_layers):
+    n = counts[layer]
+    at = slice(start[layer], start[layer] + n)
+    pool_l[at], pool_b[at], pool_h[at] = layer, full_b[layer, :n], full_h[layer, :n]
+  # A window's slots past the layer's own belong to the next layer (or are spare): row B.
+  return Slots(start, full_b, full_h, pool_l, pool_b, pool_h, st_b, st_h)
 
 
 def dense_cache_bytes(n_layers, batch, kv_heads, capacity, head_dim, dtype) -> int:
@@ -76,13 +104,16 @@ def build(k_lbtkh, v_lbtkh, gates_lbk, lengths_b, capacity: int, streaming: Stre
           ) -> HeadCache:
   """The cache after a prefill: keys/values of every layer [L, B, T, K, H] (rows may be
   right-padded; row b holds lengths_b[b] real tokens) and the decided gates [L, B, K]."""
-  full_b, full_h, st_b, st_h = (jnp.asarray(x) for x in assign_slots(np.asarray(gates_lbk)))
-  return _build(k_lbtkh, v_lbtkh, jnp.asarray(lengths_b, jnp.int32), full_b, full_h, st_b, st_h,
+  s = assign_slots(np.asarray(gates_lbk))
+  tables = [jnp.asarray(x) for x in (s.full_start, s.full_b, s.full_h, s.pool_l, s.pool_b,
+                                      s.pool_h, s.st_b, s.st_h)]
+  return _build(k_lbtkh, v_lbtkh, jnp.asarray(lengths_b, jnp.int32), *tables,
                 capacity=capacity, streaming=streaming)
 
 
 @functools.partial(jax.jit, static_argnames=("capacity", "streaming"))
-def _build(k_lbtkh, v_lbtkh, lengths_b, full_b, full_h, st_b, st_h, *, capacity, streaming):
+def _build(k_lbtkh, v_lbtkh, lengths_b, full_start, full_b, full_h, pool_l, pool_b, pool_h,
+           st_b, st_h, *, capacity, streaming):
   n_layers, b, t = k_lbtkh.shape[:3]
   if capacity < t:
     raise ValueError(f"cache capacity {capacity} is below the prompt length {t}")
@@ -91,24 +122,23 @@ def _build(k_lbtkh, v_lbtkh, lengths_b, full_b, full_h, st_b, st_h, *, capacity,
   lengths_b = jnp.concatenate([lengths_b, jnp.zeros((1,), jnp.int32)])  # the empty row B
   layer = jnp.arange(n_layers)[:, None]
 
-  def rows(x_lbtkh, rb, rh):          # -> [L, slots, T, H]; empty slots read row 0, zeroed
-    got = x_lbtkh[layer, jnp.minimum(rb, b - 1), :, rh]
+  def gather(x_lbtkh, rl, rb, rh):    # -> [..., T, H]; rows B read row 0, zeroed
+    got = x_lbtkh[rl, jnp.minimum(rb, b - 1), :, rh]
     return jnp.where((rb < b)[..., None, None], got, 0)
 
-  def full(x):
-    x = rows(x, full_b, full_h)
-    pos = jnp.arange(t)[None, None]
-    x = jnp.where((pos < lengths_b[full_b][..., None])[..., None], x, 0)
-    return jnp.pad(x, ((0, 0), (0, 0), (0, capacity - t), (0, 0)))
+  def full(x):                        # the pool [P, M, H]
+    x = gather(x, pool_l, pool_b, pool_h)
+    x = jnp.where((jnp.arange(t)[None] < lengths_b[pool_b][:, None])[..., None], x, 0)
+    return jnp.pad(x, ((0, 0), (0, capacity - t), (0, 0)))
 
   def sink(x):
-    x = rows(x, st_b, st_h)[:, :, :min(sink_len, t)]
+    x = gather(x, layer, st_b, st_h)[:, :, :min(sink_len, t)]
     pos = jnp.arange(x.shape[2])[None, None]
     x = jnp.where((pos < lengths_b[st_b][..., None])[..., None], x, 0)
     return jnp.pad(x, ((0, 0), (0, 0), (0, sink_len - x.shape[2]), (0, 0)))
 
   def ring_of(x):
-    x = rows(x, st_b, st_h)
+    x = gather(x, layer, st_b, st_h)
     last = lengths_b[st_b] - 1                                            # [L, S]
     slot = jnp.arange(ring)[None, None]
     pos = last[..., None] - jnp.mod(last[..., None] - slot, ring)          # [L, S, ring]
@@ -116,19 +146,21 @@ def _build(k_lbtkh, v_lbtkh, lengths_b, full_b, full_h, st_b, st_h, *, capacity,
     got = jnp.take_along_axis(x, jnp.clip(pos, 0, t - 1)[..., None], axis=2)
     return jnp.where(ok[..., None], got, 0)
 
-  return HeadCache(full(k_lbtkh), full(v_lbtkh), full_b, full_h, sink(k_lbtkh), sink(v_lbtkh),
-                   ring_of(k_lbtkh), ring_of(v_lbtkh), st_b, st_h)
+  return HeadCache(full(k_lbtkh), full(v_lbtkh), full_start, full_b, full_h, sink(k_lbtkh),
+                   sink(v_lbtkh), ring_of(k_lbtkh), ring_of(v_lbtkh), st_b, st_h)
 
 
-def attend(q_bnh, k_bkh, v_bkh, pos_b, cache: HeadCache, streaming: Streaming, scale: float
-           ) -> tuple[jax.Array, HeadCache]:
-  """One decode step of one layer: write the new token's key/value at position pos_b into the
-  cache (one layer's slice, no leading L), then attend. Returns (out [B, N, H], new cache)."""
+def attend(q_bnh, k_bkh, v_bkh, pos_b, cache: HeadCache, layer, streaming: Streaming,
+           scale: float) -> tuple[jax.Array, HeadCache]:
+  """One decode step of layer `layer` (a traced index): write the new token's key/value at
+  position pos_b into the layer's slots, in place, then attend. Returns (out [B, N, H], the
+  updated cache)."""
   b, n, h = q_bnh.shape
   kh = k_bkh.shape[1]
   q_bkgh = q_bnh.reshape(b, kh, n // kh, h)
   pos_b = jnp.concatenate([pos_b, jnp.zeros((1,), pos_b.dtype)])  # the empty row B
-  sink_len, ring = cache.sink_k.shape[1], cache.ring_k.shape[1]
+  pool, width = cache.full_k.shape[0], cache.full_b.shape[1]
+  sink_len, ring = cache.sink_k.shape[2], cache.ring_k.shape[2]
 
   def pick(x_bk, rb, rh):
     return x_bk[jnp.minimum(rb, b - 1), rh]
@@ -139,38 +171,42 @@ def attend(q_bnh, k_bkh, v_bkh, pos_b, cache: HeadCache, streaming: Streaming, s
     p = jax.nn.softmax(s, axis=-1)
     return jnp.einsum("sgm,smh->sgh", p.astype(v_smh.dtype), v_smh)
 
-  # Full heads: write at the token's position, attend to positions <= it.
-  fb, fh = cache.full_b, cache.full_h
+  # Full heads: write at the token's position in the layer's own slots, then read its window.
+  fb, fh, start = cache.full_b[layer], cache.full_h[layer], cache.full_start[layer]
   fpos = pos_b[fb]
-  slots = jnp.arange(fb.shape[0])
-  full_k = cache.full_k.at[slots, fpos].set(pick(k_bkh, fb, fh), mode="drop")
-  full_v = cache.full_v.at[slots, fpos].set(pick(v_bkh, fb, fh), mode="drop")
+  slot = jnp.where(fb < b, start + jnp.arange(width), pool)       # pool: out of range, dropped
+  full_k = cache.full_k.at[slot, fpos].set(pick(k_bkh, fb, fh), mode="drop")
+  full_v = cache.full_v.at[slot, fpos].set(pick(v_bkh, fb, fh), mode="drop")
+  win_k = jax.lax.dynamic_slice_in_dim(full_k, start, width, 0)
+  win_v = jax.lax.dynamic_slice_in_dim(full_v, start, width, 0)
   ok = jnp.arange(full_k.shape[1])[None] <= fpos[:, None]
-  out_full = softmax_out(pick(q_bkgh, fb, fh), full_k, full_v, ok)
+  out_full = softmax_out(pick(q_bkgh, fb, fh), win_k, win_v, ok)
 
   # Streaming heads: the sink holds positions < sink_len, the ring every later one.
-  sb, sh = cache.st_b, cache.st_h
+  sb, sh = cache.st_b[layer], cache.st_h[layer]
   spos = pos_b[sb]
   slots = jnp.arange(sb.shape[0])
   k_new, v_new = pick(k_bkh, sb, sh), pick(v_bkh, sb, sh)
-  in_sink = spos < sink_len
+  in_sink = (spos < sink_len) & (sb < b)
   sink_at = jnp.where(in_sink, spos, sink_len)              # out of range: dropped
-  ring_at = jnp.where(in_sink, ring, jnp.mod(spos, ring))
-  sink_k = cache.sink_k.at[slots, sink_at].set(k_new, mode="drop")
-  sink_v = cache.sink_v.at[slots, sink_at].set(v_new, mode="drop")
-  ring_k = cache.ring_k.at[slots, ring_at].set(k_new, mode="drop")
-  ring_v = cache.ring_v.at[slots, ring_at].set(v_new, mode="drop")
+  ring_at = jnp.where(in_sink | (sb >= b), ring, jnp.mod(spos, ring))
+  sink_k = cache.sink_k.at[layer, slots, sink_at].set(k_new, mode="drop")
+  sink_v = cache.sink_v.at[layer, slots, sink_at].set(v_new, mode="drop")
+  ring_k = cache.ring_k.at[layer, slots, ring_at].set(k_new, mode="drop")
+  ring_v = cache.ring_v.at[layer, slots, ring_at].set(v_new, mode="drop")
   ring_pos = spos[:, None] - jnp.mod(spos[:, None] - jnp.arange(ring)[None], ring)
   block = streaming.block
   ring_ok = ((ring_pos >= sink_len)
              & (spos[:, None] // block - ring_pos // block < streaming.local_blocks))
   sink_ok = jnp.arange(sink_len)[None] <= spos[:, None]
-  out_st = softmax_out(pick(q_bkgh, sb, sh), jnp.concatenate([sink_k, ring_k], 1),
-                       jnp.concatenate([sink_v, ring_v], 1),
+  out_st = softmax_out(pick(q_bkgh, sb, sh),
+                       jnp.concatenate([sink_k[layer], ring_k[layer]], 1),
+                       jnp.concatenate([sink_v[layer], ring_v[layer]], 1),
                        jnp.concatenate([sink_ok, ring_ok], 1))
 
   out = jnp.zeros_like(q_bkgh)
   out = out.at[fb, fh].set(out_full.astype(out.dtype), mode="drop")
   out = out.at[sb, sh].set(out_st.astype(out.dtype), mode="drop")
-  new = HeadCache(full_k, full_v, fb, fh, sink_k, sink_v, ring_k, ring_v, sb, sh)
+  new = cache.replace(full_k=full_k, full_v=full_v, sink_k=sink_k, sink_v=sink_v,
+                      ring_k=ring_k, ring_v=ring_v)
   return out.reshape(b, n, h), new

@@ -26,8 +26,9 @@ import numpy as np
 
 from elastic_jax import kv_cache, parallel
 from elastic_jax import router as rt
-from elastic_jax.attention import get_attention, get_hybrid_attention
+from elastic_jax.attention import get_attention, get_hybrid_attention, xattention
 from elastic_jax.config import ModelConfig, rope_inv_freq
+from elastic_jax.errors import ElasticJaxError
 
 Params = dict[str, Any]
 
@@ -126,11 +127,16 @@ class Attention(nn.Module):
       # One decode step (kv_cache.py): the modes were decided at prefill and live in the cache.
       q, kk = apply_rope(q, cos, sin), apply_rope(kk, cos, sin)
       out, cache = kv_cache.attend(q[:, 0], kk[:, 0], v[:, 0], ctx.positions[:, 0],
-                                   layer["cache"], self.rcfg.streaming, h ** -0.5)
+                                   layer["cache"], layer["index"], self.rcfg.streaming,
+                                   h ** -0.5)
       return self._out_proj(out[:, None]), {"cache": cache}
     if self.mode == "elastic":
       # The router reads the keys after k-norm and before RoPE (SPEC.md section 4).
-      pooled = rt.pool_prompt(kk, segment_ids_bt, ctx.positions, ctx.prompt_mask, self.rcfg)
+      if self.packed or self.rcfg.pooling != "boundary":
+        pooled = rt.pool_prompt(kk, segment_ids_bt, ctx.positions, ctx.prompt_mask,
+                                self.rcfg)
+      else:   # one input per row, its prompt a prefix: read only the boundary tokens
+        pooled = rt.pool_prompt_prefix(kk, segment_ids_bt, ctx.prompt_mask, self.rcfg)
       z_bskc = rt.router_logits(layer["router"], pooled)
       gate_bsk, soft_bsk = rt.gate_from_logits(z_bskc, self.rcfg, key=layer.get("key"),
                                                tau=ctx.tau)
@@ -153,8 +159,21 @@ class Attention(nn.Module):
       gate_btk = None if self.mode == "sparse" else rt.gates_per_token(gate_bsk, segment_ids_bt)
       # One unpadded input per row: the kernels need no segment ids or positions.
       seg, pos = (segment_ids_bt, ctx.positions) if self.packed else (None, None)
-      out = parallel.for_context(get_hybrid_attention(self.attn_impl), hybrid=True)(
-          q, kk, v, gate_btk, self.rcfg.streaming, seg, pos)
+      hybrid = get_hybrid_attention(self.attn_impl)
+      wrapped = parallel.for_context(hybrid, hybrid=True)
+      if self.rcfg.uses_xattention:
+        if wrapped is not hybrid:
+          raise ElasticJaxError(f"setting '{self.rcfg.setting}' does not run sequence "
+                                "parallel yet; use fa-ssa or a mesh without a sequence axis")
+        xa = self.rcfg.xattention
+        keep = xattention.select(q, kk, xa, seg,
+                                 "reference" if self.attn_impl == "reference" else "auto")
+        # Real tokens per row (packed rows: all segments together).
+        lengths = (segment_ids_bt > 0).sum(1)
+        stats = dict(stats, xa_kept=xattention.kept_fraction(keep, lengths, xa.block))
+        wrapped = functools.partial(hybrid, setting=self.rcfg.setting, xa_keep=keep,
+                                    xa_block=xa.block)
+      out = wrapped(q, kk, v, gate_btk, self.rcfg.streaming, seg, pos)
     return self._out_proj(out), stats
 
   def _out_proj(self, out_btnh):
@@ -336,16 +355,37 @@ forward_routed_jit = jax.jit(forward_routed, static_argnames=(
     "return_kv"))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "rcfg"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "rcfg", "unroll"),
+                   donate_argnames=("cache",))
 def decode_step(params: Params, ids_b: jax.Array, positions_b: jax.Array,
-                cache: kv_cache.HeadCache, *, cfg: ModelConfig, rcfg: rt.RouterConfig):
-  """One token per row through every layer with the per-head cache [L, ...] (the modes it was
-  built with): (float32 logits [B, V], the updated cache, donated)."""
+                cache: kv_cache.HeadCache, *, cfg: ModelConfig, rcfg: rt.RouterConfig,
+                unroll: bool = False):
+  """One token per row through every layer with the per-head cache (the modes it was built
+  with): (float32 logits [B, V], the updated cache, donated).
+
+  The cache is carried through the loop over layers, so each layer writes its new key/value
+  in place instead of the whole cache being rewritten at every step. unroll: the loop over
+  layers unrolled (static layer slices of the weights and the cache; a longer compile).
+  """
   dtype = jax.tree.leaves(params)[0].dtype
   ids, pos = ids_b[:, None], positions_b[:, None]
-  logits, stats = _module(cfg, dtype, "reference", False, "full", rcfg).apply(
-      {"params": params}, ids, pos, jnp.ones_like(ids), None, {"cache": cache})
-  return logits[:, 0], stats["cache"]
+  x = jnp.take(params["embed"], ids, axis=0)
+  cos, sin = rope_tables(cfg, pos, dtype)
+  ctx = Context(cos, sin, jnp.ones_like(ids), pos)
+  layer = DecoderLayer(cfg, dtype, "reference", "full", rcfg)
+
+  def body(carry, xs):
+    x, cache = carry
+    layer_params, index = xs
+    x, stats = layer.apply({"params": layer_params}, x, ctx, {"cache": cache, "index": index})
+    return (x, stats["cache"]), None
+
+  (x, cache), _ = jax.lax.scan(body, (x, cache),
+                               (params["layers"], jnp.arange(cfg.num_layers)), unroll=unroll)
+  x = RMSNorm("embed", cfg.rms_norm_eps, dtype).apply({"params": params["final_norm"]}, x)
+  logits = jnp.einsum("be,ev->bv", x[:, 0], output_head(params, cfg),
+                      preferred_element_type=jnp.float32)
+  return logits, cache
 
 
 def output_head(params: Params, cfg: ModelConfig) -> jax.Array:

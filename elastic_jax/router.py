@@ -19,7 +19,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from elastic_jax.attention.reference import Streaming
+from elastic_jax.attention.reference import SETTINGS, Streaming
+from elastic_jax.attention.xattention import XAttention
 from elastic_jax.config import ModelConfig
 
 POOLINGS = ("boundary", "prompt_mean")
@@ -37,6 +38,11 @@ class RouterConfig:
   sink_blocks: int = 1            # SSA pattern (SPEC.md section 3)
   local_blocks: int = 16
   block: int = 128
+  setting: str = "fa-ssa"         # fa-ssa, fa-xa (sparse heads XAttention), xa-ssa (full heads
+                                  # XAttention): what r = 1 and r = 0 mean (SPEC.md section 3)
+  xa_threshold: float = 0.9       # XAttention (settings with "xa")
+  xa_stride: int = 16
+  xa_block: int = 128
 
   def __post_init__(self):
     if self.pooling not in POOLINGS:
@@ -46,11 +52,22 @@ class RouterConfig:
                        f"(known: {RELAXATIONS})")
     if self.boundary < 1 or self.hidden_mult < 1 or self.max_segments < 1:
       raise ValueError("router boundary, hidden_mult and max_segments must be positive")
+    if self.setting not in SETTINGS:
+      raise ValueError(f"router setting '{self.setting}' is unknown (known: {SETTINGS})")
     self.streaming  # validates the SSA numbers
+    self.xattention  # and the XAttention ones
 
   @property
   def streaming(self) -> Streaming:
     return Streaming(self.sink_blocks, self.local_blocks, self.block)
+
+  @property
+  def xattention(self) -> XAttention:
+    return XAttention(self.xa_stride, self.xa_block, self.xa_threshold)
+
+  @property
+  def uses_xattention(self) -> bool:
+    return "xa" in self.setting
 
   @property
   def num_logits(self) -> int:
@@ -94,6 +111,31 @@ def pool_prompt(k_btkh: jax.Array, segment_ids_bt: jax.Array, positions_bt: jax.
   total_bs = w_bts.sum(1)
   pooled = jnp.einsum("bts,btkh->bskh", w_bts, k_btkh.astype(jnp.float32))
   return pooled / jnp.maximum(total_bs, 1.0)[:, :, None, None]
+
+
+def pool_prompt_prefix(k_btkh: jax.Array, segment_ids_bt: jax.Array,
+                       prompt_mask_bt: jax.Array, rcfg: RouterConfig) -> jax.Array:
+  """`pool_prompt` for rows that each hold one input whose prompt is a prefix (positions
+  0 .. n-1, then the answer or right padding), as in unpacked batches: [B, S, K, H] float32.
+
+  Boundary pooling then needs only the first and last `boundary` prompt tokens of each row,
+  read by index instead of a weighted sum over all T tokens (at 128K tokens that sum reads
+  every key of the layer). The row's result goes to the slot of its first token's segment.
+  """
+  if rcfg.pooling != "boundary":
+    raise ValueError("pool_prompt_prefix implements boundary pooling only")
+  t = k_btkh.shape[1]
+  plen_b = prompt_mask_bt.astype(jnp.int32).sum(1)
+  span = jnp.arange(rcfg.boundary, dtype=jnp.int32)[None]
+  first = jnp.broadcast_to(span, (plen_b.shape[0], rcfg.boundary))         # [B, boundary]
+  last = plen_b[:, None] - rcfg.boundary + span
+  idx = jnp.concatenate([first, last], axis=1)
+  ok = jnp.concatenate([first < plen_b[:, None], last >= 0], axis=1).astype(jnp.float32)
+  got = jnp.take_along_axis(k_btkh, jnp.clip(idx, 0, t - 1)[:, :, None, None], axis=1)
+  pooled_bkh = (jnp.einsum("bn,bnkh->bkh", ok, got.astype(jnp.float32))
+                / jnp.maximum(ok.sum(1), 1.0)[:, None, None])
+  slot_bs = jax.nn.one_hot(segment_ids_bt[:, 0], rcfg.max_segments, dtype=jnp.float32)
+  return slot_bs[:, :, None, None] * pooled_bkh[:, None]
 
 
 def _dense(x, w, b):
@@ -153,13 +195,20 @@ def msr(gates_lbsk: jax.Array) -> jax.Array:
   return 1.0 - gates_lbsk.mean(axis=(0, 3))
 
 
-def esr(last_layer_gates_bsk: jax.Array, lengths_bs: jax.Array, streaming: Streaming
-        ) -> jax.Array:
+def esr(last_layer_gates_bsk: jax.Array, lengths_bs: jax.Array, streaming: Streaming, *,
+        setting: str = "fa-ssa", xa_kept_bsk: jax.Array | None = None) -> jax.Array:
   """Effective sparsity ratio per input, [B, S]: the mean over the last layer's KV heads of the
-  pruned fraction of causal keys (0 for an FA head, 1 - kept/causal for an SA head)."""
-  kept = streaming_kept_fraction(lengths_bs, streaming)
-  pruned_if_sparse = 1.0 - kept
-  return ((1.0 - last_layer_gates_bsk) * pruned_if_sparse[..., None]).mean(-1)
+  pruned fraction of causal keys (0 for an FA head, 1 - kept/causal for an SA head). Under
+  the XAttention settings an XA head's kept fraction is that of the blocks it really
+  attended, `xa_kept_bsk` (`xattention.kept_fraction`)."""
+  pruned_ssa = (1.0 - streaming_kept_fraction(lengths_bs, streaming))[..., None]
+  pruned_xa = None if xa_kept_bsk is None else 1.0 - xa_kept_bsk
+  if "xa" in setting and pruned_xa is None:
+    raise ValueError(f"the ESR of setting '{setting}' needs the XA heads' kept fractions")
+  hi = pruned_xa if setting.startswith("xa") else 0.0
+  lo = pruned_ssa if setting.endswith("ssa") else pruned_xa
+  r = last_layer_gates_bsk
+  return (r * hi + (1.0 - r) * lo).mean(-1)
 
 
 def streaming_kept_fraction(lengths: jax.Array, streaming: Streaming) -> jax.Array:

@@ -1,4 +1,4 @@
-"""Small shared helpers: progress reporting and atomic directory writes."""
+"""Small shared helpers: progress reporting and atomic writes."""
 
 from __future__ import annotations
 
@@ -64,3 +64,11 @@ def atomic_directory(target: str, overwrite: bool = False) -> Iterator[str]:
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
+
+
+def atomic_write_text(path: str, text: str) -> None:
+  """Writes `text` (UTF-8) to `path` whole or not at all (a temporary file, then a rename)."""
+  tmp = f"{path}.partial-{uuid.uuid4().hex[:8]}"
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.write(text)
+  os.replace(tmp, path)

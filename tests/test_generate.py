@@ -114,7 +114,8 @@ def test_cache_memory_shrinks_with_msr():
   cap = gen.info["capacity"]
   window = RCFG.block * (RCFG.sink_blocks + RCFG.local_blocks)
   per_pos = 2 * cfg.num_layers * cfg.head_dim * 4              # k and v, float32, per slot
-  index = 2 * 4 * cfg.num_layers * cfg.num_kv_heads            # row and head, int32
+  # Row and head per slot (int32, L * K slots in all here), and each layer's first pool slot.
+  index = 2 * 4 * cfg.num_layers * cfg.num_kv_heads + 4 * cfg.num_layers
   assert sizes["dense"] == per_pos * 2 * cap + index
   assert sizes["half"] == per_pos * (cap + window) + index
   assert sizes["sparse"] == per_pos * 2 * window + index
@@ -124,9 +125,30 @@ def test_cache_memory_shrinks_with_msr():
 
 def test_slot_tables():
   g = np.asarray([[[1, 0], [0, 0]], [[1, 1], [0, 1]]], np.float32)      # [L=2, B=2, K=2]
-  full_b, full_h, st_b, st_h = assign_slots(g)
-  assert full_b.tolist() == [[0, 2, 2], [0, 0, 1]] and full_h.tolist() == [[0, 0, 0], [0, 1, 1]]
-  assert st_b.tolist() == [[0, 1, 1], [1, 2, 2]] and st_h.tolist() == [[1, 0, 1], [0, 0, 0]]
+  s = assign_slots(g)
+  assert s.full_b.tolist() == [[0, 2, 2], [0, 0, 1]]
+  assert s.full_h.tolist() == [[0, 0, 0], [0, 1, 1]]
+  assert s.st_b.tolist() == [[0, 1, 1], [1, 2, 2]] and s.st_h.tolist() == [[1, 0, 1], [0, 0, 0]]
+  # The pool holds the full heads layer after layer, plus spare slots so that the last
+  # layer's window of F = 3 slots stays inside it.
+  assert s.full_start.tolist() == [0, 1]
+  assert (s.pool_l.tolist(), s.pool_b.tolist(), s.pool_h.tolist()) == (
+      [0, 1, 1, 1], [0, 0, 0, 1], [0, 0, 1, 1])
+
+
+def test_cache_pool_holds_only_the_full_heads():
+  """Layers with different numbers of full heads: the pool has one slot per full head (plus
+  the last window's spare), not layers x the widest layer, and decoding stays exact."""
+  cfg, params = _model("qwen3")                                # L=3, K=2
+  gates = np.asarray([[1, 1], [0, 0], [0, 1]], np.float32)     # 2, 0 and 1 full heads
+  s = assign_slots(gates[:, None])
+  assert s.pool_b.size == 4 and s.full_b.shape == (3, 2)      # not 3 * 2 = 6 slots
+  rng = np.random.default_rng(5)
+  prompts = [rng.integers(0, cfg.vocab_size, 29).tolist()]
+  gen = generate(params, cfg, prompts, attention="forced", rcfg=RCFG, gates=gates,
+                 sampling=SamplingConfig(max_new_tokens=9), attn_impl="reference")
+  want, _ = _reference(params, cfg, prompts, gates[:, None], 9)
+  assert gen.tokens == want
 
 
 class _Tok:

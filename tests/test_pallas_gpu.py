@@ -143,3 +143,32 @@ def test_op_routes_to_the_kernel_and_packed_inputs_to_the_reference():
   seg = jnp.asarray([[0] * 30 + [1] * 40])
   np.testing.assert_allclose(np.asarray(ours(q, kk, v, gate, segment_ids=seg)),
                              np.asarray(ref(q, kk, v, gate, segment_ids=seg)), atol=1e-6)
+
+
+@pytest.mark.parametrize("setting", ["fa-xa", "xa-ssa"])
+@pytest.mark.parametrize("t,g,d,tiles", [(128, 1, 64, (32, 16)), (300, 4, 128, (16, 32))])
+def test_xattention_mode_matches_the_reference(setting, t, g, d, tiles):
+  """The XA mode: heads read only their kept blocks (a compact list per query block), in one
+  launch with full, streaming and mixed heads; gradients come from the reference."""
+  from elastic_jax.attention.pallas_gpu import make_xa_hybrid
+  from elastic_jax.attention.xattention import XAttention, select
+  b, kh = 2, 2
+  q, k, v = _inputs(b, t, kh * g, kh, d, jnp.float32, seed=4)
+  q = q * 3.0                                   # peaky scores: XA really drops blocks
+  st = Streaming(1, 1, 32)
+  keep = select(q, k, XAttention(stride=8, block=32, threshold=0.6))
+  assert not bool(keep[..., jnp.tril(jnp.ones(keep.shape[-2:], bool))].all())
+  gate = jnp.asarray([[0.0, 1.0], [1.0, 0.25]])            # every mode in one launch
+  fn = make_xa_hybrid(Tiles(*tiles, 1, 4))
+  got = _jit(fn, static_argnums=(5, 6, 7, 8))(q, k, v, gate, keep, st, setting, 32, INTERPRET)
+  want = dense_hybrid_attention(q, k, v, gate, st, setting=setting, xa_keep=keep, xa_block=32)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=F32_TOL)
+  cot = jax.random.normal(jax.random.key(9), q.shape)
+  grads = jax.grad(lambda q, gate: jnp.sum(fn(q, k, v, gate, keep, st, setting, 32, INTERPRET)
+                                           * cot), argnums=(0, 1))(q, gate)
+  want_g = jax.grad(lambda q, gate: jnp.sum(dense_hybrid_attention(
+      q, k, v, gate, st, setting=setting, xa_keep=keep, xa_block=32) * cot), argnums=(0, 1))(
+          q, gate)
+  for a, w in zip(grads, want_g):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(w),
+                               atol=GRAD_TOL[jnp.float32] * max(1.0, float(jnp.abs(w).max())))

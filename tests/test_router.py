@@ -8,8 +8,8 @@ import pytest
 from elastic_jax.attention import Streaming
 from elastic_jax.config import config_from_hf_dict
 from elastic_jax.router import (RouterConfig, esr, gate_from_logits, gates_per_token,
-                                init_router_params, msr, pool_prompt, router_logits,
-                                streaming_kept_fraction)
+                                init_router_params, msr, pool_prompt, pool_prompt_prefix,
+                                router_logits, streaming_kept_fraction)
 
 CFG = config_from_hf_dict(dict(model_type="llama", vocab_size=32, hidden_size=256,
                                intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
@@ -60,6 +60,22 @@ def test_pooling_per_packed_segment(mode):
                     rcfg)
   want = _numpy_pool(k, seg, pos, prompt & (seg > 0), 3, 4, mode)
   np.testing.assert_allclose(np.asarray(got)[:, 1:], want[:, 1:], atol=1e-6)
+
+
+def test_prefix_pooling_reads_only_the_boundaries():
+  """Unpacked rows (one input each, prompt a prefix, right padding): the boundary-only
+  gather equals the numpy pooling, including prompts shorter than 2 x boundary."""
+  rng = np.random.default_rng(1)
+  k = rng.normal(size=(3, 24, 2, 4)).astype(np.float32)
+  plen = np.array([24, 7, 13])                     # whole row; shorter than 2 x boundary; ...
+  total = np.array([24, 10, 20])                   # prompt then answer, then right padding
+  seg = (np.arange(24)[None] < total[:, None]).astype(np.int32)
+  pos = np.broadcast_to(np.arange(24), (3, 24))
+  prompt = np.arange(24)[None] < plen[:, None]
+  rcfg = RouterConfig(boundary=5, max_segments=2)
+  got = pool_prompt_prefix(jnp.asarray(k), jnp.asarray(seg), jnp.asarray(prompt), rcfg)
+  want = _numpy_pool(k, seg, pos, prompt, 2, 5, "boundary")
+  np.testing.assert_allclose(np.asarray(got), want, atol=1e-6)
 
 
 def test_straight_through_estimator():

@@ -92,6 +92,39 @@ def test_unpacked_rows_skip_segments_and_match(backbone):
       np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
 
 
+def test_xattention_settings(backbone):
+  """FA-XA and XA-SSA: fixed points against the other modes, and router gradients."""
+  b = _batch()
+  ids, pos, seg, pm = b["input_ids"], b["positions"], b["segment_ids"], b["prompt_mask"]
+  full = forward(backbone, ids, pos, seg, cfg=CFG)
+
+  def run(setting, threshold=0.9, **kw):
+    rcfg = dataclasses.replace(RCFG, setting=setting, xa_stride=4, xa_block=16,
+                               xa_threshold=threshold)
+    return forward_routed_jit(backbone, ids, pos, seg, pm, cfg=CFG, rcfg=rcfg, **kw)
+
+  zeros = jnp.zeros((2, 4, 3, 4))
+  close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+  # FA heads are untouched by fa-xa; XA heads that keep every block are full attention.
+  close(run("fa-xa", mode="forced", forced_gates=jnp.ones_like(zeros))[0], full)
+  close(run("fa-xa", 1.0, mode="sparse")[0], full)
+  xa_only, stats = run("fa-xa", 0.5, mode="sparse")
+  assert np.abs(np.asarray(xa_only - full)).max() > 1e-4
+  kept = np.asarray(stats["xa_kept"])
+  assert kept.shape == (2, 4, 4) and (kept > 0).all() and (kept < 1).any()
+  # xa-ssa's sparse heads are fa-ssa's.
+  close(run("xa-ssa", mode="sparse")[0], run("fa-ssa", mode="sparse")[0])
+  router = init_router_params(CFG, RCFG, jax.random.key(1))
+  for setting in ("fa-xa", "xa-ssa"):
+    def loss(router):
+      logits, st = run(setting, 0.5, mode="elastic", router_params=router,
+                       key=jax.random.key(4))
+      return logits[:, -1, 0].sum() + st["gate"].sum()
+    grads = jax.grad(loss)(router)
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+    assert np.abs(np.asarray(grads["route_w3"])).max() > 0
+
+
 def test_model_logits_api(backbone):
   model = ej.ElasticModel(CFG, backbone, CFG.to_hf_dict(), router_config=RCFG,
                           router_params=init_router_params(CFG, RCFG, jax.random.key(2)))

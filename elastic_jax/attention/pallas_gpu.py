@@ -40,14 +40,20 @@ from elastic_jax.attention.common import (MODE_FULL, MODE_MIX, MODE_SPARSE,
                                           with_fused_backward)
 
 assert (MODE_SPARSE, MODE_FULL, MODE_MIX) == (0, 1, 2)  # the order of lax.switch below
-from elastic_jax.attention.reference import Streaming
+from elastic_jax.attention.reference import Streaming, setting_patterns
+from elastic_jax.attention.reference import hybrid_attention as reference_hybrid
+from elastic_jax.attention.xattention import block_lists
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = math.log2(math.e)
 
 
-def _kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, *out_refs, scale, block_q, block_k,
-            seq_len, num_kv_heads, groups, streaming: Streaming, train: bool):
+def _kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, num_kv_heads, groups,
+            streaming: Streaming, train: bool, patterns=("full", "stream"), xa_block=0):
+  if "xa" in patterns:
+    xa_index_ref, xa_count_ref, xa_keep_ref, q_ref, k_ref, v_ref, *out_refs = refs
+  else:
+    q_ref, k_ref, v_ref, *out_refs = refs
   qi, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   slot = b * num_kv_heads + n // groups
   mode = modes_ref[slot]
@@ -131,9 +137,50 @@ def _kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, *out_refs, scale, block_q,
     full_c, sparse_c = lax.fori_loop(0, causal_end, both, (init(), init()))
     return r * finish(full_c) + (1.0 - r) * finish(sparse_c)
 
+  if "xa" in patterns:
+    # XAttention heads visit the kept blocks of this query block (a compact ascending list
+    # whose last entry is the diagonal block): earlier blocks whole, the diagonal masked.
+    assert not train, "the XA settings' backward runs through the reference"
+    per_block = xa_block // block_k
+    q_block = q_start // xa_block
+
+    def run_xa():
+      def kept(c, carry):
+        jb = xa_index_ref[c]
+        return visit_tiles(jb * per_block, (jb + 1) * per_block, carry)
+
+      def visit_tiles(lo, hi, carry):
+        def tile(j, c):
+          k = k_ref[pl.ds(j * block_k, block_k), :]
+          s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * qk_scale
+          return update(c, s, None, v_ref[pl.ds(j * block_k, block_k), :])
+        return lax.fori_loop(lo, hi, tile, carry)
+
+      carry = lax.fori_loop(0, xa_count_ref[q_block] - 1, kept, init())
+      return finish(visit(q_block * per_block, causal_end, carry, sparse=False))
+
+    def xa_both(j, c):
+      # Mixed gate: both patterns over every causal tile; XA's tile mask from the kept row.
+      hi_c, lo_c = c
+      s, causal, window = scores(j)
+      v = v_ref[pl.ds(j * block_k, block_k), :]
+      xa = causal & (xa_keep_ref[(j * block_k) // xa_block] != 0)
+      hi_ok = causal if patterns[0] == "full" else xa
+      lo_ok = window if patterns[1] == "stream" else xa
+      return update(hi_c, s, hi_ok, v), update(lo_c, s, lo_ok, v)
+
+    def run_xa_mix():
+      hi_c, lo_c = lax.fori_loop(0, causal_end, xa_both, (init(), init()))
+      return r * finish(hi_c) + (1.0 - r) * finish(lo_c)
+
+    branches = [run_sparse if patterns[1] == "stream" else run_xa,
+                run_full if patterns[0] == "full" else run_xa, run_xa_mix]
+  else:
+    branches = [run_sparse, run_full, run_mix]
+
   if not train:
     (o_ref,) = out_refs
-    out = lax.switch(mode, [run_sparse, run_full, run_mix])
+    out = lax.switch(mode, branches)
     o_ref[...] = out.astype(o_ref.dtype)
     return
 
@@ -317,12 +364,22 @@ def _pad_inputs(q, k, v, gate_bk, multiple: int):
 
 
 def _forward_call(q, k, v, gate, modes, *, seq_len, scale, streaming, tiles: Tiles,
-                  interpret, train):
-  """The forward kernel on padded inputs: O, or (O, O_FA, O_SSA, lse_FA, lse_SSA) in training."""
+                  interpret, train, patterns=("full", "stream"), xa=None, xa_block=0):
+  """The forward kernel on padded inputs: O, or (O, O_FA, O_SSA, lse_FA, lse_SSA) in training.
+  xa: (index [slots, nbp, nbp], count [slots, nbp], keep [slots, nbp, nbp]) int32 for the
+  XAttention settings (`patterns` holding "xa")."""
   b, tp, n, dp = q.shape
   kh = k.shape[2]
   bq, bk = tiles.block_q, tiles.block_k
   slots = gate.shape[0]
+  groups = n // kh
+  xa_specs, xa_ops = [], []
+  if xa is not None:
+    nbp = xa[1].shape[1]
+    row = pl.BlockSpec((None, None, nbp),
+                       lambda i, j, h: (j * kh + h // groups, (i * bq) // xa_block, 0))
+    xa_specs = [row, pl.BlockSpec((None, nbp), lambda i, j, h: (j * kh + h // groups, 0)), row]
+    xa_ops = list(xa)
   o_spec = pl.BlockSpec((None, bq, None, dp), lambda i, j, h: (j, i, h, 0))
   o_shape = jax.ShapeDtypeStruct((b, tp, n, dp), q.dtype)
   out_specs, out_shape = o_spec, o_shape
@@ -333,13 +390,14 @@ def _forward_call(q, k, v, gate, modes, *, seq_len, scale, streaming, tiles: Til
     out_shape = [o_shape] * 3 + [lse_shape] * 2
   kernel = functools.partial(
       _kernel, scale=scale, block_q=bq, block_k=bk, seq_len=seq_len, num_kv_heads=kh,
-      groups=n // kh, streaming=streaming, train=train)
+      groups=groups, streaming=streaming, train=train, patterns=patterns, xa_block=xa_block)
   return pl.pallas_call(
       kernel,
       grid=(tp // bq, b, n),
       in_specs=[
           pl.BlockSpec((slots,), lambda i, j, h: (0,)),
           pl.BlockSpec((slots,), lambda i, j, h: (0,)),
+          *xa_specs,
           pl.BlockSpec((None, bq, None, dp), lambda i, j, h: (j, i, h, 0)),
           pl.BlockSpec((None, tp, None, dp), lambda i, j, h: (j, 0, h // (n // kh), 0)),
           pl.BlockSpec((None, tp, None, dp), lambda i, j, h: (j, 0, h // (n // kh), 0)),
@@ -349,7 +407,7 @@ def _forward_call(q, k, v, gate, modes, *, seq_len, scale, streaming, tiles: Til
       compiler_params=tiles.params(dp),
       interpret=interpret,
       name="elastic_hybrid_forward_train" if train else "elastic_hybrid_forward",
-  )(modes, gate, q, k, v)
+  )(modes, gate, *xa_ops, q, k, v)
 
 
 @functools.partial(jax.jit, static_argnames=("streaming", "block_q", "block_k", "num_warps",
@@ -365,6 +423,74 @@ def hybrid_forward(q, k, v, gate_bk, streaming: Streaming, *, block_q: int = 128
   out = _forward_call(qp, kp, vp, gate, modes, seq_len=t, scale=d ** -0.5,
                       streaming=streaming, tiles=tiles, interpret=interpret, train=False)
   return out[:, :t, :, :d]
+
+
+def _xa_operands(xa_keep, tp: int, xa_block: int, slots: int):
+  """The kept blocks [B, K, nb, nb] as the kernel reads them: (index, count, keep) int32,
+  flattened to (batch, KV head) slots and padded to a power of two of blocks >= tp/xa_block."""
+  b, kh, nb, _ = xa_keep.shape
+  nbp = pl.next_power_of_2(max(nb, -(-tp // xa_block)))
+  keep = jnp.pad(xa_keep, ((0, 0), (0, 0), (0, nbp - nb), (0, nbp - nb))).reshape(
+      b * kh, nbp, nbp)
+  index, count = block_lists(keep[:, None])
+  index, count = index[:, 0], count[:, 0]
+  return tuple(pad_to(x.astype(jnp.int32), 0, slots) for x in (index, count, keep))
+
+
+@functools.partial(jax.jit, static_argnames=("streaming", "setting", "xa_block", "block_q",
+                                             "block_k", "num_warps", "num_stages",
+                                             "interpret"))
+def xa_hybrid_forward(q, k, v, gate_bk, xa_keep, streaming: Streaming, *, setting: str,
+                      xa_block: int, block_q: int = 128, block_k: int = 64,
+                      num_warps: int | None = None, num_stages: int = 3,
+                      interpret: bool = False):
+  """The inference kernel under the XAttention settings ("fa-xa", "xa-ssa"): XA heads visit
+  only their kept blocks (xa_keep [B, K, nb, nb] bool, blocks of xa_block tokens)."""
+  t, d = q.shape[1], q.shape[3]
+  tiles = Tiles(min(block_q, xa_block), min(block_k, xa_block), num_stages, num_warps).fit(t)
+  qp, kp, vp, gate, modes = _pad_inputs(q, k, v, gate_bk, math.lcm(tiles.block_q,
+                                                                     tiles.block_k))
+  xa = _xa_operands(xa_keep, qp.shape[1], xa_block, gate.shape[0])
+  out = _forward_call(qp, kp, vp, gate, modes, seq_len=t, scale=d ** -0.5,
+                      streaming=streaming, tiles=tiles, interpret=interpret, train=False,
+                      patterns=setting_patterns(setting), xa=xa, xa_block=xa_block)
+  return out[:, :t, :, :d]
+
+
+def xa_kernel_applies(xa_block: int) -> bool:
+  """The XA mode needs blocks that whole tiles tile: a power of two >= 16."""
+  return xa_block >= 16 and xa_block & (xa_block - 1) == 0
+
+
+def make_xa_hybrid(tiles: Tiles = FORWARD_TILES):
+  """`fn(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret)` for the
+  XAttention settings: the forward is the kernel; the backward differentiates the reference
+  (it recomputes the forward in plain jnp: correct, not fused)."""
+
+  def reference(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block):
+    gate = jnp.broadcast_to(gate_bk[:, None], (q.shape[0], q.shape[1], gate_bk.shape[1]))
+    return reference_hybrid(q, k, v, gate, streaming, setting=setting, xa_keep=xa_keep,
+                            xa_block=xa_block)
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+  def fn(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret):
+    return xa_hybrid_forward(q, k, v, gate_bk, xa_keep, streaming, setting=setting,
+                             xa_block=xa_block, block_q=tiles.block_q, block_k=tiles.block_k,
+                             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                             interpret=interpret)
+
+  def fwd(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret):
+    out = fn(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret)
+    return out, (q, k, v, gate_bk, xa_keep)
+
+  def bwd(streaming, setting, xa_block, interpret, res, d_out):
+    q, k, v, gate_bk, xa_keep = res
+    _, vjp = jax.vjp(lambda *a: reference(*a, xa_keep, streaming, setting, xa_block),
+                     q, k, v, gate_bk)
+    return (*vjp(d_out), None)
+
+  fn.defvjp(fwd, bwd)
+  return fn
 
 
 def make_hybrid(forward_tiles: Tiles = FORWARD_TILES,
@@ -443,4 +569,6 @@ def make_hybrid(forward_tiles: Tiles = FORWARD_TILES,
   return with_fused_backward(forward, forward_train, backward)
 
 
-hybrid_attention = functools.partial(kernel_or_reference, make_hybrid())
+hybrid_attention = functools.partial(kernel_or_reference, make_hybrid(),
+                                     xa_kernel=make_xa_hybrid(),
+                                     xa_kernel_applies=xa_kernel_applies)

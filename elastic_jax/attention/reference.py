@@ -52,13 +52,27 @@ def _chunk_size(requested: int, t: int) -> int:
   return max(1, min(requested, t))
 
 
+SETTINGS = ("fa-ssa", "fa-xa", "xa-ssa")
+
+
+def setting_patterns(setting: str) -> tuple[str, str]:
+  """(pattern of heads with r = 1, pattern of heads with r = 0) of a setting (SPEC.md 3)."""
+  if setting not in SETTINGS:
+    raise ValueError(f"setting '{setting}' is not one of {', '.join(SETTINGS)}")
+  hi, lo = setting.split("-")
+  return {"fa": "full", "xa": "xa"}[hi], {"ssa": "stream", "xa": "xa"}[lo]
+
+
 def _attend(q_btnh, k_btkh, v_btkh, segment_ids_bt, positions_bt, streaming: Streaming | None,
-            gate_btk, scale, q_chunk, kv_chunk):
-  """[B, T, N, H] in q's dtype: O_FA (streaming None), O_SSA (gate None), or their gate mix.
+            gate_btk, scale, q_chunk, kv_chunk, setting="fa-ssa", xa_keep=None, xa_block=128):
+  """[B, T, N, H] in q's dtype: O_FA (streaming None), the r = 0 pattern alone (gate None), or
+  the gate mix of the setting's two patterns.
 
   The mix is formed per query chunk, so only one output array is ever materialised.
   """
-  want_full = streaming is None or gate_btk is not None
+  hi, lo = setting_patterns(setting)
+  if "xa" in (hi, lo) and streaming is not None and xa_keep is None:
+    raise ValueError(f"setting '{setting}' needs the kept XAttention blocks (xa_keep)")
   b, t, n, h = q_btnh.shape
   k = k_btkh.shape[2]
   if n % k:
@@ -83,13 +97,17 @@ def _attend(q_btnh, k_btkh, v_btkh, segment_ids_bt, positions_bt, streaming: Str
   q_cbkgqh = pad(q_btnh, nq * cq).reshape(b, nq, cq, k, g, h).transpose(1, 0, 3, 4, 2, 5)
   seg_q_cbq = pad(segment_ids_bt, nq * cq).reshape(b, nq, cq).transpose(1, 0, 2)
   pos_q_cbq = pad(positions_bt, nq * cq).reshape(b, nq, cq).transpose(1, 0, 2)
+  gate_btk_given = gate_btk is not None
   if gate_btk is None:
     gate_btk = jnp.zeros((b, t, k), jnp.float32)  # unused: one mask only
   gate_cbqk = pad(gate_btk.astype(jnp.float32), nq * cq).reshape(b, nq, cq, k).transpose(
       1, 0, 2, 3)
   k_bksh = pad(k_btkh, nk * ck).transpose(0, 2, 1, 3)
   v_bksh = pad(v_btkh, nk * ck).transpose(0, 2, 1, 3)
-  masks = (["full"] if want_full else []) + (["stream"] if streaming is not None else [])
+  if streaming is None:
+    masks = ["full"]
+  else:
+    masks = ([hi] if gate_btk_given else []) + [lo]
 
   @jax.checkpoint
   def one_query_chunk(args):
@@ -109,10 +127,13 @@ def _attend(q_btnh, k_btkh, v_btkh, segment_ids_bt, positions_bt, streaming: Str
           segq_bq[:, :, None] == seg_k[:, j][:, None, :])
       new = []
       for name, (m_bkgq, l_bkgq, acc_bkgqh) in zip(masks, carry):
-        ok_bqs = causal_bqs
+        ok = causal_bqs[:, None, None]
         if name == "stream":
-          ok_bqs = ok_bqs & streaming.allows(posq_bq[:, :, None], pos_k[:, j][:, None, :])
-        ok = ok_bqs[:, None, None]
+          ok = ok & streaming.allows(posq_bq[:, :, None], pos_k[:, j][:, None, :])[:, None, None]
+        elif name == "xa":   # the kept blocks of each KV head, by row position
+          rows = jnp.take(xa_keep, jnp.minimum(q_idx // xa_block, xa_keep.shape[2] - 1), 2)
+          tile = jnp.take(rows, jnp.minimum(k_idx // xa_block, xa_keep.shape[3] - 1), 3)
+          ok = ok & tile[:, :, None]
         sm = jnp.where(ok, s, _MASK_VALUE)
         m_new = jnp.maximum(m_bkgq, sm.max(-1))
         p = jnp.where(ok, jnp.exp(sm - m_new[..., None]), 0.0)
@@ -169,16 +190,20 @@ def hybrid_attention(q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array,
                      gate_btk: jax.Array | None, streaming: Streaming,
                      segment_ids_bt: jax.Array | None = None,
                      positions_bt: jax.Array | None = None, *, scale: float | None = None,
-                     q_chunk: int = 512, kv_chunk: int = 512) -> jax.Array:
+                     q_chunk: int = 512, kv_chunk: int = 512, setting: str = "fa-ssa",
+                     xa_keep: jax.Array | None = None, xa_block: int = 128) -> jax.Array:
   """O = r * O_FA + (1 - r) * O_SSA per KV head (its G query heads share r).
 
   gate_btk: [B, T, K] in [0, 1], the full-attention weight r of each token's KV head (tokens
     of one packed segment share their segment's gate); None means every head streaming.
   positions_bt: token positions within their segment (default 0..T-1); they define SSA blocks.
-  Differentiable in q, k, v and the gate: dO/dr = O_FA - O_SSA.
+  setting: "fa-ssa" as above; "fa-xa" replaces SSA by XAttention's kept blocks; "xa-ssa"
+    replaces FA by them. xa_keep [B, K, nb, nb] bool: the kept blocks of `xa_block` row
+    positions per KV head (`xattention.select`), token-causal within them.
+  Differentiable in q, k, v and the gate: dO/dr = O_FA - O_SSA (the kept blocks are constant).
   """
   return _attend(q_btnh, k_btkh, v_btkh, segment_ids_bt, positions_bt, streaming, gate_btk,
-                 scale, q_chunk, kv_chunk)
+                 scale, q_chunk, kv_chunk, setting, xa_keep, xa_block)
 
 
 def dense_causal_attention(q_btnh, k_btkh, v_btkh, segment_ids_bt=None, *, scale=None):
@@ -198,7 +223,7 @@ def dense_causal_attention(q_btnh, k_btkh, v_btkh, segment_ids_bt=None, *, scale
 
 
 def dense_hybrid_attention(q_btnh, k_btkh, v_btkh, gate_bk, streaming: Streaming, *,
-                           scale=None):
+                           scale=None, setting="fa-ssa", xa_keep=None, xa_block=128):
   """The textbook [T, T] form of `hybrid_attention` for unpacked rows and one gate per (batch,
   KV head), [B, K], in float32: the fast-compiling oracle of the kernel tests."""
   b, t, n, h = q_btnh.shape
@@ -209,12 +234,17 @@ def dense_hybrid_attention(q_btnh, k_btkh, v_btkh, gate_bk, streaming: Streaming
   s = jnp.einsum("bqkgh,bskh->bkgqs", q, up(k_btkh)) * scale
   pos = jnp.arange(t)
   causal = pos[None, :] <= pos[:, None]
-  window = causal & streaming.allows(pos[:, None], pos[None, :])
+  masks = {"full": causal[None, None, None],
+           "stream": (causal & streaming.allows(pos[:, None], pos[None, :]))[None, None, None]}
+  if xa_keep is not None:
+    blk = pos // xa_block
+    masks["xa"] = (causal[None, None] & xa_keep[:, :, blk][:, :, :, blk])[:, :, None]
 
   def attend(ok):
-    p = jax.nn.softmax(jnp.where(ok[None, None, None], s, _MASK_VALUE), axis=-1)
+    p = jax.nn.softmax(jnp.where(ok, s, _MASK_VALUE), axis=-1)
     return jnp.einsum("bkgqs,bskh->bqkgh", p, up(v_btkh))
 
+  hi, lo = setting_patterns(setting)
   r = up(gate_bk)[:, None, :, None, None]
-  o = r * attend(causal) + (1.0 - r) * attend(window)
+  o = r * attend(masks[hi]) + (1.0 - r) * attend(masks[lo])
   return o.reshape(b, t, n, h)

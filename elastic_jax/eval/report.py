@@ -14,6 +14,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from elastic_jax.eval.runner import SETTINGS
+from elastic_jax.utils import atomic_write_text
 
 
 def summarize(records: Mapping[tuple[str, str], dict], items, score_task: Callable,
@@ -156,9 +157,7 @@ def write(summary: dict, records, out_dir: str, title: str, meta: dict) -> list[
   for name, text in (("report.json", json.dumps({**meta, **summary}, indent=2)),
                      ("report.md", markdown(summary, title))):
     path = os.path.join(out_dir, name)
-    with open(path + ".partial", "w", encoding="utf-8") as f:
-      f.write(text)
-    os.replace(path + ".partial", path)
+    atomic_write_text(path, text)
     paths.append(path)
   return paths + plots(summary, records, out_dir)
 

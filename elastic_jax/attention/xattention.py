@@ -1,0 +1,289 @@
+"""XAttention's block selection (Xu et al. 2025; SPEC.md section 3): which KV blocks a head reads.
+
+For each KV head, every query block keeps the key blocks that carry most of its attention mass,
+estimated cheaply from antidiagonal sums:
+  1. with stride S, q_r[i] = concat_t q[i*S + S-1-t] and k_r[j] = concat_t k[j*S + t], so that
+     q_r[i] . k_r[j] sums the products along the antidiagonals of the (i, j) S x S tile;
+  2. P = softmax_j(q_r k_r^T / (sqrt(D) * S)) in float32, over the stride columns j <= i
+     (and, in packed rows, of the query's segment);
+  3. the block mass A[I, J] sums P over the (block/S)^2 tile of query block I and key block J;
+  4. block 0 and the diagonal block are always kept (in packed rows also the block where the
+     query's segment starts); the rest are added in descending mass (ties: lower J first)
+     while the kept mass is below threshold x the row's mass;
+  5. attention is then exact token-level causal softmax over the kept blocks
+     (`reference.hybrid_attention`'s "xa" pattern, the kernels' XA mode).
+Grouped-query attention (decision): the unit that is kept or skipped is the KV head, as for
+the routing; its block mass is the mean of its G query heads' masses (each query head's rows
+sum to 1, so the mean keeps the threshold's meaning). Query blocks are scored in chunks of
+`chunk_blocks`, so memory stays O(chunk_blocks * block/S * T/S) per head at any T.
+
+Shape letters: B batch, T tokens, N query heads, K KV heads, G = N / K, D head dim; I, J query
+and key blocks (nb = ceil(T / block) of each).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class XAttention:
+  """XAttention's numbers: antidiagonal stride, block size, mass threshold tau."""
+  stride: int = 16
+  block: int = 128
+  threshold: float = 0.9
+  chunk_blocks: int = 16          # query blocks scored at once (memory, not the result)
+
+  def __post_init__(self):
+    if self.stride < 1 or self.block < 1 or self.block % self.stride:
+      raise ValueError(f"XAttention block ({self.block}) must be a positive multiple of its "
+                       f"stride ({self.stride})")
+    if not 0.0 < self.threshold <= 1.0:
+      raise ValueError(f"XAttention threshold must be in (0, 1], got {self.threshold}")
+    if self.chunk_blocks < 1:
+      raise ValueError("XAttention chunk_blocks must be positive")
+
+
+def num_blocks(t: int, xa: XAttention) -> int:
+  return -(-t // xa.block)
+
+
+@functools.partial(jax.jit, static_argnames=("xa",))
+def block_mass(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention,
+               segment_ids_bt: jax.Array | None = None) -> jax.Array:
+  """Antidiagonal block masses A [B, K, nb, nb] float32 (zero above the diagonal)."""
+  b, t, n, d = q_btnh.shape
+  kh = k_btkh.shape[2]
+  g = n // kh
+  s, blk = xa.stride, xa.block
+  nb = num_blocks(t, xa)
+  per_blk = blk // s                       # stride rows per block
+  chunk = min(xa.chunk_blocks, nb)
+  n_chunks = -(-nb // chunk)
+  tp = n_chunks * chunk * blk              # whole chunks: every chunk has the same shape
+  ns = tp // s                             # stride rows
+  real = -(-t // s)                        # stride rows holding at least one real token
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2))
+  # q_r: [B, K, G, ns, S*D] with the S tokens of each stride row in reverse order.
+  q_r = pad(q_btnh).reshape(b, ns, s, kh, g, d)[:, :, ::-1]
+  q_r = q_r.transpose(0, 3, 4, 1, 2, 5).reshape(b, kh, g, ns, s * d)
+  k_r = pad(k_btkh).reshape(b, ns, s, kh, d).transpose(0, 3, 1, 2, 4).reshape(b, kh, ns, s * d)
+  if segment_ids_bt is None:
+    seg_s = jnp.zeros((b, ns), jnp.int32)
+  else:
+    seg_s = pad(segment_ids_bt)[:, ::s]    # a stride row's segment: that of its first token
+  scale = 1.0 / (d ** 0.5 * s)
+  cols = jnp.arange(ns)
+
+  def one_chunk(c):
+    rows = c * chunk * per_blk + jnp.arange(chunk * per_blk)
+    q_c = jax.lax.dynamic_slice_in_dim(q_r, c * chunk * per_blk, chunk * per_blk, axis=3)
+    scores = jnp.einsum("bkgrx,bkcx->bkgrc", q_c, k_r, precision=jax.lax.Precision.HIGHEST,
+                        preferred_element_type=jnp.float32) * scale
+    seg_r = jax.lax.dynamic_slice_in_dim(seg_s, c * chunk * per_blk, chunk * per_blk, axis=1)
+    ok = ((cols[None, None, :] <= rows[None, :, None]) & (cols < real)[None, None, :]
+          & (seg_r[:, :, None] == seg_s[:, None, :]))                     # [B, R, C]
+    ok = ok & (rows < real)[None, :, None]
+    scores = jnp.where(ok[:, None, None], scores, _MASK_VALUE)
+    p = jax.nn.softmax(scores, axis=-1) * ok[:, None, None]
+    # [B, K, G, chunk, per_blk, nb', per_blk] -> sum the tile, mean over the group.
+    p = p.reshape(b, kh, g, chunk, per_blk, ns // per_blk, per_blk)
+    return p.sum(axis=(4, 6)).mean(axis=2)                                 # [B, K, chunk, nb']
+
+  out = jax.lax.map(one_chunk, jnp.arange(n_chunks))   # [n_chunks, B, K, chunk, nb']
+  out = out.transpose(1, 2, 0, 3, 4).reshape(b, kh, n_chunks * chunk, ns // per_blk)
+  return out[:, :, :nb, :nb]
+
+
+def forced_blocks(t: int, xa: XAttention, segment_ids_bt: jax.Array | None = None,
+                  batch: int = 1) -> jax.Array:
+  """Blocks kept whatever their mass, [B, nb, nb] bool: block 0 and the diagonal; in packed
+  rows also, for each query block, the blocks where its tokens' segments start."""
+  nb = num_blocks(t, xa)
+  i = jnp.arange(nb)
+  forced = (i[None, :] == 0) | (i[None, :] == i[:, None])
+  forced = jnp.broadcast_to(forced[None], (batch, nb, nb))
+  if segment_ids_bt is None:
+    return forced
+  seg = segment_ids_bt
+  tok = jnp.arange(t)
+  starts = jnp.concatenate([jnp.ones((seg.shape[0], 1), bool), seg[:, 1:] != seg[:, :-1]], 1)
+  start_pos = jax.lax.cummax(jnp.where(starts, tok[None], 0), axis=1)      # [B, T]
+  rows = jnp.broadcast_to(tok[None] // xa.block, seg.shape)
+  bidx = jnp.broadcast_to(jnp.arange(seg.shape[0])[:, None], seg.shape)
+  return forced.at[bidx, rows, start_pos // xa.block].set(True)
+
+
+def select_blocks(mass_bkij: jax.Array, threshold: float,
+                  forced_bij: jax.Array | None = None) -> jax.Array:
+  """Kept blocks [B, K, nb, nb] bool from the block masses (steps 4 of the module docstring):
+  the forced blocks, then the others in descending mass while kept < threshold x row mass."""
+  nb = mass_bkij.shape[-1]
+  i = jnp.arange(nb)
+  causal = (i[None, :] <= i[:, None])[None, None]
+  if forced_bij is None:
+    forced_bij = ((i[None, :] == 0) | (i[None, :] == i[:, None]))[None]
+  forced = forced_bij[:, None] & causal
+  mass = jnp.where(causal, mass_bkij, 0.0)
+  row = mass.sum(-1, keepdims=True)
+  base = jnp.where(forced, mass, 0.0).sum(-1, keepdims=True)
+  cand = jnp.where(causal & ~forced, mass, -1.0)          # -1: not a candidate
+  order = jnp.argsort(-cand, axis=-1, stable=True)        # descending; ties: lower J first
+  ranked = jnp.take_along_axis(cand, order, axis=-1)
+  gained = jnp.maximum(ranked, 0.0)
+  before = jnp.cumsum(gained, axis=-1) - gained           # kept mass before each candidate
+  take = (ranked >= 0.0) & (base + before < threshold * row)
+  taken = jnp.take_along_axis(take, jnp.argsort(order, axis=-1), axis=-1)
+  return forced | taken
+
+
+def select(q_btnh, k_btkh, xa: XAttention, segment_ids_bt=None, impl: str = "reference"
+           ) -> jax.Array:
+  """Scoring then selection: kept blocks [B, K, nb, nb] bool (no gradient flows through).
+
+  impl: "reference" (plain jnp, `block_mass`), "pallas_gpu" (the scoring kernel; unpacked
+  rows only), "auto" (the plain-jnp scoring everywhere: on an H200 it took 2.1 ms at 32K
+  tokens and 27 ms at 128K against the kernel's 3.5 and 47 ms, `benchmarks/xattention.py`,
+  2026-12-03; XLA fuses the masked softmax and the tile sums well enough).
+  """
+  if impl not in ("reference", "pallas_gpu", "auto"):
+    raise ValueError(f"XAttention scoring impl '{impl}' is unknown")
+  q_btnh, k_btkh = jax.lax.stop_gradient(q_btnh), jax.lax.stop_gradient(k_btkh)
+  if segment_ids_bt is None and impl == "pallas_gpu":
+    mass = block_mass_pallas(q_btnh, k_btkh, xa, interpret=jax.default_backend() != "gpu")
+  else:
+    mass = block_mass(q_btnh, k_btkh, xa, segment_ids_bt)
+  forced = forced_blocks(q_btnh.shape[1], xa, segment_ids_bt, q_btnh.shape[0])
+  return select_blocks(mass, xa.threshold, forced)
+
+
+def block_lists(keep_bkij: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Compact lists of the kept blocks: (index [B, K, nb, nb] int32, the kept blocks of row I
+  first in ascending order; count [B, K, nb] int32). The transposed mask gives, per key block,
+  the query blocks that read it (the backward's walk)."""
+  nb = keep_bkij.shape[-1]
+  j = jnp.arange(nb, dtype=jnp.int32)
+  index = jnp.argsort(jnp.where(keep_bkij, j, nb + j), axis=-1).astype(jnp.int32)
+  return index, keep_bkij.sum(-1).astype(jnp.int32)
+
+
+def kept_fraction(keep_bkij: jax.Array, lengths_b: jax.Array, block: int) -> jax.Array:
+  """Fraction of the causal (query, key) pairs that the kept blocks attend, [B, K], for rows
+  of `lengths_b` real tokens (token-causal within the diagonal block)."""
+  nb = keep_bkij.shape[-1]
+  i = jnp.arange(nb)
+  n = lengths_b.astype(jnp.float32)[:, None]                               # [B, 1]
+  rows = jnp.clip(n - i[None] * block, 0.0, float(block))                  # real rows per block
+  below = (keep_bkij & (i[None, :] < i[:, None])[None, None]).astype(jnp.float32)
+  # A kept block J < I is whole: all of its keys precede every row of block I.
+  attended = (jnp.einsum("bkij,bi->bk", below, rows) * block
+              + (rows * (rows + 1) / 2).sum(-1)[:, None])
+  total = n * (n + 1) / 2
+  return attended / jnp.maximum(total, 1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The scoring as a Pallas kernel (Triton backend on GPUs; `interpret=True` on CPU).
+
+
+def _mass_kernel(q_ref, k_ref, o_ref, *, stride, rows, cols, per_block, real, scale):
+  """Block masses of one (batch, query head, chunk of `rows` stride rows).
+
+  Two walks over the stride columns up to the chunk's causal end: the first finds each row's
+  softmax maximum and normaliser (online), the second sums the normalised probabilities into
+  (query block, key block) tiles with two indicator products. q_r . k_r is formed as the sum
+  over t of Q_t K_t^T with Q_t = q[i*S + S-1-t] and K_t = k[j*S + t], so the antidiagonal
+  reshape is never materialised."""
+  from jax.experimental import pallas as pl
+  chunk = pl.program_id(2)
+  i = chunk * rows + jnp.arange(rows)
+  n_cols = jnp.minimum((chunk + 1) * rows, real)
+  n_tiles = (n_cols + cols - 1) // cols
+
+  def scores(c):
+    def antidiagonal(t, s):      # one (Q_t, K_t) pair live at a time (shared memory)
+      q_t = q_ref[:, stride - 1 - t, :]
+      k_t = k_ref[pl.ds(c * cols, cols), t, :]
+      return s + jnp.dot(q_t, k_t.T, preferred_element_type=jnp.float32)
+
+    s = jax.lax.fori_loop(0, stride, antidiagonal, jnp.zeros((rows, cols), jnp.float32))
+    j = c * cols + jnp.arange(cols)
+    ok = (j[None, :] <= i[:, None]) & (j[None, :] < real) & (i[:, None] < real)
+    return jnp.where(ok, s * scale, _MASK_VALUE), ok
+
+  def stats(c, carry):
+    m, l = carry
+    s, ok = scores(c)
+    m_new = jnp.maximum(m, s.max(axis=1))
+    p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
+    return m_new, l * jnp.exp(m - m_new) + p.sum(axis=1)
+
+  m, l = jax.lax.fori_loop(0, n_tiles, stats, (jnp.full((rows,), _MASK_VALUE, jnp.float32),
+                                               jnp.zeros((rows,), jnp.float32)))
+  inv_l = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
+  # Indicators: stride row r -> its query block, stride column c -> its key block.
+  row_blk = (jax.lax.broadcasted_iota(jnp.int32, (rows // per_block, rows), 1) // per_block
+             == jax.lax.broadcasted_iota(jnp.int32, (rows // per_block, rows), 0))
+  col_blk = (jax.lax.broadcasted_iota(jnp.int32, (cols, cols // per_block), 0) // per_block
+             == jax.lax.broadcasted_iota(jnp.int32, (cols, cols // per_block), 1))
+  hi = jax.lax.Precision.HIGHEST
+
+  def reduce(c, carry):
+    s, ok = scores(c)
+    p = jnp.where(ok, jnp.exp(s - m[:, None]), 0.0) * inv_l[:, None]
+    part = jnp.dot(row_blk.astype(jnp.float32), p, precision=hi,
+                   preferred_element_type=jnp.float32)
+    part = jnp.dot(part, col_blk.astype(jnp.float32), precision=hi,
+                   preferred_element_type=jnp.float32)
+    o_ref[:, pl.ds(c * (cols // per_block), cols // per_block)] = part
+    return carry
+
+  jax.lax.fori_loop(0, n_tiles, reduce, None)
+
+
+@functools.partial(jax.jit, static_argnames=("xa", "interpret"))
+def block_mass_pallas(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention,
+                      interpret: bool = False) -> jax.Array:
+  """`block_mass` (unpacked rows) as a Pallas kernel: [B, K, nb, nb] float32.
+
+  Grid (batch, query head, chunks of stride rows); each program reads its KV head's keys in
+  tiles. Rows per program: 16 query blocks (at least 16 rows, so both indicator products have
+  16-row operands); columns per tile likewise 16 key blocks' stride columns."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plgpu
+  b, t, n, d = q_btnh.shape
+  kh = k_btkh.shape[2]
+  g = n // kh
+  s = xa.stride
+  per_block = xa.block // s
+  nb = num_blocks(t, xa)
+  rows = cols = 16 * per_block
+  ns = -(-(nb * per_block) // rows) * rows
+  dp = max(16, pl.next_power_of_2(d))
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, ns * s - t), (0, 0), (0, dp - d)])
+  q5 = pad(q_btnh).reshape(b, ns, s, n, dp)
+  k5 = pad(k_btkh).reshape(b, ns, s, kh, dp)
+  out_blocks = ns // per_block
+  kernel = functools.partial(_mass_kernel, stride=s, rows=rows, cols=cols,
+                             per_block=per_block, real=-(-t // s), scale=1.0 / (d ** 0.5 * s))
+  mass = pl.pallas_call(
+      kernel,
+      grid=(b, n, ns // rows),
+      in_specs=[pl.BlockSpec((None, rows, s, None, dp), lambda i, h, c: (i, c, 0, h, 0)),
+                pl.BlockSpec((None, ns, s, None, dp), lambda i, h, c: (i, 0, 0, h // g, 0))],
+      out_specs=pl.BlockSpec((None, None, rows // per_block, out_blocks),
+                             lambda i, h, c: (i, h, c, 0)),
+      out_shape=jax.ShapeDtypeStruct((b, n, out_blocks, out_blocks), jnp.float32),
+      compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=2),
+      interpret=interpret,
+      name="xattention_block_mass",
+  )(q5, k5)
+  causal = jnp.tril(jnp.ones((out_blocks, out_blocks), bool))[None, None]
+  mass = jnp.where(causal, mass, 0.0)        # blocks past a chunk's causal end: never written
+  return mass.reshape(b, kh, g, out_blocks, out_blocks).mean(2)[:, :, :nb, :nb]

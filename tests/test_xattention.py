@@ -1,0 +1,191 @@
+"""XAttention's block selection and the attention over the kept blocks.
+
+The oracle is an independent NumPy transcription of SPEC.md section 3's steps (explicit loops
+over stride rows and blocks); attention over the kept blocks is checked against the dense
+[T, T] softmax under the same token mask.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from elastic_jax.attention import Streaming, hybrid_attention
+from elastic_jax.attention.reference import dense_hybrid_attention
+from elastic_jax.attention.xattention import (XAttention, block_lists, block_mass,
+                                              block_mass_pallas, forced_blocks, kept_fraction,
+                                              select, select_blocks)
+
+
+def _numpy_mass(q, k, stride, block, seg=None):
+  """A[b, kv head, I, J] by the spec's steps, one query head at a time."""
+  b, t, n, d = q.shape
+  kh = k.shape[2]
+  g = n // kh
+  nb = -(-t // block)
+  ns = nb * block // stride
+  real = -(-t // stride)
+  qp = np.zeros((b, ns * stride, n, d))
+  kp = np.zeros((b, ns * stride, kh, d))
+  qp[:, :t], kp[:, :t] = q, k
+  segp = np.zeros((b, ns * stride), int)
+  if seg is not None:
+    segp[:, :t] = seg
+  out = np.zeros((b, kh, nb, nb))
+  for bi in range(b):
+    for h in range(n):
+      q_r = np.stack([np.concatenate([qp[bi, i * stride + stride - 1 - u, h]
+                                      for u in range(stride)]) for i in range(ns)])
+      k_r = np.stack([np.concatenate([kp[bi, j * stride + u, h // g] for u in range(stride)])
+                      for j in range(ns)])
+      s = q_r @ k_r.T / (np.sqrt(d) * stride)
+      for i in range(real):
+        cols = [j for j in range(i + 1)
+                if segp[bi, j * stride] == segp[bi, i * stride]]
+        p = np.exp(s[i, cols] - s[i, cols].max())
+        p /= p.sum()
+        for j, pj in zip(cols, p):
+          out[bi, h // g, i * stride // block, j * stride // block] += pj / g
+  return out
+
+
+def _numpy_select(mass, threshold, forced):
+  """Per row: the forced blocks, then the rest by descending mass while kept < tau * row."""
+  b, kh, nb, _ = mass.shape
+  keep = np.zeros(mass.shape, bool)
+  for bi in range(b):
+    for h in range(kh):
+      for i in range(nb):
+        row = mass[bi, h, i, :i + 1]
+        kept = {j for j in range(i + 1) if forced[bi, i, j]}
+        total = sum(row[j] for j in kept)
+        for j in sorted((j for j in range(i + 1) if j not in kept), key=lambda j: (-row[j], j)):
+          if total >= threshold * row.sum():
+            break
+          kept.add(j)
+          total += row[j]
+        keep[bi, h, i, sorted(kept)] = True
+  return keep
+
+
+def _inputs(t, n=4, kh=2, d=8, b=2, seed=0, sharp=3.0):
+  rng = np.random.default_rng(seed)
+  q = (sharp * rng.normal(size=(b, t, n, d))).astype(np.float32)
+  k = (sharp * rng.normal(size=(b, t, kh, d))).astype(np.float32)
+  v = rng.normal(size=(b, t, kh, d)).astype(np.float32)
+  return q, k, v
+
+
+@pytest.mark.parametrize("t,chunk", [(64, 16), (100, 2), (131, 3)])
+def test_block_mass_matches_numpy(t, chunk):
+  xa = XAttention(stride=4, block=16, threshold=0.9, chunk_blocks=chunk)
+  q, k, _ = _inputs(t)
+  got = np.asarray(block_mass(jnp.asarray(q), jnp.asarray(k), xa))
+  np.testing.assert_allclose(got, _numpy_mass(q, k, 4, 16), atol=2e-5)
+
+
+@pytest.mark.parametrize("t,stride,block,d", [(100, 4, 16, 8), (300, 8, 32, 64)])
+def test_scoring_kernel_matches_numpy(t, stride, block, d):
+  """The Pallas scoring kernel (interpret mode on CPU, native on a GPU)."""
+  xa = XAttention(stride=stride, block=block)
+  q, k, _ = _inputs(t, d=d, seed=7)
+  got = np.asarray(block_mass_pallas(jnp.asarray(q), jnp.asarray(k), xa,
+                                     interpret=jax.default_backend() != "gpu"))
+  atol = 2e-5 if jax.default_backend() != "gpu" else 2e-3     # tf32 scores on a GPU
+  np.testing.assert_allclose(got, _numpy_mass(q, k, stride, block), atol=atol)
+
+
+def test_block_mass_in_packed_rows_stays_within_segments():
+  xa = XAttention(stride=4, block=16, chunk_blocks=2)
+  q, k, _ = _inputs(96, b=1)
+  seg = np.asarray([[1] * 40 + [2] * 56])
+  got = np.asarray(block_mass(jnp.asarray(q), jnp.asarray(k), xa, jnp.asarray(seg)))
+  np.testing.assert_allclose(got, _numpy_mass(q, k, 4, 16, seg), atol=2e-5)
+
+
+@pytest.mark.parametrize("threshold", [0.5, 0.9, 1.0])
+def test_selection_is_the_minimal_set_reaching_the_threshold(threshold):
+  xa = XAttention(stride=4, block=16, threshold=threshold)
+  q, k, _ = _inputs(200, seed=1)
+  mass = np.asarray(block_mass(jnp.asarray(q), jnp.asarray(k), xa))
+  nb = mass.shape[-1]
+  forced = np.asarray(forced_blocks(200, xa, batch=2))
+  got = np.asarray(select(jnp.asarray(q), jnp.asarray(k), xa))
+  np.testing.assert_array_equal(got, _numpy_select(mass, threshold, forced))
+  causal = np.tril(np.ones((nb, nb), bool))
+  assert not (got & ~causal).any() and got[..., 0].all()
+  assert got[..., np.arange(nb), np.arange(nb)].all()
+  row = (mass * causal).sum(-1)
+  kept = (mass * got).sum(-1)
+  assert (kept >= threshold * row - 1e-5).all()
+  # Minimal: without its lightest non-forced block, a row falls below the threshold.
+  optional = got & ~forced[:, None]
+  lightest = np.where(optional, mass, np.inf).min(-1)
+  has = optional.any(-1)
+  assert (kept[has] - lightest[has] < threshold * row[has] + 1e-6).all()
+  if threshold < 1.0:
+    assert got.sum() < causal.sum() * got.shape[0] * got.shape[1]   # really sparse
+
+
+def test_select_blocks_handles_ties_and_forced_blocks():
+  mass = np.zeros((1, 1, 4, 4), np.float32)
+  mass[0, 0, 3] = [0.1, 0.3, 0.3, 0.3]
+  got = np.asarray(select_blocks(jnp.asarray(mass), 0.7))
+  assert got[0, 0, 3].tolist() == [True, True, False, True]     # 0 and 3 forced, then J=1
+  assert np.asarray(select_blocks(jnp.asarray(mass), 0.8))[0, 0, 3].tolist() == [True] * 4
+
+
+def test_packed_rows_keep_the_block_where_each_segment_starts():
+  xa = XAttention(stride=4, block=16)
+  seg = jnp.asarray([[1] * 40 + [2] * 56])              # segment 2 starts in block 2
+  forced = np.asarray(forced_blocks(96, xa, seg))[0]
+  assert forced[5, 2] and forced[3, 2] and forced[2, 0]
+  assert not forced[5, 1] and forced[5, 0] and forced[5, 5]
+
+
+def test_block_lists_and_kept_fraction():
+  keep = np.zeros((1, 1, 4, 4), bool)
+  keep[0, 0] = np.tril(np.ones((4, 4), bool))
+  keep[0, 0, 3, 1] = keep[0, 0, 2, 1] = False
+  index, count = block_lists(jnp.asarray(keep))
+  assert np.asarray(count)[0, 0].tolist() == [1, 2, 2, 3]
+  assert np.asarray(index)[0, 0, 3, :3].tolist() == [0, 2, 3]
+  # Brute force: count attended (query, key) pairs of a 58-token row, blocks of 16.
+  t, blk = 58, 16
+  pairs = sum(1 for qi in range(t) for kj in range(qi + 1) if keep[0, 0, qi // blk, kj // blk])
+  got = np.asarray(kept_fraction(jnp.asarray(keep), jnp.asarray([t]), blk))[0, 0]
+  assert got == pytest.approx(pairs / (t * (t + 1) / 2))
+
+
+@pytest.mark.parametrize("setting", ["fa-xa", "xa-ssa"])
+def test_attention_over_kept_blocks_matches_dense_with_gradients(setting):
+  with jax.default_matmul_precision("highest"):     # no tf32 on a GPU: two jnp programs
+    _attention_over_kept_blocks(setting)
+
+
+def _attention_over_kept_blocks(setting):
+  t, blk = 77, 16
+  xa = XAttention(stride=4, block=blk, threshold=0.8)
+  q, k, v = (jnp.asarray(x) for x in _inputs(t, seed=2))
+  keep = select(q, k, xa)
+  streaming = Streaming(sink_blocks=1, local_blocks=2, block=blk)
+  gate = jnp.asarray([[1.0, 0.0], [0.3, 1.0]])
+  cot = jnp.asarray(np.random.default_rng(3).normal(size=q.shape), jnp.float32)
+
+  def loss(fn, q, k, v, gate):
+    return jnp.sum(fn(q, k, v, gate) * cot)
+
+  ref = lambda q, k, v, g: hybrid_attention(
+      q, k, v, jnp.broadcast_to(g[:, None], (2, t, 2)), streaming, setting=setting,
+      xa_keep=keep, xa_block=blk, q_chunk=32, kv_chunk=16)
+  dense = lambda q, k, v, g: dense_hybrid_attention(q, k, v, g, streaming, setting=setting,
+                                                    xa_keep=keep, xa_block=blk)
+  np.testing.assert_allclose(ref(q, k, v, gate), dense(q, k, v, gate), atol=2e-5)
+  got = jax.grad(lambda *a: loss(ref, *a), argnums=(0, 1, 2, 3))(q, k, v, gate)
+  want = jax.grad(lambda *a: loss(dense, *a), argnums=(0, 1, 2, 3))(q, k, v, gate)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, atol=2e-4, rtol=1e-4)
+  # A head routed to XA really skips blocks: its output differs from full attention's.
+  full = dense_hybrid_attention(q, k, v, jnp.ones((2, 2)), streaming)
+  xa_heads = dense(q, k, v, jnp.zeros((2, 2)) if setting == "fa-xa" else jnp.ones((2, 2)))
+  assert np.abs(np.asarray(full - xa_heads)).max() > 1e-3
