@@ -37,8 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from elastic_jax.attention import Streaming  # noqa: E402
 from elastic_jax.attention.pallas_gpu import hybrid_forward, xa_hybrid_forward  # noqa: E402
 from elastic_jax.attention.reference import dense_hybrid_attention, hybrid_attention  # noqa: E402
-from elastic_jax.attention.xattention import (XAttention, block_mass, block_mass_pallas,  # noqa: E402
-                                              kept_fraction, select)
+from elastic_jax.attention.xattention import (  # noqa: E402
+    XAttention, block_mass, block_mass_pallas, kept_fraction, select)
 
 
 def timed(fn, *args, reps: int):

@@ -179,3 +179,71 @@ def test_auto_is_the_reference_on_cpu():
   np.testing.assert_array_equal(
       np.asarray(ops.hybrid_attention(q, kk, kk, gate, block=8, local_blocks=2, impl="auto")),
       np.asarray(ops.hybrid_attention(q, kk, kk, gate, block=8, local_blocks=2)))
+
+
+def test_xa_schedule_fetches_exactly_the_kept_tiles_then_repeats():
+  """An XA head's query tile fetches the tiles of its kept blocks in order, the diagonal
+  block only up to the causal end, then repeats the last tile."""
+  from elastic_jax.attention.common import xa_operands
+  from elastic_jax.attention.pallas_tpu import xa_schedule
+  rng = np.random.default_rng(0)
+  nb, blk, bq, bk = 6, 32, 16, 16
+  keep = np.tril(rng.random((nb, nb)) < 0.5) | np.eye(nb, dtype=bool)
+  keep[:, 0] = True
+  index, count, _ = (np.asarray(x).reshape(-1) for x in
+                     xa_operands(jnp.asarray(keep)[None, None], nb, 1))
+  steps = nb * blk // bk
+  for qi in range(nb * blk // bq):
+    rows = np.arange(qi * bq, (qi + 1) * bq)
+    keys = np.arange(nb * blk)
+    ok = (keys[None] <= rows[:, None]) & keep[rows[:, None] // blk, keys[None] // blk]
+    needed = sorted({int(x) // bk for x in np.nonzero(ok.any(0))[0]})
+    fetched, n_visit = xa_schedule(0, qi, np.arange(steps), bq, bk, blk, nb, index, count)
+    fetched, n_visit = np.asarray(fetched).tolist(), int(n_visit)
+    assert fetched[:n_visit] == needed, qi
+    assert set(fetched[n_visit:]) <= {needed[-1]}
+
+
+@pytest.mark.parametrize("setting", ["fa-xa", "xa-ssa"])
+def test_xattention_mode_matches_the_reference(setting):
+  """XA heads (kept blocks prefetched as lists) with full, streaming and mixed heads in one
+  launch; gradients come from the reference."""
+  from elastic_jax.attention.pallas_tpu import _xa_hybrid
+  from elastic_jax.attention.reference import dense_hybrid_attention
+  from elastic_jax.attention.xattention import XAttention, select
+  b, t, n, kh, d = 2, 100, 4, 2, 64
+  keys = jax.random.split(jax.random.key(5), 3)
+  q = 3.0 * jax.random.normal(keys[0], (b, t, n, d), jnp.float32)
+  k, v = (jax.random.normal(kk, (b, t, kh, d), jnp.float32) for kk in keys[1:])
+  st = Streaming(1, 1, 16)
+  keep = select(q, k, XAttention(stride=4, block=16, threshold=0.6))
+  assert not bool(keep[..., jnp.tril(jnp.ones(keep.shape[-2:], bool))].all())
+  gate = jnp.asarray([[0.0, 1.0], [1.0, 0.25]])
+  got = _jit(_xa_hybrid, static_argnums=(5, 6, 7, 8))(q, k, v, gate, keep, st, setting, 16,
+                                                      INTERPRET)
+  want = dense_hybrid_attention(q, k, v, gate, st, setting=setting, xa_keep=keep, xa_block=16)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+  cot = jax.random.normal(jax.random.key(9), q.shape)
+  dq = jax.grad(lambda q: jnp.sum(_xa_hybrid(q, k, v, gate, keep, st, setting, 16, INTERPRET)
+                                  * cot))(q)
+  want_dq = jax.grad(lambda q: jnp.sum(dense_hybrid_attention(
+      q, k, v, gate, st, setting=setting, xa_keep=keep, xa_block=16) * cot))(q)
+  np.testing.assert_allclose(np.asarray(dq), np.asarray(want_dq),
+                             atol=1e-5 * max(1.0, float(jnp.abs(want_dq).max())))
+
+
+def test_xa_forward_lowers_to_mosaic():
+  """The XA mode's scalar-prefetched lists and index maps lower for a TPU (Mosaic itself
+  needs a TPU to compile)."""
+  from elastic_jax.attention.pallas_tpu import xa_hybrid_forward
+  q = jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 512, 1, 128), jnp.bfloat16)
+  gate = jax.ShapeDtypeStruct((1, 1), jnp.float32)
+  keep = jax.ShapeDtypeStruct((1, 1, 4, 4), jnp.bool_)
+  fn = functools.partial(xa_hybrid_forward, streaming=Streaming(1, 2, 128), setting="fa-xa",
+                         xa_block=128)
+  tpu = jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+                                                                abstract_device=tpu)):
+    module = export.export(jax.jit(fn), platforms=["tpu"])(q, kv, kv, gate, keep).mlir_module()
+  assert 'kernel_name = "elastic_hybrid_forward_tpu"' in module

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from elastic_jax.attention.reference import Streaming, hybrid_attention as reference_hybrid
+from elastic_jax.attention.xattention import block_lists
 
 MODE_SPARSE, MODE_FULL, MODE_MIX = 0, 1, 2
 
@@ -95,6 +96,49 @@ def with_fused_backward(forward: Callable, forward_train: Callable,
     return forward(q, k, v, gate_bk, streaming, interpret)
 
   fn.defvjp(forward_train, backward)
+  return fn
+
+
+def xa_operands(xa_keep, num_blocks: int, slots: int):
+  """The kept XAttention blocks [B, K, nb, nb] as the kernels read them: (index, count, keep)
+  int32 [slots, nbp, nbp], [slots, nbp], [slots, nbp, nbp], flattened to (batch, KV head)
+  slots (padded to `slots`) and to nbp = num_blocks blocks (>= nb; padding keeps nothing).
+  index lists each query block's kept blocks first, ascending (`xattention.block_lists`)."""
+  b, kh, nb, _ = xa_keep.shape
+  extra = num_blocks - nb
+  keep = jnp.pad(xa_keep, ((0, 0), (0, 0), (0, extra), (0, extra))).reshape(
+      b * kh, 1, num_blocks, num_blocks)
+  index, count = block_lists(keep)
+  return tuple(pad_to(x[:, 0].astype(jnp.int32), 0, slots) for x in (index, count, keep))
+
+
+def xa_with_reference_backward(forward: Callable) -> Callable:
+  """A differentiable `fn(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret)`
+  for the XAttention settings: `forward` (a kernel with that signature) computes the output;
+  the backward differentiates the reference (`reference.hybrid_attention`, which recomputes
+  the forward in plain jnp: correct gradients, not a fused backward). The kept blocks are
+  constants."""
+
+  def reference(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block):
+    gate = jnp.broadcast_to(gate_bk[:, None], (q.shape[0], q.shape[1], gate_bk.shape[1]))
+    return reference_hybrid(q, k, v, gate, streaming, setting=setting, xa_keep=xa_keep,
+                            xa_block=xa_block)
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+  def fn(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret):
+    return forward(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret)
+
+  def fwd(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret):
+    out = fn(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret)
+    return out, (q, k, v, gate_bk, xa_keep)
+
+  def bwd(streaming, setting, xa_block, interpret, res, d_out):
+    q, k, v, gate_bk, xa_keep = res
+    _, vjp = jax.vjp(lambda *a: reference(*a, xa_keep, streaming, setting, xa_block),
+                     q, k, v, gate_bk)
+    return (*vjp(d_out), None)
+
+  fn.defvjp(fwd, bwd)
   return fn
 
 

@@ -37,12 +37,11 @@ from jax.experimental import pallas as pl
 from elastic_jax.attention.common import (MODE_FULL, MODE_MIX, MODE_SPARSE,
                                           kernel_or_reference, modes_from_gate, pad_to,
                                           q_tile_range, row_deltas, tile_ranges,
-                                          with_fused_backward)
+                                          with_fused_backward, xa_operands,
+                                          xa_with_reference_backward)
 
 assert (MODE_SPARSE, MODE_FULL, MODE_MIX) == (0, 1, 2)  # the order of lax.switch below
 from elastic_jax.attention.reference import Streaming, setting_patterns
-from elastic_jax.attention.reference import hybrid_attention as reference_hybrid
-from elastic_jax.attention.xattention import block_lists
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = math.log2(math.e)
@@ -425,18 +424,6 @@ def hybrid_forward(q, k, v, gate_bk, streaming: Streaming, *, block_q: int = 128
   return out[:, :t, :, :d]
 
 
-def _xa_operands(xa_keep, tp: int, xa_block: int, slots: int):
-  """The kept blocks [B, K, nb, nb] as the kernel reads them: (index, count, keep) int32,
-  flattened to (batch, KV head) slots and padded to a power of two of blocks >= tp/xa_block."""
-  b, kh, nb, _ = xa_keep.shape
-  nbp = pl.next_power_of_2(max(nb, -(-tp // xa_block)))
-  keep = jnp.pad(xa_keep, ((0, 0), (0, 0), (0, nbp - nb), (0, nbp - nb))).reshape(
-      b * kh, nbp, nbp)
-  index, count = block_lists(keep[:, None])
-  index, count = index[:, 0], count[:, 0]
-  return tuple(pad_to(x.astype(jnp.int32), 0, slots) for x in (index, count, keep))
-
-
 @functools.partial(jax.jit, static_argnames=("streaming", "setting", "xa_block", "block_q",
                                              "block_k", "num_warps", "num_stages",
                                              "interpret"))
@@ -450,7 +437,8 @@ def xa_hybrid_forward(q, k, v, gate_bk, xa_keep, streaming: Streaming, *, settin
   tiles = Tiles(min(block_q, xa_block), min(block_k, xa_block), num_stages, num_warps).fit(t)
   qp, kp, vp, gate, modes = _pad_inputs(q, k, v, gate_bk, math.lcm(tiles.block_q,
                                                                      tiles.block_k))
-  xa = _xa_operands(xa_keep, qp.shape[1], xa_block, gate.shape[0])
+  nbp = pl.next_power_of_2(max(xa_keep.shape[-1], -(-qp.shape[1] // xa_block)))
+  xa = xa_operands(xa_keep, nbp, gate.shape[0])
   out = _forward_call(qp, kp, vp, gate, modes, seq_len=t, scale=d ** -0.5,
                       streaming=streaming, tiles=tiles, interpret=interpret, train=False,
                       patterns=setting_patterns(setting), xa=xa, xa_block=xa_block)
@@ -464,33 +452,16 @@ def xa_kernel_applies(xa_block: int) -> bool:
 
 def make_xa_hybrid(tiles: Tiles = FORWARD_TILES):
   """`fn(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret)` for the
-  XAttention settings: the forward is the kernel; the backward differentiates the reference
-  (it recomputes the forward in plain jnp: correct, not fused)."""
+  XAttention settings: the forward is the kernel, the backward the reference's
+  (`common.xa_with_reference_backward`)."""
 
-  def reference(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block):
-    gate = jnp.broadcast_to(gate_bk[:, None], (q.shape[0], q.shape[1], gate_bk.shape[1]))
-    return reference_hybrid(q, k, v, gate, streaming, setting=setting, xa_keep=xa_keep,
-                            xa_block=xa_block)
-
-  @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-  def fn(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret):
+  def forward(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret):
     return xa_hybrid_forward(q, k, v, gate_bk, xa_keep, streaming, setting=setting,
                              xa_block=xa_block, block_q=tiles.block_q, block_k=tiles.block_k,
                              num_warps=tiles.num_warps, num_stages=tiles.num_stages,
                              interpret=interpret)
 
-  def fwd(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret):
-    out = fn(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret)
-    return out, (q, k, v, gate_bk, xa_keep)
-
-  def bwd(streaming, setting, xa_block, interpret, res, d_out):
-    q, k, v, gate_bk, xa_keep = res
-    _, vjp = jax.vjp(lambda *a: reference(*a, xa_keep, streaming, setting, xa_block),
-                     q, k, v, gate_bk)
-    return (*vjp(d_out), None)
-
-  fn.defvjp(fwd, bwd)
-  return fn
+  return xa_with_reference_backward(forward)
 
 
 def make_hybrid(forward_tiles: Tiles = FORWARD_TILES,

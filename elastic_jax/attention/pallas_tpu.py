@@ -41,8 +41,9 @@ from jax.experimental.pallas import tpu as pltpu
 from elastic_jax.attention.common import (MODE_FULL, MODE_MIX, MODE_SPARSE,
                                           kernel_or_reference, modes_from_gate, pad_to,
                                           q_tile_range, row_deltas, tile_ranges,
-                                          with_fused_backward)
-from elastic_jax.attention.reference import Streaming
+                                          with_fused_backward, xa_operands,
+                                          xa_with_reference_backward)
+from elastic_jax.attention.reference import Streaming, setting_patterns
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -112,8 +113,40 @@ def _heads_major(tp: int, *xs):
   return tuple(pad_to(x, 1, tp).transpose(0, 2, 1, 3) for x in xs)
 
 
-def _forward_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, *refs, scale, block_q, block_k,
-                    seq_len, num_kv_heads, groups, kv_steps, streaming: Streaming, train: bool):
+def xa_schedule(slot, qi, j, block_q: int, block_k: int, xa_block: int, num_blocks: int,
+                index_ref, count_ref):
+  """(KV tile to fetch at step j, steps with work) for an XAttention head's query tile qi:
+  the tiles of its kept blocks (`common.xa_operands`' flat lists, the diagonal block last and
+  only up to the causal end); past the last step the last tile repeats (no new DMA)."""
+  per = xa_block // block_k
+  q_block = (qi * block_q) // xa_block
+  causal_end = (qi * block_q + block_q + block_k - 1) // block_k
+  row = slot * num_blocks + q_block
+  n_visit = (count_ref[row] - 1) * per + causal_end - q_block * per
+  step = jnp.minimum(j, n_visit - 1)
+  return index_ref[row * num_blocks + step // per] * per + step % per, n_visit
+
+
+def _head_schedule(mode, slot, qi, j, xa_refs, *, block_q, block_k, streaming, train,
+                   patterns, xa_block, num_blocks):
+  """The KV walk of one head: `kv_schedule`, or `xa_schedule` for an XAttention head."""
+  tile, n_visit = kv_schedule(MODE_FULL if train else mode, qi, j, block_q, block_k,
+                              streaming)
+  if "xa" not in patterns:
+    return tile, n_visit
+  is_xa = (((mode == MODE_SPARSE) & (patterns[1] == "xa"))
+           | ((mode == MODE_FULL) & (patterns[0] == "xa")))
+  xa_tile, xa_n = xa_schedule(slot, qi, j, block_q, block_k, xa_block, num_blocks,
+                              *xa_refs[:2])
+  return jnp.where(is_xa, xa_tile, tile), jnp.where(is_xa, xa_n, n_visit)
+
+
+def _forward_kernel(modes_ref, *refs, scale, block_q, block_k, seq_len, num_kv_heads, groups,
+                    kv_steps, streaming: Streaming, train: bool, patterns=("full", "stream"),
+                    xa_block=0, num_blocks=0):
+  n_xa = 3 if "xa" in patterns else 0
+  xa_refs, (gate_ref, q_ref, k_ref, v_ref) = refs[:n_xa], refs[n_xa:n_xa + 4]
+  refs = refs[n_xa + 4:]
   out_refs, (m_fa, l_fa, acc_fa, m_sa, l_sa, acc_sa) = refs[:-6], refs[-6:]
   b, h, qi, j = (pl.program_id(i) for i in range(4))
   slot = b * num_kv_heads + h // groups
@@ -127,7 +160,9 @@ def _forward_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, *refs, scale, bloc
       acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
   # Training walks every head's causal tiles: all heads need both outputs.
-  tile, n_visit = kv_schedule(MODE_FULL if train else mode, qi, j, block_q, block_k, streaming)
+  tile, n_visit = _head_schedule(mode, slot, qi, j, xa_refs, block_q=block_q, block_k=block_k,
+                                 streaming=streaming, train=train, patterns=patterns,
+                                 xa_block=xa_block, num_blocks=num_blocks)
 
   @pl.when(j < n_visit)
   def _visit():
@@ -146,15 +181,25 @@ def _forward_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, *refs, scale, bloc
           p.astype(v.dtype), v, _NN, preferred_element_type=jnp.float32)
       m_ref[...] = m_new
 
+    # Under the XAttention settings the FA state holds the r = 1 pattern and the SSA state
+    # the r = 0 one; an XA pattern masks the tiles its head did not keep.
+    hi_ok, lo_ok, lo_tile = causal, window, _streaming_tile(qi, tile, block_q, block_k,
+                                                            streaming)
+    if "xa" in patterns:
+      row = slot * num_blocks + (qi * block_q) // xa_block
+      kept = causal & (xa_refs[2][row * num_blocks + (tile * block_k) // xa_block] != 0)
+      hi_ok = causal if patterns[0] == "full" else kept
+      if patterns[1] == "xa":
+        lo_ok, lo_tile = kept, True
+
     @pl.when((mode != MODE_SPARSE) | train)
     def _full():
-      update(m_fa, l_fa, acc_fa, causal)
+      update(m_fa, l_fa, acc_fa, hi_ok)
 
     # A mixed head's walk also passes tiles outside the window: SSA skips them.
-    @pl.when(((mode != MODE_FULL) | train) &
-             _streaming_tile(qi, tile, block_q, block_k, streaming))
+    @pl.when(((mode != MODE_FULL) | train) & lo_tile)
     def _sparse():
-      update(m_sa, l_sa, acc_sa, window)
+      update(m_sa, l_sa, acc_sa, lo_ok)
 
   @pl.when(j == kv_steps - 1)
   def _finish():
@@ -177,31 +222,50 @@ def _forward_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, *refs, scale, bloc
 
 
 def _forward_call(q, k, v, gate_bk, streaming: Streaming, block_q: int, block_k: int,
-                  interpret: bool, train: bool):
-  """The forward kernel on [B, T, H, D] inputs; outputs in the padded [B, N, Tp, ...] layout."""
+                  interpret: bool, train: bool, patterns=("full", "stream"), xa_keep=None,
+                  xa_block: int = 0):
+  """The forward kernel on [B, T, H, D] inputs; outputs in the padded [B, N, Tp, ...] layout.
+  Under the XAttention settings (`patterns` holding "xa"; inference only) the kept blocks
+  xa_keep [B, K, nb, nb] are scalar-prefetched as compact lists that drive the K/V index maps
+  of the XA heads, like the streaming heads' schedule."""
   b, t, n, d = q.shape
   kh = k.shape[2]
   groups = n // kh
-  block_q, block_k, tp = _tiles(t, block_q, block_k)
+  xa = "xa" in patterns
+  if xa:   # tiles that divide the XA block (no shrinking for short inputs: one block then)
+    block_q, block_k = min(block_q, xa_block), min(block_k, xa_block)
+    if xa_block % block_q or xa_block % block_k:
+      raise ValueError(f"XA block {xa_block} is not a multiple of the tiles {block_q}, "
+                       f"{block_k}")
+    tp = t + (-t % math.lcm(block_q, block_k))
+  else:
+    block_q, block_k, tp = _tiles(t, block_q, block_k)
   qt, kt, vt = _heads_major(tp, q, k, v)
   gate = gate_bk.astype(jnp.float32).reshape(-1)
   modes = modes_from_gate(gate)
   nq, kv_steps = tp // block_q, tp // block_k
+  num_blocks, prefetch = 0, [modes]
+  if xa:
+    num_blocks = max(xa_keep.shape[-1], -(-tp // xa_block))
+    prefetch += [x.reshape(-1) for x in xa_operands(xa_keep, num_blocks, b * kh)]
+  sched = dict(block_q=block_q, block_k=block_k, streaming=streaming, train=train,
+               patterns=patterns, xa_block=xa_block, num_blocks=num_blocks)
 
-  def kv_map(bi, hi, qi, j, modes_ref):
-    mode = MODE_FULL if train else modes_ref[bi * kh + hi // groups]
-    tile, _ = kv_schedule(mode, qi, j, block_q, block_k, streaming)
+  def kv_map(bi, hi, qi, j, modes_ref, *xa_refs):
+    slot = bi * kh + hi // groups
+    tile, _ = _head_schedule(modes_ref[slot], slot, qi, j, xa_refs, **sched)
     return bi, hi // groups, tile, 0
 
-  q_map = lambda bi, hi, qi, j, m: (bi, hi, qi, 0)
+  q_map = lambda bi, hi, qi, j, *prefetched: (bi, hi, qi, 0)
   kernel = functools.partial(
       _forward_kernel, scale=d ** -0.5, block_q=block_q, block_k=block_k, seq_len=t,
-      num_kv_heads=kh, groups=groups, kv_steps=kv_steps, streaming=streaming, train=train)
+      num_kv_heads=kh, groups=groups, kv_steps=kv_steps, streaming=streaming, train=train,
+      patterns=patterns, xa_block=xa_block, num_blocks=num_blocks)
   out_specs = [pl.BlockSpec((None, None, block_q, d), q_map)]
   out_shape = [jax.ShapeDtypeStruct((b, n, tp, d), q.dtype)]
   if train:  # O_FA, O_SSA, and their log-sum-exps [B, N, 2, Tp, 1]
     out_specs += [pl.BlockSpec((None, None, block_q, d), q_map)] * 2 + [
-        pl.BlockSpec((None, None, 2, block_q, 1), lambda bi, hi, qi, j, m: (bi, hi, 0, qi, 0))]
+        pl.BlockSpec((None, None, 2, block_q, 1), lambda bi, hi, qi, j, *m: (bi, hi, 0, qi, 0))]
     out_shape += [jax.ShapeDtypeStruct((b, n, tp, d), q.dtype)] * 2 + [
         jax.ShapeDtypeStruct((b, n, 2, tp, 1), jnp.float32)]
   scratch = [pltpu.VMEM((block_q, 1), jnp.float32), pltpu.VMEM((block_q, 1), jnp.float32),
@@ -209,7 +273,7 @@ def _forward_call(q, k, v, gate_bk, streaming: Streaming, block_q: int, block_k:
   return pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=1,
+          num_scalar_prefetch=len(prefetch),
           grid=(b, n, nq, kv_steps),
           in_specs=[
               pl.BlockSpec(memory_space=pltpu.SMEM),
@@ -223,7 +287,7 @@ def _forward_call(q, k, v, gate_bk, streaming: Streaming, block_q: int, block_k:
       compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS),
       interpret=pltpu.InterpretParams() if interpret else False,
       name="elastic_hybrid_forward_train_tpu" if train else "elastic_hybrid_forward_tpu",
-  )(modes, gate, qt, kt, vt)
+  )(*prefetch, gate, qt, kt, vt)
 
 
 def _unpad(x_bntd, t):
@@ -236,6 +300,24 @@ def hybrid_forward(q, k, v, gate_bk, streaming: Streaming, *, block_q: int = 128
   """The kernel: q [B, T, N, D], k/v [B, T, K, D], gate [B, K] -> [B, T, N, D] (q's dtype)."""
   out, = _forward_call(q, k, v, gate_bk, streaming, block_q, block_k, interpret, train=False)
   return _unpad(out, q.shape[1])
+
+
+@functools.partial(jax.jit, static_argnames=("streaming", "setting", "xa_block", "block_q",
+                                             "block_k", "interpret"))
+def xa_hybrid_forward(q, k, v, gate_bk, xa_keep, streaming: Streaming, *, setting: str,
+                      xa_block: int, block_q: int = 128, block_k: int = 128,
+                      interpret: bool = False):
+  """The inference kernel under the XAttention settings ("fa-xa", "xa-ssa"): XA heads fetch
+  only the tiles of their kept blocks (xa_keep [B, K, nb, nb] bool, blocks of xa_block)."""
+  out, = _forward_call(q, k, v, gate_bk, streaming, block_q, block_k, interpret, train=False,
+                       patterns=setting_patterns(setting), xa_keep=xa_keep,
+                       xa_block=xa_block)
+  return _unpad(out, q.shape[1])
+
+
+def xa_kernel_applies(xa_block: int) -> bool:
+  """The XA mode needs blocks that whole tiles (8-row multiples, at most 128) tile."""
+  return xa_block % 8 == 0 and (xa_block <= 128 or xa_block % 128 == 0)
 
 
 @functools.partial(jax.jit, static_argnames=("streaming", "block_q", "block_k", "interpret"))
@@ -445,4 +527,9 @@ def fused_hybrid(block_q: int = 128, block_k: int = 128):
 
 
 _hybrid = fused_hybrid()
-hybrid_attention = functools.partial(kernel_or_reference, _hybrid)
+_xa_hybrid = xa_with_reference_backward(
+    lambda q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret:
+    xa_hybrid_forward(q, k, v, gate_bk, xa_keep, streaming, setting=setting, xa_block=xa_block,
+                      interpret=interpret))
+hybrid_attention = functools.partial(kernel_or_reference, _hybrid, xa_kernel=_xa_hybrid,
+                                     xa_kernel_applies=xa_kernel_applies)
