@@ -58,6 +58,8 @@ def main(argv=None):
   p.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
   p.add_argument("--sharpness", type=float, nargs="+", default=[1.0, 4.0])
   p.add_argument("--threshold", type=float, default=0.9)
+  p.add_argument("--train-lengths", type=int, nargs="*", default=[16384],
+                 help="forward+backward (training) at these lengths, sharpness 1")
   p.add_argument("--reps", type=int, default=10)
   p.add_argument("--dry-run", action="store_true")
   args = p.parse_args(argv)
@@ -121,6 +123,38 @@ def main(argv=None):
       for name, sec in rows:
         print(f"  {name:<22} {sec * 1e3:9.2f} ms   {base / sec:6.2f}x cuDNN")
       sys.stdout.flush()
+
+  # Training: gradients of sum(out * cot) w.r.t. q, k, v (and the gate for ours), every head
+  # sparse (r = 0): SSA, and XA on the kept blocks (fa-xa); both compute O_FA as well, which
+  # the gate's gradient needs.
+  from elastic_jax.attention.pallas_gpu import make_hybrid, make_xa_hybrid
+  hybrid, xa_fn = make_hybrid(), make_xa_hybrid()
+  if args.dry_run:
+    args.train_lengths = [min(x, 256) for x in args.train_lengths]
+
+  def grads(fn, n_args):
+    return jax.jit(jax.grad(lambda cot, *a: jnp.sum(fn(*a).astype(jnp.float32) * cot),
+                            argnums=tuple(range(1, n_args + 1))))
+
+  for t in args.train_lengths:
+    keys = jax.random.split(jax.random.key(t + 1), 4)
+    q = jax.random.normal(keys[0], (1, t, n, d), jnp.float32).astype(dtype)
+    k, v = (jax.random.normal(kk, (1, t, kh, d), jnp.float32).astype(dtype) for kk in keys[1:3])
+    cot = jax.random.normal(keys[3], q.shape, jnp.float32)
+    keep = score_kernel(q, k)
+    density = float(kept_fraction(keep, jnp.asarray([t]), xa.block).mean())
+    rows = [("cuDNN causal", timed(grads(lambda q, k, v: jax.nn.dot_product_attention(
+                q, k, v, is_causal=True, implementation="xla" if args.dry_run else "cudnn"), 3),
+                                   cot, q, k, v, reps=args.reps)),
+            ("ours SSA (+O_FA)", timed(grads(lambda q, k, v, g: hybrid(q, k, v, g, st, interpret),
+                                             4), cot, q, k, v, zeros, reps=args.reps)),
+            ("XA (+O_FA)", timed(grads(lambda q, k, v, g: xa_fn(
+                q, k, v, g, keep, st, "fa-xa", xa.block, interpret), 4), cot, q, k, v, zeros,
+                reps=args.reps))]
+    print(f"\ntraining (forward+backward) at T={t}: XA density {density:.3f}")
+    for name, sec in rows:
+      print(f"  {name:<22} {sec * 1e3:9.2f} ms   {rows[0][1] / sec:6.2f}x cuDNN")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

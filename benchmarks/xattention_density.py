@@ -16,7 +16,6 @@ import argparse
 import os
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

@@ -149,7 +149,8 @@ def test_op_routes_to_the_kernel_and_packed_inputs_to_the_reference():
 @pytest.mark.parametrize("t,g,d,tiles", [(128, 1, 64, (32, 16)), (300, 4, 128, (16, 32))])
 def test_xattention_mode_matches_the_reference(setting, t, g, d, tiles):
   """The XA mode: heads read only their kept blocks (a compact list per query block), in one
-  launch with full, streaming and mixed heads; gradients come from the reference."""
+  launch with full, streaming and mixed heads; gradients (dq, dk, dv, gate) through the fused
+  training forward and backward kernels."""
   from elastic_jax.attention.pallas_gpu import make_xa_hybrid
   from elastic_jax.attention.xattention import XAttention, select
   b, kh = 2, 2
@@ -164,11 +165,12 @@ def test_xattention_mode_matches_the_reference(setting, t, g, d, tiles):
   want = dense_hybrid_attention(q, k, v, gate, st, setting=setting, xa_keep=keep, xa_block=32)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=F32_TOL)
   cot = jax.random.normal(jax.random.key(9), q.shape)
-  grads = jax.grad(lambda q, gate: jnp.sum(fn(q, k, v, gate, keep, st, setting, 32, INTERPRET)
-                                           * cot), argnums=(0, 1))(q, gate)
-  want_g = jax.grad(lambda q, gate: jnp.sum(dense_hybrid_attention(
-      q, k, v, gate, st, setting=setting, xa_keep=keep, xa_block=32) * cot), argnums=(0, 1))(
-          q, gate)
+  grads = jax.grad(lambda q, k, v, gate: jnp.sum(
+      fn(q, k, v, gate, keep, st, setting, 32, INTERPRET) * cot), argnums=(0, 1, 2, 3))(
+          q, k, v, gate)
+  want_g = jax.grad(lambda q, k, v, gate: jnp.sum(dense_hybrid_attention(
+      q, k, v, gate, st, setting=setting, xa_keep=keep, xa_block=32) * cot),
+      argnums=(0, 1, 2, 3))(q, k, v, gate)
   for a, w in zip(grads, want_g):
     np.testing.assert_allclose(np.asarray(a), np.asarray(w),
                                atol=GRAD_TOL[jnp.float32] * max(1.0, float(jnp.abs(w).max())))

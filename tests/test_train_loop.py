@@ -203,6 +203,18 @@ def test_cli_run_writes_everything(reference):
   assert os.path.exists(os.path.join(run_dir, "export", "authors", "config_extra.json"))
 
 
+@pytest.mark.parametrize("setting", ["fa-xa", "xa-ssa"])
+def test_cli_trains_under_the_xattention_settings(setting, cache_dir, tmp_path):
+  """train.py with router.setting: the routers train and export with the setting recorded."""
+  run_dir = str(tmp_path / setting)
+  _ok(_train(cache_dir, run_dir, f"router.setting={setting}", "router.xa_block=16",
+             "router.xa_stride=4", "train.steps=3", *NO_EVAL))
+  records = _metrics(run_dir)
+  assert len(records) == 3 and all(np.isfinite(r["loss"]) for r in records)
+  with open(os.path.join(run_dir, "export", "elastic_jax", "routers.json")) as f:
+    assert json.load(f)["router"]["setting"] == setting
+
+
 # ----------------------------------------------------------------------------------------------
 # 2-3. Resuming
 

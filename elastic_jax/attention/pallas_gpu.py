@@ -37,8 +37,7 @@ from jax.experimental import pallas as pl
 from elastic_jax.attention.common import (MODE_FULL, MODE_MIX, MODE_SPARSE,
                                           kernel_or_reference, modes_from_gate, pad_to,
                                           q_tile_range, row_deltas, tile_ranges,
-                                          with_fused_backward, xa_operands,
-                                          xa_with_reference_backward)
+                                          with_fused_backward, xa_operands)
 
 assert (MODE_SPARSE, MODE_FULL, MODE_MIX) == (0, 1, 2)  # the order of lax.switch below
 from elastic_jax.attention.reference import Streaming, setting_patterns
@@ -139,7 +138,6 @@ def _kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, num_kv
   if "xa" in patterns:
     # XAttention heads visit the kept blocks of this query block (a compact ascending list
     # whose last entry is the diagonal block): earlier blocks whole, the diagonal masked.
-    assert not train, "the XA settings' backward runs through the reference"
     per_block = xa_block // block_k
     q_block = q_start // xa_block
 
@@ -163,9 +161,8 @@ def _kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, num_kv
       hi_c, lo_c = c
       s, causal, window = scores(j)
       v = v_ref[pl.ds(j * block_k, block_k), :]
-      xa = causal & (xa_keep_ref[(j * block_k) // xa_block] != 0)
-      hi_ok = causal if patterns[0] == "full" else xa
-      lo_ok = window if patterns[1] == "stream" else xa
+      hi_ok, lo_ok = _xa_masks(causal, window, xa_keep_ref[(j * block_k) // xa_block] != 0,
+                               patterns)
       return update(hi_c, s, hi_ok, v), update(lo_c, s, lo_ok, v)
 
     def run_xa_mix():
@@ -193,9 +190,12 @@ def _kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, num_kv
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * qk_scale
     return update(c[0], s, None, v_ref[pl.ds(j * block_k, block_k), :]), c[1]
 
-  c = lax.fori_loop(0, sink_end, both, (init(), init()))
-  c = lax.fori_loop(sink_end, lo2, full_only, c)  # strictly below the diagonal: no mask
-  full_c, sparse_c = lax.fori_loop(lo2, causal_end, both, c)
+  if "xa" in patterns:   # the FA state holds the r = 1 pattern, the SSA state the r = 0 one
+    full_c, sparse_c = lax.fori_loop(0, causal_end, xa_both, (init(), init()))
+  else:
+    c = lax.fori_loop(0, sink_end, both, (init(), init()))
+    c = lax.fori_loop(sink_end, lo2, full_only, c)  # strictly below the diagonal: no mask
+    full_c, sparse_c = lax.fori_loop(lo2, causal_end, both, c)
   o_fa, o_sa = finish(full_c), finish(sparse_c)
   o_ref[...] = (r * o_fa + (1.0 - r) * o_sa).astype(o_ref.dtype)
   o_fa_ref[...] = o_fa.astype(o_fa_ref.dtype)
@@ -204,10 +204,15 @@ def _kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, num_kv
     ref[...] = m + jnp.log2(jnp.maximum(l, 1e-30))  # base-2 log-sum-exp of scaled scores
 
 
-def _dq_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, lse_fa_ref, lse_sa_ref,
-               d_fa_ref, d_sa_ref, dq_ref, *, scale, block_q, block_k, seq_len, num_kv_heads,
-               groups, streaming: Streaming):
-  """dQ of one (query tile, batch, query head): the forward's tile walk, per the head's mode."""
+def _dq_kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, num_kv_heads,
+               groups, streaming: Streaming, patterns=("full", "stream"), xa_block=0):
+  """dQ of one (query tile, batch, query head): the forward's tile walk, per the head's mode.
+  Under the XAttention settings an XA head walks its causal tiles and skips those of blocks
+  it did not keep (`keep_ref`: the kept row of this query tile's block)."""
+  xa = "xa" in patterns
+  if xa:
+    keep_ref, *refs = refs
+  (q_ref, k_ref, v_ref, do_ref, lse_fa_ref, lse_sa_ref, d_fa_ref, d_sa_ref, dq_ref) = refs
   qi, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   slot = b * num_kv_heads + n // groups
   mode = modes_ref[slot]
@@ -225,12 +230,21 @@ def _dq_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, lse_fa_ref, lse
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * qk_scale
     dp = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
     causal, window = _masks(q_idx, j * block_k + jnp.arange(block_k), seq_len, streaming)
+    if xa:
+      causal, window = _xa_masks(causal, window, kept(j), patterns)
     ds = _dscores(s, dp, r, causal, window, lse_fa[:, None], lse_sa[:, None], d_fa[:, None],
                   d_sa[:, None], fa, sa)[0]
     return acc + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
+  def kept(j):
+    return keep_ref[(j * block_k) // xa_block] != 0
+
   def walk(lo, hi, acc, fa, sa):
     return lax.fori_loop(lo, hi, lambda j, a: tile(j, a, fa, sa), acc)
+
+  def walk_kept(hi, acc, fa, sa):     # an XA head: the causal tiles of its kept blocks
+    return lax.fori_loop(0, hi, lambda j, a: lax.cond(kept(j), lambda: tile(j, a, fa, sa),
+                                                      lambda: a), acc)
 
   sink_end, win_start, causal_end = tile_ranges(q_start, block_q, block_k, streaming)
   lo2 = jnp.maximum(win_start, sink_end)
@@ -246,15 +260,29 @@ def _dq_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, lse_fa_ref, lse
     acc = walk(0, sink_end, zero, True, True)
     return walk(lo2, causal_end, walk(sink_end, lo2, acc, True, False), True, True)
 
-  acc = lax.switch(mode, [run_sparse, run_full, run_mix])
+  branches = [run_sparse, run_full, run_mix]
+  if xa:
+    branches = [run_sparse if patterns[1] == "stream"
+                else lambda: walk_kept(causal_end, zero, False, True),
+                run_full if patterns[0] == "full"
+                else lambda: walk_kept(causal_end, zero, True, False),
+                lambda: walk(0, causal_end, zero, True, True)]
+  acc = lax.switch(mode, branches)
   dq_ref[...] = (acc * scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, lse_fa_ref, lse_sa_ref,
-                d_fa_ref, d_sa_ref, dk_ref, dv_ref, *, scale, block_q, block_k, seq_len,
-                num_q_tiles, num_kv_heads, groups, streaming: Streaming):
+def _dkv_kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, num_q_tiles,
+                num_kv_heads, groups, streaming: Streaming, patterns=("full", "stream"),
+                xa_block=0):
   """dK and dV of one (key tile, batch, KV head), summed over the head's G query heads (GQA:
-  the K/V tile is loaded once). Query tiles walk the transposed schedule of the head's mode."""
+  the K/V tile is loaded once). Query tiles walk the transposed schedule of the head's mode;
+  under the XAttention settings an XA head's query tiles skip the blocks that did not keep
+  this key tile's block (`keep_ref`: the slot's kept-block matrix)."""
+  xa = "xa" in patterns
+  if xa:
+    keep_ref, *refs = refs
+  (q_ref, k_ref, v_ref, do_ref, lse_fa_ref, lse_sa_ref, d_fa_ref, d_sa_ref, dk_ref,
+   dv_ref) = refs
   kj, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   slot = b * num_kv_heads + h
   mode = modes_ref[slot]
@@ -273,6 +301,8 @@ def _dkv_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, lse_fa_ref, ls
     s_t = jnp.dot(k, q.T, preferred_element_type=jnp.float32) * qk_scale
     dp_t = jnp.dot(v, do.T, preferred_element_type=jnp.float32)
     causal, window = _masks(i * block_q + jnp.arange(block_q), k_idx, seq_len, streaming)
+    if xa:
+      causal, window = _xa_masks(causal, window, kept(i), patterns)
     row = lambda ref: ref[g, rows][None, :]
     ds_t, p_t = _dscores(s_t, dp_t, r, causal.T, window.T, row(lse_fa_ref), row(lse_sa_ref),
                          row(d_fa_ref), row(d_sa_ref), fa, sa)
@@ -285,12 +315,28 @@ def _dkv_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, lse_fa_ref, ls
       c = lax.fori_loop(lo_, hi_, lambda i, c_, g=g: tile(g, i, c_, fa, sa), c)
     return c
 
+  def kept(i):
+    return keep_ref[(i * block_q) // xa_block, (kj * block_k) // xa_block] != 0
+
+  def walk_kept(c, fa, sa):           # an XA head: the query tiles whose block kept this one
+    for g in range(groups):
+      c = lax.fori_loop(lo, num_q_tiles, lambda i, c_, g=g: lax.cond(
+          kept(i), lambda: tile(g, i, c_, fa, sa), lambda: c_), c)
+    return c
+
   zero = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-  dk, dv = lax.switch(mode, [
+  branches = [
       lambda: walk(lo, hi_sparse, zero, False, True),
       lambda: walk(lo, num_q_tiles, zero, True, False),
       lambda: walk(hi_sparse, num_q_tiles, walk(lo, hi_sparse, zero, True, True), True, False),
-  ])
+  ]
+  if xa:
+    if patterns[1] == "xa":
+      branches[0] = lambda: walk_kept(zero, False, True)
+    if patterns[0] == "xa":
+      branches[1] = lambda: walk_kept(zero, True, False)
+    branches[2] = lambda: walk(lo, num_q_tiles, zero, True, True)
+  dk, dv = lax.switch(mode, branches)
   dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -302,6 +348,13 @@ def _masks(q_idx, k_idx, seq_len, streaming: Streaming):
   window = (k_blk[None, :] < streaming.sink_blocks) | (
       q_blk[:, None] - k_blk[None, :] < streaming.local_blocks)
   return causal, causal & window
+
+
+def _xa_masks(causal, window, kept, patterns):
+  """(mask of the r = 1 pattern, mask of the r = 0 one) under an XAttention setting, from the
+  causal and SSA masks of a tile and whether the tile's block was kept."""
+  xa = causal & kept
+  return (causal if patterns[0] == "full" else xa), (window if patterns[1] == "stream" else xa)
 
 
 def _dscores(s, dp, r, causal, window, lse_fa, lse_sa, d_fa, d_sa, fa: bool, sa: bool):
@@ -450,18 +503,113 @@ def xa_kernel_applies(xa_block: int) -> bool:
   return xa_block >= 16 and xa_block & (xa_block - 1) == 0
 
 
-def make_xa_hybrid(tiles: Tiles = FORWARD_TILES):
-  """`fn(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret)` for the
-  XAttention settings: the forward is the kernel, the backward the reference's
-  (`common.xa_with_reference_backward`)."""
+def make_xa_hybrid(forward_tiles: Tiles = FORWARD_TILES,
+                   train_forward_tiles: Tiles = TRAIN_FORWARD_TILES,
+                   dq_tiles: Tiles = DQ_TILES, dkv_tiles: Tiles = DKV_TILES):
+  """The differentiable kernel `fn(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block,
+  interpret)` for the XAttention settings. The inference forward skips per head (XA heads
+  read their kept-block lists); under differentiation the training forward computes both
+  patterns' outputs of every head over its causal tiles, and the dQ and dK/dV kernels skip
+  an XA head's tiles of blocks it did not keep. Tiles are clamped to the XA block."""
 
-  def forward(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret):
+  def clamp(tiles: Tiles, xa_block: int) -> Tiles:
+    return dataclasses.replace(tiles, block_q=min(tiles.block_q, xa_block),
+                               block_k=min(tiles.block_k, xa_block))
+
+  def fit_all(t, xa_block):
+    all_tiles = [clamp(x, xa_block).fit(t) for x in (train_forward_tiles, dq_tiles,
+                                                     dkv_tiles)]
+    return all_tiles, max(max(x.block_q, x.block_k) for x in all_tiles)
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+  def fn(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret):
+    f = forward_tiles
     return xa_hybrid_forward(q, k, v, gate_bk, xa_keep, streaming, setting=setting,
-                             xa_block=xa_block, block_q=tiles.block_q, block_k=tiles.block_k,
-                             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                             xa_block=xa_block, block_q=f.block_q, block_k=f.block_k,
+                             num_warps=f.num_warps, num_stages=f.num_stages,
                              interpret=interpret)
 
-  return xa_with_reference_backward(forward)
+  def forward_train(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret):
+    t, d = q.shape[1], q.shape[3]
+    (tiles, _, _), multiple = fit_all(t, xa_block)
+    qp, kp, vp, gate, modes = _pad_inputs(q, k, v, gate_bk, multiple)
+    nbp = pl.next_power_of_2(max(xa_keep.shape[-1], -(-qp.shape[1] // xa_block)))
+    xa = xa_operands(xa_keep, nbp, gate.shape[0])
+    o, o_fa, o_sa, lse_fa, lse_sa = _forward_call(
+        qp, kp, vp, gate, modes, seq_len=t, scale=d ** -0.5, streaming=streaming, tiles=tiles,
+        interpret=interpret, train=True, patterns=setting_patterns(setting), xa=xa,
+        xa_block=xa_block)
+    cut = lambda x: x[:, :t, :, :d]
+    return cut(o), (qp, kp, vp, gate, modes, gate_bk, cut(o_fa), cut(o_sa), lse_fa, lse_sa,
+                    xa[2])
+
+  def backward(streaming, setting, xa_block, interpret, res, d_out):
+    *res, keep = res
+    (_, dq_t, dkv_t), _ = fit_all(d_out.shape[1], xa_block)
+    grads = _backward_call(tuple(res), d_out, streaming, interpret, dq_t, dkv_t,
+                           setting_patterns(setting), keep, xa_block)
+    return (*grads, None)
+
+  fn.defvjp(forward_train, backward)
+  return fn
+
+
+def _backward_call(res, d_out, streaming, interpret, dq_t: Tiles, dkv_t: Tiles,
+                   patterns=("full", "stream"), keep=None, xa_block: int = 0):
+  """The dQ and dK/dV kernels on the training forward's residuals: (dq, dk, dv, d_gate).
+  keep: the kept-block matrices [slots, nbp, nbp] int32 under the XAttention settings."""
+  qp, kp, vp, gate, modes, gate_bk, o_fa, o_sa, lse_fa, lse_sa = res
+  b, t, n, d = d_out.shape
+  tp, dp, kh = qp.shape[1], qp.shape[3], kp.shape[2]
+  groups = n // kh
+  d_fa, d_sa, d_gate = row_deltas(d_out, o_fa, o_sa, gate_bk)
+  d_fa, d_sa = (pad_to(x, 1, tp).transpose(0, 2, 1) for x in (d_fa, d_sa))  # [B, N, Tp]
+  do = pad_to(pad_to(d_out.astype(qp.dtype), 1, tp), 3, dp)
+  slots = gate.shape[0]
+  common = dict(scale=d ** -0.5, seq_len=t, num_kv_heads=kh, groups=groups,
+                streaming=streaming, patterns=patterns, xa_block=xa_block)
+  scalar = pl.BlockSpec((slots,), lambda i, j, h: (0,))
+  operands = (modes, gate) + ((keep,) if keep is not None else ()) + (
+      qp, kp, vp, do, lse_fa, lse_sa, d_fa, d_sa)
+
+  bq, bk = dq_t.block_q, dq_t.block_k
+  q_tile = pl.BlockSpec((None, bq, None, dp), lambda i, j, h: (j, i, h, 0))
+  kv_all = pl.BlockSpec((None, tp, None, dp), lambda i, j, h: (j, 0, h // groups, 0))
+  row_tile = pl.BlockSpec((None, None, bq), lambda i, j, h: (j, h, i))
+  keep_spec = []
+  if keep is not None:   # the kept row of the query tile's block
+    keep_spec = [pl.BlockSpec((None, None, keep.shape[2]), lambda i, j, h: (
+        j * kh + h // groups, (i * bq) // xa_block, 0))]
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, block_q=bq, block_k=bk, **common),
+      grid=(tp // bq, b, n),
+      in_specs=[scalar, scalar, *keep_spec, q_tile, kv_all, kv_all, q_tile] + [row_tile] * 4,
+      out_specs=q_tile,
+      out_shape=jax.ShapeDtypeStruct(qp.shape, qp.dtype),
+      compiler_params=dq_t.params(dp),
+      interpret=interpret,
+      name="elastic_hybrid_dq",
+  )(*operands)
+
+  bq, bk = dkv_t.block_q, dkv_t.block_k
+  q_group = pl.BlockSpec((None, tp, groups, dp), lambda i, j, h: (j, 0, h, 0))
+  kv_tile = pl.BlockSpec((None, bk, None, dp), lambda i, j, h: (j, i, h, 0))
+  rows_group = pl.BlockSpec((None, groups, tp), lambda i, j, h: (j, h, 0))
+  if keep is not None:   # the slot's whole kept-block matrix (read one entry at a time)
+    keep_spec = [pl.BlockSpec((None,) + keep.shape[1:], lambda i, j, h: (j * kh + h, 0, 0))]
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkv_kernel, block_q=bq, block_k=bk, num_q_tiles=tp // bq, **common),
+      grid=(tp // bk, b, kh),
+      in_specs=[scalar, scalar, *keep_spec, q_group, kv_tile, kv_tile, q_group]
+      + [rows_group] * 4,
+      out_specs=[kv_tile, kv_tile],
+      out_shape=[jax.ShapeDtypeStruct(kp.shape, kp.dtype)] * 2,
+      compiler_params=dkv_t.params(dp),
+      interpret=interpret,
+      name="elastic_hybrid_dkv",
+  )(*operands)
+  cut = lambda x: x[:, :t, :, :d]
+  return cut(dq), cut(dk), cut(dv), d_gate
 
 
 def make_hybrid(forward_tiles: Tiles = FORWARD_TILES,
@@ -490,52 +638,8 @@ def make_hybrid(forward_tiles: Tiles = FORWARD_TILES,
     return cut(o), (qp, kp, vp, gate, modes, gate_bk, cut(o_fa), cut(o_sa), lse_fa, lse_sa)
 
   def backward(streaming, interpret, res, d_out):
-    qp, kp, vp, gate, modes, gate_bk, o_fa, o_sa, lse_fa, lse_sa = res
-    b, t, n, d = d_out.shape
-    tp, dp, kh = qp.shape[1], qp.shape[3], kp.shape[2]
-    groups = n // kh
-    (_, dq_t, dkv_t), _ = fit_all(t)
-    d_fa, d_sa, d_gate = row_deltas(d_out, o_fa, o_sa, gate_bk)
-    d_fa, d_sa = (pad_to(x, 1, tp).transpose(0, 2, 1) for x in (d_fa, d_sa))  # [B, N, Tp]
-    do = pad_to(pad_to(d_out.astype(qp.dtype), 1, tp), 3, dp)
-    slots = gate.shape[0]
-    common = dict(scale=d ** -0.5, seq_len=t, num_kv_heads=kh, groups=groups,
-                  streaming=streaming)
-    scalar = pl.BlockSpec((slots,), lambda i, j, h: (0,))
-    operands = (modes, gate, qp, kp, vp, do, lse_fa, lse_sa, d_fa, d_sa)
-
-    bq, bk = dq_t.block_q, dq_t.block_k
-    q_tile = pl.BlockSpec((None, bq, None, dp), lambda i, j, h: (j, i, h, 0))
-    kv_all = pl.BlockSpec((None, tp, None, dp), lambda i, j, h: (j, 0, h // groups, 0))
-    row_tile = pl.BlockSpec((None, None, bq), lambda i, j, h: (j, h, i))
-    dq = pl.pallas_call(
-        functools.partial(_dq_kernel, block_q=bq, block_k=bk, **common),
-        grid=(tp // bq, b, n),
-        in_specs=[scalar, scalar, q_tile, kv_all, kv_all, q_tile] + [row_tile] * 4,
-        out_specs=q_tile,
-        out_shape=jax.ShapeDtypeStruct(qp.shape, qp.dtype),
-        compiler_params=dq_t.params(dp),
-        interpret=interpret,
-        name="elastic_hybrid_dq",
-    )(*operands)
-
-    bq, bk = dkv_t.block_q, dkv_t.block_k
-    q_group = pl.BlockSpec((None, tp, groups, dp), lambda i, j, h: (j, 0, h, 0))
-    kv_tile = pl.BlockSpec((None, bk, None, dp), lambda i, j, h: (j, i, h, 0))
-    rows_group = pl.BlockSpec((None, groups, tp), lambda i, j, h: (j, h, 0))
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, block_q=bq, block_k=bk, num_q_tiles=tp // bq,
-                          **common),
-        grid=(tp // bk, b, kh),
-        in_specs=[scalar, scalar, q_group, kv_tile, kv_tile, q_group] + [rows_group] * 4,
-        out_specs=[kv_tile, kv_tile],
-        out_shape=[jax.ShapeDtypeStruct(kp.shape, kp.dtype)] * 2,
-        compiler_params=dkv_t.params(dp),
-        interpret=interpret,
-        name="elastic_hybrid_dkv",
-    )(*operands)
-    cut = lambda x: x[:, :t, :, :d]
-    return cut(dq), cut(dk), cut(dv), d_gate
+    (_, dq_t, dkv_t), _ = fit_all(d_out.shape[1])
+    return _backward_call(res, d_out, streaming, interpret, dq_t, dkv_t)
 
   return with_fused_backward(forward, forward_train, backward)
 
