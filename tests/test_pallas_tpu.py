@@ -207,7 +207,7 @@ def test_xa_schedule_fetches_exactly_the_kept_tiles_then_repeats():
 @pytest.mark.parametrize("setting", ["fa-xa", "xa-ssa"])
 def test_xattention_mode_matches_the_reference(setting):
   """XA heads (kept blocks prefetched as lists) with full, streaming and mixed heads in one
-  launch; gradients come from the reference."""
+  launch; gradients through the training forward and the dQ / dK-dV kernels."""
   from elastic_jax.attention.pallas_tpu import _xa_hybrid
   from elastic_jax.attention.reference import dense_hybrid_attention
   from elastic_jax.attention.xattention import XAttention, select
@@ -224,26 +224,37 @@ def test_xattention_mode_matches_the_reference(setting):
   want = dense_hybrid_attention(q, k, v, gate, st, setting=setting, xa_keep=keep, xa_block=16)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
   cot = jax.random.normal(jax.random.key(9), q.shape)
-  dq = jax.grad(lambda q: jnp.sum(_xa_hybrid(q, k, v, gate, keep, st, setting, 16, INTERPRET)
-                                  * cot))(q)
-  want_dq = jax.grad(lambda q: jnp.sum(dense_hybrid_attention(
-      q, k, v, gate, st, setting=setting, xa_keep=keep, xa_block=16) * cot))(q)
-  np.testing.assert_allclose(np.asarray(dq), np.asarray(want_dq),
-                             atol=1e-5 * max(1.0, float(jnp.abs(want_dq).max())))
+  args = (0, 1, 2, 3)
+  got_g = _jit(jax.grad(lambda q, k, v, g: jnp.sum(
+      _xa_hybrid(q, k, v, g, keep, st, setting, 16, INTERPRET) * cot), argnums=args))(
+          q, k, v, gate)
+  want_g = jax.grad(lambda q, k, v, g: jnp.sum(dense_hybrid_attention(
+      q, k, v, g, st, setting=setting, xa_keep=keep, xa_block=16) * cot), argnums=args)(
+          q, k, v, gate)
+  for name, a, w in zip("dq dk dv dgate".split(), got_g, want_g):
+    err = float(jnp.abs(a - w).max())
+    assert err <= 1e-5 * max(1.0, float(jnp.abs(w).max())), (name, err)
 
 
-def test_xa_forward_lowers_to_mosaic():
-  """The XA mode's scalar-prefetched lists and index maps lower for a TPU (Mosaic itself
-  needs a TPU to compile)."""
-  from elastic_jax.attention.pallas_tpu import xa_hybrid_forward
+def test_xa_kernels_lower_to_mosaic():
+  """The XA mode's scalar-prefetched lists and index maps lower for a TPU, in the inference
+  forward, the training forward and both backward kernels (Mosaic itself needs a TPU)."""
+  from elastic_jax.attention.pallas_tpu import fused_xa_hybrid
+  st = Streaming(1, 2, 128)
+  fn = fused_xa_hybrid()
+
+  def forward_and_grads(q, k, v, gate, keep):
+    out, vjp = jax.vjp(lambda *a: fn(*a, keep, st, "fa-xa", 128, False), q, k, v, gate)
+    return fn(q, k, v, gate, keep, st, "fa-xa", 128, False), vjp(out)
+
   q = jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, 512, 1, 128), jnp.bfloat16)
   gate = jax.ShapeDtypeStruct((1, 1), jnp.float32)
   keep = jax.ShapeDtypeStruct((1, 1, 4, 4), jnp.bool_)
-  fn = functools.partial(xa_hybrid_forward, streaming=Streaming(1, 2, 128), setting="fa-xa",
-                         xa_block=128)
   tpu = jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
                                                                 abstract_device=tpu)):
-    module = export.export(jax.jit(fn), platforms=["tpu"])(q, kv, kv, gate, keep).mlir_module()
-  assert 'kernel_name = "elastic_hybrid_forward_tpu"' in module
+    module = export.export(jax.jit(forward_and_grads), platforms=["tpu"])(
+        q, kv, kv, gate, keep).mlir_module()
+  for name in ("forward", "forward_train", "backward_dq", "backward_dkv"):
+    assert f'kernel_name = "elastic_hybrid_{name}_tpu"' in module, name

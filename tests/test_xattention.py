@@ -84,14 +84,17 @@ def test_block_mass_matches_numpy(t, chunk):
   np.testing.assert_allclose(got, _numpy_mass(q, k, 4, 16), atol=2e-5)
 
 
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
 @pytest.mark.parametrize("t,stride,block,d", [(100, 4, 16, 8), (300, 8, 32, 64)])
-def test_scoring_kernel_matches_numpy(t, stride, block, d):
-  """The Pallas scoring kernel (interpret mode on CPU, native on a GPU)."""
+def test_scoring_kernel_matches_numpy(t, stride, block, d, backend):
+  """The Pallas scoring kernel: GPU (interpret mode on CPU, native on a GPU) and Pallas TPU
+  interpret mode."""
+  native = backend == "gpu" and jax.default_backend() == "gpu"
   xa = XAttention(stride=stride, block=block)
   q, k, _ = _inputs(t, d=d, seed=7)
-  got = np.asarray(block_mass_pallas(jnp.asarray(q), jnp.asarray(k), xa,
-                                     interpret=jax.default_backend() != "gpu"))
-  atol = 2e-5 if jax.default_backend() != "gpu" else 2e-3     # tf32 scores on a GPU
+  got = np.asarray(block_mass_pallas(jnp.asarray(q), jnp.asarray(k), xa, interpret=not native,
+                                     backend=backend))
+  atol = 2e-3 if native else 2e-5     # tf32 scores on a GPU
   np.testing.assert_allclose(got, _numpy_mass(q, k, stride, block), atol=atol)
 
 

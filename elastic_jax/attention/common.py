@@ -112,36 +112,6 @@ def xa_operands(xa_keep, num_blocks: int, slots: int):
   return tuple(pad_to(x[:, 0].astype(jnp.int32), 0, slots) for x in (index, count, keep))
 
 
-def xa_with_reference_backward(forward: Callable) -> Callable:
-  """A differentiable `fn(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret)`
-  for the XAttention settings: `forward` (a kernel with that signature) computes the output;
-  the backward differentiates the reference (`reference.hybrid_attention`, which recomputes
-  the forward in plain jnp: correct gradients, not a fused backward). The kept blocks are
-  constants."""
-
-  def reference(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block):
-    gate = jnp.broadcast_to(gate_bk[:, None], (q.shape[0], q.shape[1], gate_bk.shape[1]))
-    return reference_hybrid(q, k, v, gate, streaming, setting=setting, xa_keep=xa_keep,
-                            xa_block=xa_block)
-
-  @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-  def fn(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret):
-    return forward(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret)
-
-  def fwd(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret):
-    out = fn(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret)
-    return out, (q, k, v, gate_bk, xa_keep)
-
-  def bwd(streaming, setting, xa_block, interpret, res, d_out):
-    q, k, v, gate_bk, xa_keep = res
-    _, vjp = jax.vjp(lambda *a: reference(*a, xa_keep, streaming, setting, xa_block),
-                     q, k, v, gate_bk)
-    return (*vjp(d_out), None)
-
-  fn.defvjp(fwd, bwd)
-  return fn
-
-
 def kernel_or_reference(kernel: Callable, q_btnh, k_btkh, v_btkh, gate_btk,
                         streaming: Streaming, segment_ids_bt=None, positions_bt=None, *,
                         interpret: bool = False, xa_kernel: Callable | None = None,

@@ -41,8 +41,7 @@ from jax.experimental.pallas import tpu as pltpu
 from elastic_jax.attention.common import (MODE_FULL, MODE_MIX, MODE_SPARSE,
                                           kernel_or_reference, modes_from_gate, pad_to,
                                           q_tile_range, row_deltas, tile_ranges,
-                                          with_fused_backward, xa_operands,
-                                          xa_with_reference_backward)
+                                          with_fused_backward, xa_operands)
 from elastic_jax.attention.reference import Streaming, setting_patterns
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -132,13 +131,58 @@ def _head_schedule(mode, slot, qi, j, xa_refs, *, block_q, block_k, streaming, t
   """The KV walk of one head: `kv_schedule`, or `xa_schedule` for an XAttention head."""
   tile, n_visit = kv_schedule(MODE_FULL if train else mode, qi, j, block_q, block_k,
                               streaming)
-  if "xa" not in patterns:
+  if "xa" not in patterns or train:
     return tile, n_visit
-  is_xa = (((mode == MODE_SPARSE) & (patterns[1] == "xa"))
-           | ((mode == MODE_FULL) & (patterns[0] == "xa")))
+  is_xa = _is_xa_head(mode, patterns)
   xa_tile, xa_n = xa_schedule(slot, qi, j, block_q, block_k, xa_block, num_blocks,
                               *xa_refs[:2])
   return jnp.where(is_xa, xa_tile, tile), jnp.where(is_xa, xa_n, n_visit)
+
+
+def _is_xa_head(mode, patterns):
+  """Whether a head of this run-time mode reads XAttention's kept blocks alone."""
+  return (((mode == MODE_SPARSE) & (patterns[1] == "xa"))
+          | ((mode == MODE_FULL) & (patterns[0] == "xa")))
+
+
+def _pattern_masks(causal, window, lo_tile, xa_refs, slot, qi, kv_tile, *, block_q, block_k,
+                   patterns, xa_block, num_blocks):
+  """(mask of the r = 1 pattern, mask of the r = 0 one, whether the tile belongs to the r = 0
+  pattern's set) of one (query tile, KV tile): FA and SSA, or under an XAttention setting the
+  kept blocks in place of either (`xa_refs[2]`: the flat kept-block matrices)."""
+  if "xa" not in patterns:
+    return causal, window, lo_tile
+  kept = _kept(xa_refs, slot, qi, kv_tile, block_q=block_q, block_k=block_k,
+               xa_block=xa_block, num_blocks=num_blocks)
+  hi = causal if patterns[0] == "full" else causal & kept
+  if patterns[1] == "xa":
+    return hi, causal & kept, kept
+  return hi, window, lo_tile
+
+
+def _kept(xa_refs, slot, qi, kv_tile, *, block_q, block_k, xa_block, num_blocks):
+  """Whether query tile qi's XA block kept KV tile kv_tile's block (a scalar)."""
+  row = slot * num_blocks + (qi * block_q) // xa_block
+  return xa_refs[2][row * num_blocks + (kv_tile * block_k) // xa_block] != 0
+
+
+def _xa_prefetch(xa_keep, tp: int, xa_block: int, slots: int):
+  """The kept blocks as flat scalar-prefetch operands (index, count, keep) and their block
+  count per side (`common.xa_operands`)."""
+  num_blocks = max(xa_keep.shape[-1], -(-tp // xa_block))
+  return [x.reshape(-1) for x in xa_operands(xa_keep, num_blocks, slots)], num_blocks
+
+
+def _tile_sizes(t: int, block_q: int, block_k: int, patterns, xa_block: int):
+  """(block_q, block_k, padded length): `_tiles`, or under an XAttention setting tiles that
+  divide the XA block (no shrinking for short inputs: one block then)."""
+  if "xa" not in patterns:
+    return _tiles(t, block_q, block_k)
+  block_q, block_k = min(block_q, xa_block), min(block_k, xa_block)
+  if xa_block % block_q or xa_block % block_k:
+    raise ValueError(f"XA block {xa_block} is not a multiple of the tiles {block_q}, "
+                     f"{block_k}")
+  return block_q, block_k, t + (-t % math.lcm(block_q, block_k))
 
 
 def _forward_kernel(modes_ref, *refs, scale, block_q, block_k, seq_len, num_kv_heads, groups,
@@ -183,14 +227,10 @@ def _forward_kernel(modes_ref, *refs, scale, block_q, block_k, seq_len, num_kv_h
 
     # Under the XAttention settings the FA state holds the r = 1 pattern and the SSA state
     # the r = 0 one; an XA pattern masks the tiles its head did not keep.
-    hi_ok, lo_ok, lo_tile = causal, window, _streaming_tile(qi, tile, block_q, block_k,
-                                                            streaming)
-    if "xa" in patterns:
-      row = slot * num_blocks + (qi * block_q) // xa_block
-      kept = causal & (xa_refs[2][row * num_blocks + (tile * block_k) // xa_block] != 0)
-      hi_ok = causal if patterns[0] == "full" else kept
-      if patterns[1] == "xa":
-        lo_ok, lo_tile = kept, True
+    hi_ok, lo_ok, lo_tile = _pattern_masks(
+        causal, window, _streaming_tile(qi, tile, block_q, block_k, streaming), xa_refs, slot,
+        qi, tile, block_q=block_q, block_k=block_k, patterns=patterns, xa_block=xa_block,
+        num_blocks=num_blocks)
 
     @pl.when((mode != MODE_SPARSE) | train)
     def _full():
@@ -231,23 +271,15 @@ def _forward_call(q, k, v, gate_bk, streaming: Streaming, block_q: int, block_k:
   b, t, n, d = q.shape
   kh = k.shape[2]
   groups = n // kh
-  xa = "xa" in patterns
-  if xa:   # tiles that divide the XA block (no shrinking for short inputs: one block then)
-    block_q, block_k = min(block_q, xa_block), min(block_k, xa_block)
-    if xa_block % block_q or xa_block % block_k:
-      raise ValueError(f"XA block {xa_block} is not a multiple of the tiles {block_q}, "
-                       f"{block_k}")
-    tp = t + (-t % math.lcm(block_q, block_k))
-  else:
-    block_q, block_k, tp = _tiles(t, block_q, block_k)
+  block_q, block_k, tp = _tile_sizes(t, block_q, block_k, patterns, xa_block)
   qt, kt, vt = _heads_major(tp, q, k, v)
   gate = gate_bk.astype(jnp.float32).reshape(-1)
   modes = modes_from_gate(gate)
   nq, kv_steps = tp // block_q, tp // block_k
   num_blocks, prefetch = 0, [modes]
-  if xa:
-    num_blocks = max(xa_keep.shape[-1], -(-tp // xa_block))
-    prefetch += [x.reshape(-1) for x in xa_operands(xa_keep, num_blocks, b * kh)]
+  if "xa" in patterns:
+    xa_ops, num_blocks = _xa_prefetch(xa_keep, tp, xa_block, b * kh)
+    prefetch += xa_ops
   sched = dict(block_q=block_q, block_k=block_k, streaming=streaming, train=train,
                patterns=patterns, xa_block=xa_block, num_blocks=num_blocks)
 
@@ -365,9 +397,12 @@ def _by_mode(mode, work, streaming_tile, body):
   pl.when(work & mixed & streaming_tile)(lambda: body(True, True, True))
 
 
-def _dq_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dq_acc, *,
-               scale, block_q, block_k, seq_len, num_kv_heads, groups, kv_steps,
-               streaming: Streaming):
+def _dq_kernel(modes_ref, *refs, scale, block_q, block_k, seq_len, num_kv_heads, groups,
+               kv_steps, streaming: Streaming, patterns=("full", "stream"), xa_block=0,
+               num_blocks=0):
+  n_xa = 3 if "xa" in patterns else 0
+  xa_refs = refs[:n_xa]
+  gate_ref, q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dq_acc = refs[n_xa:]
   b, h, qi, j = (pl.program_id(i) for i in range(4))
   slot = b * num_kv_heads + h // groups
   mode = modes_ref[slot]
@@ -376,28 +411,43 @@ def _dq_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, stats_ref, dq_r
   def _init():
     dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
 
-  tile, n_visit = kv_schedule(mode, qi, j, block_q, block_k, streaming)
+  # The forward's walk: an XA head's kept tiles, a streaming head's sink and window, ...
+  tile, n_visit = _head_schedule(mode, slot, qi, j, xa_refs, block_q=block_q, block_k=block_k,
+                                 streaming=streaming, train=False, patterns=patterns,
+                                 xa_block=xa_block, num_blocks=num_blocks)
+  masks = functools.partial(_pattern_masks, xa_refs=xa_refs, slot=slot, qi=qi, kv_tile=tile,
+                            block_q=block_q, block_k=block_k, patterns=patterns,
+                            xa_block=xa_block, num_blocks=num_blocks)
 
   def body(use_fa, use_sa, mixed):
     k = k_ref[...]
     s, causal, window = _scores(q_ref[...], k, qi, tile, scale=scale, block_q=block_q,
                                 block_k=block_k, seq_len=seq_len, streaming=streaming)
+    hi_ok, lo_ok, _ = masks(causal, window, True)
     dp = lax.dot_general(do_ref[...], v_ref[...], _NT, preferred_element_type=jnp.float32)
     r = gate_ref[slot] if mixed else None
-    _, ds = _backward_terms(s, causal, window, dp, stats_ref[...], r, use_fa, use_sa)
+    _, ds = _backward_terms(s, hi_ok, lo_ok, dp, stats_ref[...], r, use_fa, use_sa)
     dq_acc[...] += lax.dot_general(ds.astype(k.dtype), k, _NN,
                                    preferred_element_type=jnp.float32)
 
-  _by_mode(mode, j < n_visit, _streaming_tile(qi, tile, block_q, block_k, streaming), body)
+  lo_tile = _streaming_tile(qi, tile, block_q, block_k, streaming)
+  if patterns[1] == "xa":
+    lo_tile = _kept(xa_refs, slot, qi, tile, block_q=block_q, block_k=block_k,
+                    xa_block=xa_block, num_blocks=num_blocks)
+  _by_mode(mode, j < n_visit, lo_tile, body)
 
   @pl.when(j == kv_steps - 1)
   def _finish():
     dq_ref[...] = (dq_acc[...] * scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, stats_ref, dk_ref, dv_ref,
-                dk_acc, dv_acc, *, scale, block_q, block_k, seq_len, num_kv_heads, groups,
-                num_q_tiles, streaming: Streaming):
+def _dkv_kernel(modes_ref, *refs, scale, block_q, block_k, seq_len, num_kv_heads, groups,
+                num_q_tiles, streaming: Streaming, patterns=("full", "stream"), xa_block=0,
+                num_blocks=0):
+  n_xa = 3 if "xa" in patterns else 0
+  xa_refs = refs[:n_xa]
+  (gate_ref, q_ref, k_ref, v_ref, do_ref, stats_ref, dk_ref, dv_ref, dk_acc,
+   dv_acc) = refs[n_xa:]
   b, kh, ki, step = (pl.program_id(i) for i in range(4))
   slot = b * num_kv_heads + kh
   mode = modes_ref[slot]
@@ -407,22 +457,35 @@ def _dkv_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, stats_ref, dk_
     dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
     dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
-  _, qi, n_work = q_schedule(mode, ki, step, block_q, block_k, num_q_tiles, groups, streaming)
+  # An XA head walks every causal query tile and works on those whose block kept this one.
+  is_xa = _is_xa_head(mode, patterns) if n_xa else False
+  _, qi, n_work = q_schedule(jnp.where(is_xa, MODE_FULL, mode), ki, step, block_q, block_k,
+                             num_q_tiles, groups, streaming)
   _, hi_sparse = q_tile_range(ki, block_q, block_k, num_q_tiles, streaming)
+  masks = functools.partial(_pattern_masks, xa_refs=xa_refs, slot=slot, qi=qi, kv_tile=ki,
+                            block_q=block_q, block_k=block_k, patterns=patterns,
+                            xa_block=xa_block, num_blocks=num_blocks)
 
   def body(use_fa, use_sa, mixed):
     q, do = q_ref[...], do_ref[...]
     s, causal, window = _scores(q, k_ref[...], qi, ki, scale=scale, block_q=block_q,
                                 block_k=block_k, seq_len=seq_len, streaming=streaming)
+    hi_ok, lo_ok, _ = masks(causal, window, True)
     dp = lax.dot_general(do, v_ref[...], _NT, preferred_element_type=jnp.float32)
     r = gate_ref[slot] if mixed else None
-    p, ds = _backward_terms(s, causal, window, dp, stats_ref[...], r, use_fa, use_sa)
+    p, ds = _backward_terms(s, hi_ok, lo_ok, dp, stats_ref[...], r, use_fa, use_sa)
     dv_acc[...] += lax.dot_general(p.astype(do.dtype), do, _TN,
                                    preferred_element_type=jnp.float32)
     dk_acc[...] += lax.dot_general(ds.astype(q.dtype), q, _TN,
                                    preferred_element_type=jnp.float32)
 
-  _by_mode(mode, step < n_work, qi < hi_sparse, body)
+  work, lo_tile = step < n_work, qi < hi_sparse
+  if n_xa:
+    kept = _kept(xa_refs, slot, qi, ki, block_q=block_q, block_k=block_k, xa_block=xa_block,
+                 num_blocks=num_blocks)
+    work = work & (~is_xa | kept)
+    lo_tile = kept if patterns[1] == "xa" else lo_tile
+  _by_mode(mode, work, lo_tile, body)
 
   @pl.when(step == groups * num_q_tiles - 1)
   def _finish():
@@ -430,15 +493,19 @@ def _dkv_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, stats_ref, dk_
     dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("streaming", "block_q", "block_k", "interpret"))
+@functools.partial(jax.jit, static_argnames=("streaming", "block_q", "block_k", "interpret",
+                                             "patterns", "xa_block"))
 def hybrid_backward(residuals, d_out, streaming: Streaming, *, block_q: int = 128,
-                    block_k: int = 128, interpret: bool = False):
-  """(dq, dk, dv, d_gate) from `hybrid_forward_train`'s residuals and dO [B, T, N, D]."""
+                    block_k: int = 128, interpret: bool = False, patterns=("full", "stream"),
+                    xa_keep=None, xa_block: int = 0):
+  """(dq, dk, dv, d_gate) from `hybrid_forward_train`'s residuals and dO [B, T, N, D]; under
+  an XAttention setting (`patterns`, xa_keep [B, K, nb, nb]) XA heads visit their kept
+  blocks."""
   q, k, v, gate_bk, o_fa, o_sa, lse = residuals
   b, t, n, d = q.shape
   kh = k.shape[2]
   groups = n // kh
-  block_q, block_k, tp = _tiles(t, block_q, block_k)
+  block_q, block_k, tp = _tile_sizes(t, block_q, block_k, patterns, xa_block)
   nq, nk = tp // block_q, tp // block_k
   d_fa, d_sa, d_gate = row_deltas(d_out, o_fa, o_sa, gate_bk)
   # Padded query rows have dO = 0 and D = 0, so they add nothing to dK and dV.
@@ -447,22 +514,29 @@ def hybrid_backward(residuals, d_out, streaming: Streaming, *, block_q: int = 12
   qt, kt, vt, d_out_t = _heads_major(tp, q, k, v, d_out.astype(q.dtype))
   gate = gate_bk.astype(jnp.float32).reshape(-1)
   modes = modes_from_gate(gate)
+  num_blocks, prefetch = 0, [modes]
+  if "xa" in patterns:
+    xa_ops, num_blocks = _xa_prefetch(xa_keep, tp, xa_block, b * kh)
+    prefetch += xa_ops
   common = dict(scale=d ** -0.5, block_q=block_q, block_k=block_k, seq_len=t,
-                num_kv_heads=kh, groups=groups, streaming=streaming)
+                num_kv_heads=kh, groups=groups, streaming=streaming, patterns=patterns,
+                xa_block=xa_block, num_blocks=num_blocks)
+  sched = dict(block_q=block_q, block_k=block_k, streaming=streaming, train=False,
+               patterns=patterns, xa_block=xa_block, num_blocks=num_blocks)
   smem = pl.BlockSpec(memory_space=pltpu.SMEM)
   params = dict(compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS),
                 interpret=pltpu.InterpretParams() if interpret else False)
 
-  def kv_map(bi, hi, qi, j, modes_ref):
-    tile, _ = kv_schedule(modes_ref[bi * kh + hi // groups], qi, j, block_q, block_k,
-                          streaming)
+  def kv_map(bi, hi, qi, j, modes_ref, *xa_refs):
+    slot = bi * kh + hi // groups
+    tile, _ = _head_schedule(modes_ref[slot], slot, qi, j, xa_refs, **sched)
     return bi, hi // groups, tile, 0
 
-  q_map = lambda bi, hi, qi, j, m: (bi, hi, qi, 0)
+  q_map = lambda bi, hi, qi, j, *m: (bi, hi, qi, 0)
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, kv_steps=nk, **common),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=1,
+          num_scalar_prefetch=len(prefetch),
           grid=(b, n, nq, nk),
           in_specs=[
               smem,
@@ -471,17 +545,19 @@ def hybrid_backward(residuals, d_out, streaming: Streaming, *, block_q: int = 12
               pl.BlockSpec((None, None, block_k, d), kv_map),
               pl.BlockSpec((None, None, block_q, d), q_map),
               pl.BlockSpec((None, None, 4, block_q, 1),
-                           lambda bi, hi, qi, j, m: (bi, hi, 0, qi, 0)),
+                           lambda bi, hi, qi, j, *m: (bi, hi, 0, qi, 0)),
           ],
           out_specs=pl.BlockSpec((None, None, block_q, d), q_map),
           scratch_shapes=[pltpu.VMEM((block_q, d), jnp.float32)]),
       out_shape=jax.ShapeDtypeStruct((b, n, tp, d), q.dtype),
       name="elastic_hybrid_backward_dq_tpu", **params,
-  )(modes, gate, qt, kt, vt, d_out_t, stats)
+  )(*prefetch, gate, qt, kt, vt, d_out_t, stats)
 
-  def q_side(bi, hi, kj, step, modes_ref):
-    g, qi, _ = q_schedule(modes_ref[bi * kh + hi], kj, step, block_q, block_k, nq, groups,
-                          streaming)
+  def q_side(bi, hi, kj, step, modes_ref, *xa_refs):
+    mode = modes_ref[bi * kh + hi]
+    if xa_refs:   # an XA head walks every causal query tile (its kernel skips the unkept)
+      mode = jnp.where(_is_xa_head(mode, patterns), MODE_FULL, mode)
+    g, qi, _ = q_schedule(mode, kj, step, block_q, block_k, nq, groups, streaming)
     return bi, hi * groups + g, qi
 
   def stats_map_t(*grid_and_modes):
@@ -489,11 +565,11 @@ def hybrid_backward(residuals, d_out, streaming: Streaming, *, block_q: int = 12
     return bi, head, 0, qi, 0
 
   q_map_t = lambda *a: (*q_side(*a), 0)
-  kv_map_t = lambda bi, hi, kj, step, m: (bi, hi, kj, 0)
+  kv_map_t = lambda bi, hi, kj, step, *m: (bi, hi, kj, 0)
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, num_q_tiles=nq, **common),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=1,
+          num_scalar_prefetch=len(prefetch),
           grid=(b, kh, nk, groups * nq),
           in_specs=[
               smem,
@@ -508,7 +584,7 @@ def hybrid_backward(residuals, d_out, streaming: Streaming, *, block_q: int = 12
       out_shape=[jax.ShapeDtypeStruct((b, kh, tp, d), k.dtype),
                  jax.ShapeDtypeStruct((b, kh, tp, d), v.dtype)],
       name="elastic_hybrid_backward_dkv_tpu", **params,
-  )(modes, gate, qt, kt, vt, d_out_t, stats)
+  )(*prefetch, gate, qt, kt, vt, d_out_t, stats)
   return _unpad(dq, t), _unpad(dk, t), _unpad(dv, t), d_gate
 
 
@@ -526,10 +602,40 @@ def fused_hybrid(block_q: int = 128, block_k: int = 128):
           res, d_out, streaming, interpret=interpret, **tiles))
 
 
+@functools.cache
+def fused_xa_hybrid(block_q: int = 128, block_k: int = 128):
+  """`fn(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret)` for the
+  XAttention settings: the inference forward, and under differentiation the training forward
+  (both patterns' outputs of every head) and the dQ / dK-dV kernels, XA heads reading their
+  kept blocks."""
+  tiles = dict(block_q=block_q, block_k=block_k)
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+  def fn(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret):
+    return xa_hybrid_forward(q, k, v, gate_bk, xa_keep, streaming, setting=setting,
+                             xa_block=xa_block, interpret=interpret, **tiles)
+
+  def forward_train(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret):
+    t = q.shape[1]
+    out, o_fa, o_sa, lse = _forward_call(q, k, v, gate_bk, streaming, block_q, block_k,
+                                         interpret, train=True,
+                                         patterns=setting_patterns(setting), xa_keep=xa_keep,
+                                         xa_block=xa_block)
+    return _unpad(out, t), ((q, k, v, gate_bk, _unpad(o_fa, t), _unpad(o_sa, t), lse),
+                            xa_keep)
+
+  def backward(streaming, setting, xa_block, interpret, res, d_out):
+    residuals, xa_keep = res
+    grads = hybrid_backward(residuals, d_out, streaming, interpret=interpret,
+                            patterns=setting_patterns(setting), xa_keep=xa_keep,
+                            xa_block=xa_block, **tiles)
+    return (*grads, None)
+
+  fn.defvjp(forward_train, backward)
+  return fn
+
+
 _hybrid = fused_hybrid()
-_xa_hybrid = xa_with_reference_backward(
-    lambda q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret:
-    xa_hybrid_forward(q, k, v, gate_bk, xa_keep, streaming, setting=setting, xa_block=xa_block,
-                      interpret=interpret))
+_xa_hybrid = fused_xa_hybrid()
 hybrid_attention = functools.partial(kernel_or_reference, _hybrid, xa_kernel=_xa_hybrid,
                                      xa_kernel_applies=xa_kernel_applies)

@@ -247,16 +247,27 @@ def _mass_kernel(q_ref, k_ref, o_ref, *, stride, rows, cols, per_block, real, sc
   jax.lax.fori_loop(0, n_tiles, reduce, None)
 
 
-@functools.partial(jax.jit, static_argnames=("xa", "interpret"))
+@functools.partial(jax.jit, static_argnames=("xa", "interpret", "backend"))
 def block_mass_pallas(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention,
-                      interpret: bool = False) -> jax.Array:
+                      interpret: bool = False, backend: str = "gpu") -> jax.Array:
   """`block_mass` (unpacked rows) as a Pallas kernel: [B, K, nb, nb] float32.
 
   Grid (batch, query head, chunks of stride rows); each program reads its KV head's keys in
   tiles. Rows per program: 16 query blocks (at least 16 rows, so both indicator products have
-  16-row operands); columns per tile likewise 16 key blocks' stride columns."""
+  16-row operands); columns per tile likewise 16 key blocks' stride columns. backend "gpu"
+  (Triton; `interpret=True` on CPU) or "tpu" (Pallas TPU interpret mode only: its strided
+  loads are not laid out for Mosaic, and no TPU is lent to tune them)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plgpu
+  from jax.experimental.pallas import tpu as pltpu
+  if backend not in ("gpu", "tpu") or (backend == "tpu" and not interpret):
+    raise ValueError(f"the scoring kernel runs on backend 'gpu', or 'tpu' in interpret mode; "
+                     f"got {backend!r} with interpret={interpret}")
+  if backend == "gpu":
+    backend_kw = dict(compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=2),
+                      interpret=interpret)
+  else:
+    backend_kw = dict(interpret=pltpu.InterpretParams())
   b, t, n, d = q_btnh.shape
   kh = k_btkh.shape[2]
   g = n // kh
@@ -280,9 +291,8 @@ def block_mass_pallas(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention,
       out_specs=pl.BlockSpec((None, None, rows // per_block, out_blocks),
                              lambda i, h, c: (i, h, c, 0)),
       out_shape=jax.ShapeDtypeStruct((b, n, out_blocks, out_blocks), jnp.float32),
-      compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=2),
-      interpret=interpret,
       name="xattention_block_mass",
+      **backend_kw,
   )(q5, k5)
   causal = jnp.tril(jnp.ones((out_blocks, out_blocks), bool))[None, None]
   mass = jnp.where(causal, mass, 0.0)        # blocks past a chunk's causal end: never written
