@@ -145,8 +145,8 @@ def test_op_routes_to_the_kernel_and_packed_inputs_to_the_reference():
                              np.asarray(ref(q, kk, v, gate, segment_ids=seg)), atol=1e-6)
 
 
-@pytest.mark.parametrize("setting", ["fa-xa", "xa-ssa"])
-@pytest.mark.parametrize("t,g,d,tiles", [(128, 1, 64, (32, 16)), (300, 4, 128, (16, 32))])
+@pytest.mark.parametrize("setting,t,g,d,tiles", [("fa-xa", 128, 1, 64, (32, 16)),
+                                                  ("xa-ssa", 300, 4, 128, (16, 32))])
 def test_xattention_mode_matches_the_reference(setting, t, g, d, tiles):
   """The XA mode: heads read only their kept blocks (a compact list per query block), in one
   launch with full, streaming and mixed heads; gradients (dq, dk, dv, gate) through the fused

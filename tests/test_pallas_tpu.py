@@ -211,14 +211,14 @@ def test_xattention_mode_matches_the_reference(setting):
   from elastic_jax.attention.pallas_tpu import _xa_hybrid
   from elastic_jax.attention.reference import dense_hybrid_attention
   from elastic_jax.attention.xattention import XAttention, select
-  b, t, n, kh, d = 2, 100, 4, 2, 64
+  b, t, n, kh, d = 1, 80, 3, 3, 64            # one row, three KV heads: every mode at once
   keys = jax.random.split(jax.random.key(5), 3)
   q = 3.0 * jax.random.normal(keys[0], (b, t, n, d), jnp.float32)
   k, v = (jax.random.normal(kk, (b, t, kh, d), jnp.float32) for kk in keys[1:])
   st = Streaming(1, 1, 16)
   keep = select(q, k, XAttention(stride=4, block=16, threshold=0.6))
   assert not bool(keep[..., jnp.tril(jnp.ones(keep.shape[-2:], bool))].all())
-  gate = jnp.asarray([[0.0, 1.0], [1.0, 0.25]])
+  gate = jnp.asarray([[0.0, 1.0, 0.25]])
   got = _jit(_xa_hybrid, static_argnums=(5, 6, 7, 8))(q, k, v, gate, keep, st, setting, 16,
                                                       INTERPRET)
   want = dense_hybrid_attention(q, k, v, gate, st, setting=setting, xa_keep=keep, xa_block=16)
