@@ -37,7 +37,8 @@ def _common(p):
   p.add_argument("--out", help="output directory (default runs/eval_<benchmark>)")
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--impl", default="auto", help="attention implementation (default auto)")
-  p.add_argument("--setting", choices=("fa-ssa", "fa-xa", "xa-ssa"),
+  from elastic_jax.attention.reference import SETTINGS
+  p.add_argument("--setting", choices=SETTINGS,
                  help="what full and sparse heads run (default: the routers' setting, else "
                       "fa-ssa); xa = XAttention's content-chosen blocks")
   p.add_argument("--xa-threshold", type=float, help="XAttention's mass threshold (default 0.9)")
@@ -205,8 +206,11 @@ def _check_setting(out: str, setting: dict) -> None:
   from elastic_jax.utils import atomic_write_text
   path = os.path.join(out, "setting.json")
   if os.path.exists(path):
-    with open(path, encoding="utf-8") as f:
-      before = json.load(f)
+    try:
+      with open(path, encoding="utf-8") as f:
+        before = json.load(f)
+    except (OSError, ValueError) as e:
+      raise ElasticJaxError(f"{path} cannot be read ({e}); pass another --out") from None
     if before != setting:
       raise ElasticJaxError(f"{out} holds predictions made with {before}, not {setting}: pass "
                             "another --out")

@@ -29,8 +29,7 @@ def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, gate: jax.Array, 
     setting: "fa-ssa"; "fa-xa" (r = 0 heads attend only XAttention's kept blocks) or "xa-ssa"
       (r = 1 heads do), with xa_keep [B, Hkv, nb, nb] bool the kept blocks of xa_block tokens
       (`elastic_jax.attention.xattention.select`).
-  Differentiable in q, k, v and gate (under the XA settings the kernels' backward is the
-  reference's).
+  Differentiable in q, k, v and gate (the kept blocks are constants).
   """
   if impl not in HYBRID_IMPLS:
     raise ElasticJaxError(f"hybrid attention impl '{impl}' is unknown (known: "

@@ -19,7 +19,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from elastic_jax.attention.reference import SETTINGS, Streaming
+from elastic_jax.attention.reference import SETTINGS, Streaming, setting_patterns
 from elastic_jax.attention.xattention import XAttention
 from elastic_jax.config import ModelConfig
 
@@ -201,14 +201,14 @@ def esr(last_layer_gates_bsk: jax.Array, lengths_bs: jax.Array, streaming: Strea
   pruned fraction of causal keys (0 for an FA head, 1 - kept/causal for an SA head). Under
   the XAttention settings an XA head's kept fraction is that of the blocks it really
   attended, `xa_kept_bsk` (`xattention.kept_fraction`)."""
-  pruned_ssa = (1.0 - streaming_kept_fraction(lengths_bs, streaming))[..., None]
-  pruned_xa = None if xa_kept_bsk is None else 1.0 - xa_kept_bsk
-  if "xa" in setting and pruned_xa is None:
+  hi_pattern, lo_pattern = setting_patterns(setting)
+  if "xa" in (hi_pattern, lo_pattern) and xa_kept_bsk is None:
     raise ValueError(f"the ESR of setting '{setting}' needs the XA heads' kept fractions")
-  hi = pruned_xa if setting.startswith("xa") else 0.0
-  lo = pruned_ssa if setting.endswith("ssa") else pruned_xa
+  pruned = {"full": 0.0,
+            "stream": (1.0 - streaming_kept_fraction(lengths_bs, streaming))[..., None],
+            "xa": None if xa_kept_bsk is None else 1.0 - xa_kept_bsk}
   r = last_layer_gates_bsk
-  return (r * hi + (1.0 - r) * lo).mean(-1)
+  return (r * pruned[hi_pattern] + (1.0 - r) * pruned[lo_pattern]).mean(-1)
 
 
 def streaming_kept_fraction(lengths: jax.Array, streaming: Streaming) -> jax.Array:

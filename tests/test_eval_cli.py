@@ -95,6 +95,12 @@ def test_ruler_under_the_xattention_settings(model_dir):
   assert 0 < report["settings"]["sparse"]["average"]["esr"] < 1
   other = _eval(*base, "--setting", "fa-ssa", "--out", model_dir / "ruler_fa-xa")
   assert other.returncode != 0 and "another --out" in other.stderr
+  broken = model_dir / "ruler_broken"
+  broken.mkdir()
+  (broken / "setting.json").write_text("{not json")
+  bad = _eval(*base, "--setting", "fa-xa", "--out", broken)
+  assert bad.returncode == 2 and "cannot be read" in bad.stderr
+  assert not (broken / "predictions.jsonl").exists()
 
 
 def test_longbench_from_local_files(model_dir):
