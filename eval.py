@@ -1,4 +1,4 @@
-"""python eval.py {ruler,longbench,longbench-v2,ppl} ...
+"""python eval.py {ruler,longbench,longbench-v2,mixture,ppl} ...
 
 Long-context quality, sparsity and speed of a converted model, elastic against full attention
 and fixed baselines, on benchmarks generated or read locally (nothing is downloaded):
@@ -7,6 +7,8 @@ and fixed baselines, on benchmarks generated or read locally (nothing is downloa
       --tasks niah_single_1,niah_multikey_1,vt,cwe [--samples 8] [--out runs/eval_ruler]
   python eval.py longbench --model DIR [--routers R] --data LB_DIR [--datasets a,b] [--e]
   python eval.py longbench-v2 --model DIR [--routers R] --data LB2_DIR
+  python eval.py mixture [--model DIR] [--routers R] [--lengths 384] \\
+      [--heldout-lengths 896] [--samples 8]   # the reproduction's tasks, shipped backbone
   python eval.py ppl --model DIR --text FILE          # next-token loss, full attention
 
 DIR: an HF directory (safetensors) or one `python -m elastic_jax.convert` wrote, with its
@@ -30,12 +32,14 @@ import time
 import numpy as np
 
 
-def _common(p):
-  p.add_argument("--model", required=True, help="model directory (with tokenizer files)")
+def _common(p, model_default=None, dtype_default="bfloat16"):
+  p.add_argument("--model", required=model_default is None, default=model_default,
+                 help="model directory (with tokenizer files)"
+                 + (f"; default {model_default}" if model_default else ""))
   p.add_argument("--routers", help="router export directory (train.py's export/elastic_jax)")
   p.add_argument("--attention", help="comma-separated settings: full,elastic,sparse,static")
   p.add_argument("--out", help="output directory (default runs/eval_<benchmark>)")
-  p.add_argument("--dtype", default="bfloat16")
+  p.add_argument("--dtype", default=dtype_default)
   p.add_argument("--impl", default="auto", help="attention implementation (default auto)")
   from elastic_jax.attention.reference import SETTINGS
   p.add_argument("--setting", choices=SETTINGS,
@@ -57,6 +61,18 @@ def parse_args(argv=None):
   r.add_argument("--tasks", default="niah_single_1,niah_multikey_1,vt,cwe")
   r.add_argument("--samples", type=int, default=4, help="samples per task and length")
   r.add_argument("--seed", type=int, default=0)
+  mx = sub.add_parser("mixture", help="the reproduction's synthetic task mixture "
+                      "(elastic_jax/repro/mixture.py), seen and held-out variants")
+  _common(mx, model_default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                         "elastic_jax", "repro", "backbone"),
+          dtype_default="float32")     # a 2.6M-parameter model: float32 costs nothing
+  mx.add_argument("--lengths", default="384",
+                  help="prompt lengths (tokens) of the seen variant: training templates")
+  mx.add_argument("--heldout-lengths", default="896",
+                  help="prompt lengths of the held-out variant: the held-out template")
+  mx.add_argument("--tasks", default="kv,hop,summary,pattern,fewshot")
+  mx.add_argument("--samples", type=int, default=8, help="samples per task, variant and length")
+  mx.add_argument("--seed", type=int, default=0)
   for name in ("longbench", "longbench-v2"):
     lb = sub.add_parser(name, help=f"{name} from local files")
     _common(lb)
@@ -114,7 +130,10 @@ def _load(args):
 def _settings(args, routers) -> list[str]:
   if args.attention:
     return _csv(args.attention)
-  return ["full", "elastic", "static"] if routers is not None else ["full", "sparse"]
+  if routers is None:
+    return ["full", "sparse"]
+  return ["full", "elastic", "sparse", "static"] if args.command == "mixture" else [
+      "full", "elastic", "static"]
 
 
 def _chat(args):
@@ -158,6 +177,50 @@ def ruler_category(task_at_len: str) -> str:
   task = task_at_len.split("@")[0]
   return ("retrieval (NIAH)" if task.startswith("niah") else
           "multi-hop tracing" if task == "vt" else "aggregation")
+
+
+def mixture_items(args, tokenizer, max_positions: int):
+  """Items of the task mixture: every task at each seen length (training templates, alternating)
+  and held-out length (the held-out template); prompts are <bos> context question."""
+  from elastic_jax.errors import ElasticJaxError
+  from elastic_jax.eval.runner import Item
+  from elastic_jax.repro import mixture
+  vocab = tokenizer.get_vocab()
+  if any(vocab.get(w) != i for i, w in enumerate(mixture.VOCAB)):
+    raise ElasticJaxError(f"{args.model}: its tokenizer is not the task mixture's (the "
+                          "reproduction's backbone, elastic_jax/repro/backbone, has it)")
+  variants = [("seen", mixture.TRAIN_TEMPLATES, [int(x) for x in _csv(args.lengths)]),
+              ("held-out", (mixture.HELDOUT_TEMPLATE,),
+               [int(x) for x in _csv(args.heldout_lengths)])]
+  items, answers = [], {}
+  for t, task in enumerate(_csv(args.tasks)):
+    if task not in mixture.TASKS:
+      raise ElasticJaxError(f"--tasks: '{task}' is unknown (known: {', '.join(mixture.TASKS)})")
+    for v, (variant, templates, lengths) in enumerate(variants):
+      for n in lengths:
+        if not 16 <= n <= max_positions - 64:
+          raise ElasticJaxError(f"length {n}: must lie in [16, {max_positions - 64}] for this "
+                                "model")
+        rng = np.random.default_rng([args.seed, t, v, n])
+        for i in range(args.samples):
+          s = mixture.make_sample(task, rng, n, templates[i % len(templates)])
+          key = f"{task}/{variant}/{n}/{i}"
+          ids = (mixture.BOS, *map(int, s.context), *map(int, s.question))
+          items.append(Item(key, f"{task}@{variant}", ids, len(s.answer) + 1))
+          answers[key] = mixture.decode(s.answer)
+  return items, answers
+
+
+def mixture_score(answers):
+  def score(task, predictions, items):
+    return 100.0 * float(np.mean([p.split() == answers[it.key].split()
+                                  for p, it in zip(predictions, items)]))
+  return score
+
+
+def mixture_category(task_at_variant: str) -> str:
+  from elastic_jax.repro import mixture
+  return mixture.TASK_TYPE[task_at_variant.split("@")[0]]
 
 
 def longbench_items(args, tokenizer, max_positions: int, v2: bool):
@@ -228,6 +291,9 @@ def run_benchmark(args) -> int:
   if args.command == "ruler":
     items, samples = ruler_items(args, tokenizer, max_positions)
     score, category = ruler_score(samples), ruler_category
+  elif args.command == "mixture":
+    items, answers = mixture_items(args, tokenizer, max_positions)
+    score, category = mixture_score(answers), mixture_category
   else:
     v2 = args.command == "longbench-v2"
     items, by_key = longbench_items(args, tokenizer, max_positions, v2)

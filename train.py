@@ -4,7 +4,8 @@ Trains the Attention Routers (and the Lagrange multipliers) of a frozen backbone
 min-max sparsity objective. Everything is in the YAML config (see configs/ and
 elastic_jax/train/run_config.py); dotted overrides change single keys:
 
-  python train.py                                   # configs/tiny.yaml: CPU smoke run
+  python train.py                 # configs/mixture_cpu.yaml: the reproduction, on a CPU
+  python train.py --config configs/tiny.yaml        # a smoke run: random backbone
   python train.py --config configs/qwen3_8b.yaml model.path=/ckpt/Qwen3-8B \\
       data.train_path=data/train.jsonl mesh.fsdp=4 mesh.sequence=2
 
@@ -29,8 +30,8 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--config", default=os.path.join(ROOT, "configs", "tiny.yaml"),
-                 help="YAML run config (default: configs/tiny.yaml)")
+  p.add_argument("--config", default=os.path.join(ROOT, "configs", "mixture_cpu.yaml"),
+                 help="YAML run config (default: configs/mixture_cpu.yaml)")
   p.add_argument("overrides", nargs="*", metavar="section.key=value")
   p.add_argument("--resume", action="store_true",
                  help="require a checkpoint to resume from (checkpoint.resume=require)")

@@ -9,6 +9,9 @@ over layers, apart from the frozen backbone:
      "route_w1": [L, H, 4H], "route_b1": [L, 4H], "route_w2": [L, 4H, H], "route_b2": [L, H],
      "route_w3": [L, H, C], "route_b3": [L, C]}          C = 2 (softmax) or 1 (sigmoid)
 
+A static router (`RouterConfig.static`, the input-independent baseline) has instead one learned
+logit vector per (layer, KV head), {"static_logits": [L, K, C]}, trained by the same objective.
+
 Shape letters: B batch, T tokens, S segment slots, L layers, K KV heads, H head dim.
 """
 
@@ -43,6 +46,8 @@ class RouterConfig:
   xa_threshold: float = 0.9       # XAttention (settings with "xa")
   xa_stride: int = 16
   xa_block: int = 128
+  static: bool = False            # no input dependence: one learned gate per (layer, KV head),
+                                  # the same for every input (a DuoAttention-style baseline)
 
   def __post_init__(self):
     if self.pooling not in POOLINGS:
@@ -75,8 +80,11 @@ class RouterConfig:
 
 
 def init_router_params(cfg: ModelConfig, rcfg: RouterConfig, key: jax.Array) -> dict:
-  """N(0, 0.02) weights and zero biases (a neutral start), float32, stacked over layers."""
+  """N(0, 0.02) weights and zero biases (a neutral start), float32, stacked over layers; a
+  static router's logits start at zero (both choices equally likely)."""
   h, w, l = cfg.head_dim, rcfg.hidden_mult * cfg.head_dim, cfg.num_layers
+  if rcfg.static:
+    return {"static_logits": jnp.zeros((l, cfg.num_kv_heads, rcfg.num_logits), jnp.float32)}
   shapes = {"task_w1": (h, w), "task_w2": (w, h), "route_w1": (h, w), "route_w2": (w, h),
             "route_w3": (h, rcfg.num_logits)}
   keys = jax.random.split(key, len(shapes))
@@ -143,7 +151,10 @@ def _dense(x, w, b):
 
 
 def router_logits(p: dict, pooled_bskh: jax.Array) -> jax.Array:
-  """One layer's router: task MLP then router MLP, shared over heads. -> [B, S, K, C]."""
+  """One layer's router: task MLP then router MLP, shared over heads. -> [B, S, K, C].
+  A static router's logits [K, C] are the same for every input."""
+  if "static_logits" in p:
+    return jnp.broadcast_to(p["static_logits"], pooled_bskh.shape[:2] + p["static_logits"].shape)
   x = _dense(jax.nn.silu(_dense(pooled_bskh, p["task_w1"], p["task_b1"])), p["task_w2"],
              p["task_b2"])
   x = jax.nn.silu(_dense(x, p["route_w1"], p["route_b1"]))

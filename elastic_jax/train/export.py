@@ -5,7 +5,8 @@ ours     `routers.safetensors` (router params stacked over layers, [L, ...], and
          what `load_routers` reads back.
 authors  `routers.safetensors` under the authors' tensor names (SPEC.md section 9), one set per
          layer, PyTorch Linear layout (weight [out, in]), plus `config_extra.json` with the
-         keys their config adds.
+         keys their config adds. Not written for a static router (the authors' layout has no
+         place for its per-head logits).
 Each directory is written whole or not at all.
 """
 
@@ -68,7 +69,7 @@ def export_routers(cfg, mcfg: ModelConfig, trainable: dict[str, Any]) -> dict[st
       with open(os.path.join(tmp, "routers.json"), "w") as f:
         json.dump(meta, f, indent=1)
     paths["ours"] = target
-  if cfg.export.authors:
+  if cfg.export.authors and not rcfg.static:
     target = os.path.join(cfg.export_dir, "authors")
     extra = {"architectures": [f"Paw{'Qwen3' if mcfg.family == 'qwen3' else 'Llama'}ForCausalLM"],
              "toggle_type": "streaming", "sink_size": rcfg.sink_blocks * rcfg.block,

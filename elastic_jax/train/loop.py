@@ -124,6 +124,25 @@ class SyntheticData:
     return f"synthetic-{self.seed}"
 
 
+def mixture_paths(cfg: RunConfig) -> tuple[str, str | None]:
+  """Writes the task mixture's train and eval JSONL under RUN_DIR/data (process 0; the files
+  are deterministic in the config, so a resumed run rewrites the same bytes)."""
+  from elastic_jax.repro import mixture
+  mx = cfg.data.mixture
+  variant = mixture.Variant("train", mx.templates, mx.min_len, mx.max_len)
+  d = os.path.join(cfg.run_dir, "data")
+  train_path, eval_path = os.path.join(d, "train.jsonl"), os.path.join(d, "eval.jsonl")
+  if jax.process_index() == 0:
+    n = mixture.write_jsonl(train_path, variant, mx.per_task, mx.seed)
+    say(f"mixture: {n} training records ({', '.join(mixture.TASKS)}; prompts of "
+        f"{mx.min_len}-{mx.max_len} tokens, templates {list(mx.templates)}) in {train_path}")
+    if mx.eval_per_task:
+      mixture.write_jsonl(eval_path, variant, mx.eval_per_task, mx.seed + 1)
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices("mixture data written")
+  return train_path, (eval_path if mx.eval_per_task else None)
+
+
 def make_data(cfg: RunConfig, vocab: int, path: str | None, *, eval_split: bool = False):
   if path is None:
     return SyntheticData(cfg, vocab, seed_offset=1000 if eval_split else 0)
@@ -258,7 +277,10 @@ def train(cfg: RunConfig) -> dict[str, Any]:
   if cfg.data.seq_len > mcfg.max_position_embeddings:
     say(f"note: data.seq_len {cfg.data.seq_len} exceeds the model's max_position_embeddings "
         f"({mcfg.max_position_embeddings}); RoPE positions extrapolate")
-  data = make_data(cfg, mcfg.vocab_size, cfg.data.train_path)
+  train_path, eval_path = cfg.data.train_path, cfg.data.eval_path
+  if cfg.data.mixture.per_task:
+    train_path, eval_path = mixture_paths(cfg)
+  data = make_data(cfg, mcfg.vocab_size, train_path)
   say(f"backbone {mcfg.family}: {mcfg.num_layers} layers x {mcfg.num_kv_heads} KV heads, "
       f"{cfg.model.dtype}, loaded in {time.perf_counter() - t0:.1f}s; mesh "
       f"{dict(mesh.shape)} over {jax.device_count()} devices, {jax.process_count()} "
@@ -330,9 +352,10 @@ def train(cfg: RunConfig) -> dict[str, Any]:
   summary: dict[str, Any] = {"step": int(state.step), "stopped": stopped, "last": last}
   if stopped:
     return summary
-  eval_batches = cfg.data.synthetic.eval_batches if cfg.data.eval_path is None else 10 ** 9
+  eval_batches = (cfg.data.synthetic.eval_batches if train_path is None
+                  else 0 if eval_path is None else 10 ** 9)
   if eval_batches:
-    eval_data = make_data(cfg, mcfg.vocab_size, cfg.data.eval_path, eval_split=True)
+    eval_data = make_data(cfg, mcfg.vocab_size, eval_path, eval_split=True)
     with jax.set_mesh(mesh):
       summary["eval_msr"] = evaluate_msr(cfg, mcfg, backbone, state.trainable["router"],
                                          eval_data, eval_batches, eval_shardings, rules)

@@ -92,6 +92,28 @@ class SyntheticConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MixtureConfig:
+  """The reproduction's synthetic task mixture (elastic_jax/repro/mixture.py): with per_task > 0
+  and data.train_path null, train.py writes RUN_DIR/data/{train,eval}.jsonl and trains on them
+  (the model's tokenizer must be the mixture's, as the shipped backbone's is)."""
+  per_task: int = 0                  # training samples per task; 0 = not used
+  eval_per_task: int = 8             # held-out samples per task for the final MSR report
+  min_len: int = 256                 # prompt tokens, drawn uniformly in [min_len, max_len]
+  max_len: int = 1024
+  templates: tuple[int, ...] = (0, 1)  # wordings used (2 is the held-out one)
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.per_task < 0 or self.eval_per_task < 0:
+      raise ValueError("mixture per_task and eval_per_task must be >= 0")
+    if not 16 <= self.min_len <= self.max_len:
+      raise ValueError(f"mixture lengths need 16 <= min_len <= max_len, got {self.min_len} "
+                       f"and {self.max_len}")
+    if not self.templates or any(t not in (0, 1, 2) for t in self.templates):
+      raise ValueError(f"mixture templates must be among 0, 1, 2, got {self.templates}")
+
+
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
   """Training and evaluation data, packed into rows of seq_len tokens."""
   train_path: str | None = None      # JSONL of task-tagged samples; null = synthetic batches
@@ -107,8 +129,11 @@ class DataConfig:
   shuffle_seed: int = 0              # order of the samples
   use_chat_template: bool | Literal["auto"] = "auto"  # auto: if the tokenizer has one
   synthetic: SyntheticConfig = dataclasses.field(default_factory=SyntheticConfig)
+  mixture: MixtureConfig = dataclasses.field(default_factory=MixtureConfig)
 
   def __post_init__(self):
+    if self.mixture.per_task and self.train_path is not None:
+      raise ValueError("data.mixture.per_task and data.train_path exclude each other")
     if self.seq_len < 2:
       raise ValueError(f"seq_len must be >= 2, got {self.seq_len}")
     if self.global_batch < 1 or self.max_segments < 2:

@@ -1,0 +1,288 @@
+"""A synthetic long-context task mixture with both regimes of the paper, for a small model.
+
+Every sample is filler text (sentences of plain words) with a task inside it, then a question,
+then a short answer. Five tasks, one per task type of the authors (SPEC.md section 6):
+
+  task     type                 regime     what the answer needs
+  kv       Single QA            sensitive  the value of one key among many facts, anywhere
+  hop      MultiHop QA          sensitive  two chained facts anywhere: "a -> b", "b -> 42"
+  summary  Summarization        robust     the headline (first three words) of the last passage
+  pattern  Code                 robust     the next tokens of a repeating line at the end
+  fewshot  In-Context Learning  robust     a mapping shown by examples in the last passage
+
+The robust tasks put everything the answer needs in the last few dozen tokens (inside a
+streaming head's local window); the sensitive ones place their facts in the first 80% of the
+context, far outside it. Each task has three templates (wordings of facts, markers and
+question): 0 and 1 are the training templates, 2 is held out (the "held-out" variant, which
+also uses longer contexts). The backbone's pretraining sees all three templates, so held-out
+means unseen by the routers, not by the backbone.
+
+Everything is word-level: one word = one token of the shipped tokenizer (`build_tokenizer`),
+so lengths are exact token counts and the generator works on id arrays (fast enough to feed
+pretraining on a GPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from importlib import resources
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from elastic_jax.errors import ElasticJaxError
+
+SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
+PAD, BOS, EOS, UNK = range(4)
+PUNCT = (".", ",", ":", "?", "=", "->", ";")
+NUM_NAMES = 200                  # n0 .. n199: keys, variables, pattern symbols
+NUM_NUMBERS = 200                # 0 .. 199: values
+NUM_FILLER = 300
+TASKS = ("kv", "hop", "summary", "pattern", "fewshot")
+TASK_TYPE = {"kv": "Single QA", "hop": "MultiHop QA", "summary": "Summarization",
+             "pattern": "Code", "fewshot": "In-Context Learning"}
+SENSITIVE = ("kv", "hop")
+TRAIN_TEMPLATES = (0, 1)
+HELDOUT_TEMPLATE = 2
+FACT_ZONE = 0.8                  # sensitive facts lie in the first 80% of the context
+
+# Per task and template: the fact / marker wording and the question. {k} {v} {a} {b} are
+# filled with names and numbers.
+TEMPLATES = {
+    "kv": (("the value of key {k} is {v} .", "what is the value of key {k} ?"),
+           ("key {k} has value {v} .", "which value does key {k} have ?"),
+           ("remember that {k} maps to {v} .", "tell me what {k} maps to .")),
+    "hop": (("{a} is equal to {b} .", "follow {a} to its number ."),
+            ("set {a} = {b} ;", "what number does {a} reach ?"),
+            ("{a} links to {b} .", "which number is {a} linked to in the end ?")),
+    "summary": (("passage :", "summarize the passage :"),
+                ("notes :", "give the short summary :"),
+                ("text :", "in brief :")),
+    "pattern": (("code :", "continue :"),
+                ("def f :", "next tokens :"),
+                ("loop :", "what comes next ?")),
+    "fewshot": (("examples : {k} -> {v} ,", "{k} ->"),
+                ("map : {k} gives {v} ;", "{k} gives"),
+                ("table : {k} is {v} ,", "{k} is")),
+}
+
+
+def _template_words() -> list[str]:
+  words: list[str] = []
+  for per_task in TEMPLATES.values():
+    for pair in per_task:
+      for text in pair:
+        for w in text.replace("{", " {").split():
+          if not w.startswith("{") and w not in PUNCT and w not in words:
+            words.append(w)
+  return words
+
+
+def _filler_words(exclude: set[str]) -> list[str]:
+  text = resources.files("elastic_jax.eval").joinpath("ruler_data/nouns.txt").read_text("utf-8")
+  out = []
+  for line in text.splitlines():
+    w = line.strip()
+    if w and not w.startswith("#") and w.isalpha() and w.islower() and w not in exclude:
+      out.append(w)
+    if len(out) == NUM_FILLER:
+      return out
+  raise ElasticJaxError(f"the word list holds fewer than {NUM_FILLER} filler words")
+
+
+def vocabulary() -> list[str]:
+  """Every token, id order: specials, punctuation, names, numbers, template words, filler."""
+  names = [f"n{i}" for i in range(NUM_NAMES)]
+  numbers = [str(i) for i in range(NUM_NUMBERS)]
+  template = _template_words()
+  head = list(SPECIALS) + list(PUNCT) + names + numbers + template
+  return head + _filler_words(set(head))
+
+
+VOCAB = vocabulary()
+IDS = {w: i for i, w in enumerate(VOCAB)}
+NAME_IDS = np.array([IDS[f"n{i}"] for i in range(NUM_NAMES)], np.int32)
+NUMBER_IDS = np.array([IDS[str(i)] for i in range(NUM_NUMBERS)], np.int32)
+FILLER_IDS = np.array([IDS[w] for w in VOCAB[-NUM_FILLER:]], np.int32)
+DOT = IDS["."]
+
+
+def encode(text: str) -> np.ndarray:
+  """Token ids of whitespace-separated words (no specials); unknown words are an error."""
+  try:
+    return np.array([IDS[w] for w in text.split()], np.int32)
+  except KeyError as e:
+    raise ElasticJaxError(f"word {e.args[0]!r} is not in the mixture's vocabulary") from None
+
+
+def decode(ids: Sequence[int]) -> str:
+  return " ".join(VOCAB[i] for i in ids if i >= len(SPECIALS))
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+  """One task instance as token ids (prompt = context + question; no BOS/EOS)."""
+  task: str
+  template: int
+  context: np.ndarray
+  question: np.ndarray
+  answer: np.ndarray
+  # Further (question, answer) pairs on the same context (pretraining only).
+  extra: tuple[tuple[np.ndarray, np.ndarray], ...] = ()
+
+  @property
+  def task_type(self) -> str:
+    return TASK_TYPE[self.task]
+
+  @property
+  def prompt_len(self) -> int:
+    return len(self.context) + len(self.question)
+
+  def record(self) -> dict[str, str]:
+    """The train.py JSONL record (context, question, answer, task)."""
+    return {"context": decode(self.context), "question": decode(self.question),
+            "answer": decode(self.answer), "task": self.task_type, "name": self.task,
+            "template": self.template}
+
+
+def _fill(t: str, **kw) -> np.ndarray:
+  return encode(t.format(**{k: VOCAB[v] for k, v in kw.items()}))
+
+
+def _filler(rng: np.random.Generator, n: int) -> np.ndarray:
+  """n tokens of filler sentences (about 9 words each, ending with a full stop)."""
+  ids = FILLER_IDS[rng.integers(0, NUM_FILLER, n)]
+  ids[rng.random(n) < 1 / 9] = DOT
+  if n:
+    ids[-1] = DOT
+  return ids
+
+
+def _insert(rng: np.random.Generator, base: np.ndarray, pieces: list[np.ndarray],
+            zone: float) -> np.ndarray:
+  """`pieces` inserted at distinct random sentence starts within the first `zone` of base."""
+  starts = np.flatnonzero(base[:max(1, int(zone * len(base)))] == DOT) + 1
+  starts = np.concatenate([[0], starts])
+  at = np.sort(rng.choice(starts, size=len(pieces), replace=len(starts) < len(pieces)))
+  order = rng.permutation(len(pieces))
+  out, prev = [], 0
+  for pos, i in zip(at, order):
+    out += [base[prev:pos], pieces[i]]
+    prev = pos
+  out.append(base[prev:])
+  return np.concatenate(out)
+
+
+def _distinct(rng: np.random.Generator, pool: np.ndarray, n: int) -> np.ndarray:
+  return pool[rng.choice(len(pool), size=n, replace=False)]
+
+
+def make_sample(task: str, rng: np.random.Generator, length: int, template: int,
+                extra_queries: int = 0) -> Sample:
+  """One sample whose prompt (context + question) has about `length` tokens (exactly, up to
+  the last fact's words). extra_queries: more questions on the same context (kv, hop)."""
+  if task not in TASKS:
+    raise ElasticJaxError(f"task '{task}' is unknown (known: {', '.join(TASKS)})")
+  fact, question = TEMPLATES[task][template]
+  if task in SENSITIVE:
+    n_facts = int(np.clip(length // 96, 2, 40))
+    if task == "kv":
+      keys = _distinct(rng, NAME_IDS, n_facts)
+      vals = NUMBER_IDS[rng.integers(0, NUM_NUMBERS, n_facts)]
+      pieces = [_fill(fact, k=k, v=v) for k, v in zip(keys, vals)]
+      asked = rng.choice(n_facts, size=1 + min(extra_queries, n_facts - 1), replace=False)
+      qa = [(_fill(question, k=keys[i]), vals[i:i + 1]) for i in asked]
+    else:
+      n_chains = max(1, n_facts // 2)
+      names = _distinct(rng, NAME_IDS, 2 * n_chains)
+      vals = NUMBER_IDS[rng.integers(0, NUM_NUMBERS, n_chains)]
+      pieces = []
+      for c in range(n_chains):
+        a, b = names[2 * c], names[2 * c + 1]
+        pieces += [_fill(fact, a=a, b=b), _fill(fact, a=b, b=vals[c])]
+      asked = rng.choice(n_chains, size=1 + min(extra_queries, n_chains - 1), replace=False)
+      qa = [(_fill(question, a=names[2 * c]), np.array([names[2 * c + 1], vals[c]], np.int32))
+            for c in asked]
+    body = sum(len(p) for p in pieces)
+    n_fill = max(8, length - body - len(qa[0][0]))
+    context = _insert(rng, _filler(rng, n_fill), pieces, FACT_ZONE)
+    return Sample(task, template, context, qa[0][0], qa[0][1], tuple(qa[1:]))
+  if task == "summary":   # the passage's headline: its first three words
+    words = FILLER_IDS[rng.integers(0, NUM_FILLER, rng.integers(6, 10))]
+    tail = np.concatenate([encode(fact), words, [DOT]])
+    answer, q = words[:3], encode(question)
+  elif task == "pattern":
+    period = int(rng.integers(2, 5))
+    n = int(rng.integers(8, 13))
+    line = np.resize(_distinct(rng, NAME_IDS, period), n + 3)
+    tail = np.concatenate([encode(fact), line[:n]])
+    answer, q = line[n:], encode(question)
+  else:  # fewshot: "marker : " then the pairs
+    marker, pair = fact.split(" ", 2)[:2], fact.split(" ", 2)[2]
+    n = int(rng.integers(3, 6))
+    keys = _distinct(rng, NAME_IDS, n)
+    vals = NUMBER_IDS[rng.integers(0, NUM_NUMBERS, n)]
+    tail = np.concatenate([encode(" ".join(marker))]
+                          + [_fill(pair, k=k, v=v) for k, v in zip(keys, vals)])
+    i = int(rng.integers(0, n))
+    answer, q = vals[i:i + 1], _fill(question, k=keys[i])
+  n_fill = max(8, length - len(tail) - len(q))
+  context = np.concatenate([_filler(rng, n_fill), tail])
+  return Sample(task, template, context, q, np.asarray(answer, np.int32))
+
+
+# ----------------------------------------------------------------------------------------------
+# Variants and files
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """Which templates and prompt lengths a set of samples uses."""
+  name: str
+  templates: tuple[int, ...]
+  min_len: int
+  max_len: int
+
+  def __post_init__(self):
+    if not 16 <= self.min_len <= self.max_len:
+      raise ElasticJaxError(f"variant '{self.name}': lengths must satisfy 16 <= min_len <= "
+                            f"max_len, got {self.min_len} and {self.max_len}")
+    if not self.templates or any(t not in (0, 1, 2) for t in self.templates):
+      raise ElasticJaxError(f"variant '{self.name}': templates must be among 0, 1, 2")
+
+
+def samples(variant: Variant, n_per_task: int, seed: int,
+            tasks: Sequence[str] = TASKS) -> Iterator[Sample]:
+  """n_per_task samples of each task, interleaved, deterministic in (seed, variant)."""
+  rng = np.random.default_rng([seed, sum(map(ord, variant.name))])
+  for i in range(n_per_task):
+    for task in tasks:
+      length = int(rng.integers(variant.min_len, variant.max_len + 1))
+      template = variant.templates[int(rng.integers(0, len(variant.templates)))]
+      yield make_sample(task, rng, length, template)
+
+
+def write_jsonl(path: str, variant: Variant, n_per_task: int, seed: int,
+                tasks: Sequence[str] = TASKS) -> int:
+  """Writes train.py records; atomic (a temporary file renamed). Returns the record count."""
+  from elastic_jax.utils import atomic_write_text
+  lines = [json.dumps(s.record()) for s in samples(variant, n_per_task, seed, tasks)]
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  atomic_write_text(path, "\n".join(lines) + "\n")
+  return len(lines)
+
+
+def build_tokenizer(directory: str) -> None:
+  """Writes a Hugging Face fast tokenizer (word level, BOS added) for VOCAB into directory."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+  from transformers import PreTrainedTokenizerFast
+  tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tok.post_processor = processors.TemplateProcessing(
+      single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", BOS)])
+  tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+  fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
+                                 pad_token="<pad>", unk_token="<unk>")
+  fast.save_pretrained(directory)

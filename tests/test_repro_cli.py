@@ -1,0 +1,85 @@
+"""The reproduction end to end on the shipped backbone: train.py on the task mixture (a few
+steps), eval.py mixture on a handful of items, the results table; and the local tasks, which
+the shipped backbone answers with full attention and with streaming heads alone."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BACKBONE = os.path.join(ROOT, "elastic_jax", "repro", "backbone")
+
+
+def _run(script, *args):
+  env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  return subprocess.run([sys.executable, *script, *map(str, args)], capture_output=True,
+                        text=True, env=env, timeout=900, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  root = tmp_path_factory.mktemp("repro")
+  proc = _run(["train.py", "--config", "configs/mixture_cpu.yaml"], f"run_dir={root / 'run'}",
+              "train.steps=3", "data.mixture.per_task=4", "data.mixture.eval_per_task=1",
+              "data.seq_len=512", "data.mixture.min_len=128", "data.mixture.max_len=256",
+              "checkpoint.every_steps=0", "log.every_steps=1")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return root
+
+
+def test_train_writes_the_mixture_and_exports_routers(run):
+  lines = open(run / "run" / "data" / "train.jsonl", encoding="utf-8").read().splitlines()
+  assert len(lines) == 20
+  assert {json.loads(x)["template"] for x in lines} <= {0, 1}
+  with open(run / "run" / "eval.json") as f:
+    msr = json.load(f)["msr_task"]
+  assert set(msr) == {"single_qa", "multihop_qa", "summarization", "code", "icl"}
+  meta = json.load(open(run / "run" / "export" / "elastic_jax" / "routers.json"))
+  assert meta["router"]["block"] == 16 and meta["backbone"]["num_kv_heads"] == 4
+
+
+def test_eval_mixture_and_the_results_table(run):
+  out = run / "eval"
+  proc = _run(["eval.py", "mixture"], "--model", BACKBONE, "--routers",
+              run / "run" / "export" / "elastic_jax", "--dtype", "float32", "--impl",
+              "reference", "--attention", "full,elastic,sparse", "--lengths", "384",
+              "--heldout-lengths", "512", "--samples", "3", "--batch-size", "3", "--out", out)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rep = json.load(open(out / "report.json"))
+  full, sparse = rep["settings"]["full"]["tasks"], rep["settings"]["sparse"]["tasks"]
+  assert set(full) == {f"{t}@{v}" for t in ("kv", "hop", "summary", "pattern", "fewshot")
+                       for v in ("seen", "held-out")}
+  # The local tasks' answers lie inside the streaming heads' window: the backbone answers
+  # them with full attention and with streaming heads only.
+  for setting in (full, sparse):
+    local = [setting[f"{t}@{v}"]["score"] for t in ("summary", "pattern")
+             for v in ("seen", "held-out")]
+    assert sum(local) / 4 >= 75.0, local
+  assert all(r["msr"] == 1.0 for r in sparse.values())
+  assert all(r["msr"] == 0.0 for r in full.values())
+  table = run / "table.md"
+  proc = _run(["-m", "elastic_jax.repro.report"], "--run", f"elastic={out}", "--out", table,
+              "--plots", run / "plots")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  text = table.read_text()
+  assert "| Full attention |" in text and "| All heads SSA |" in text and "held-out" in text
+  assert (run / "plots" / "routing_map.png").stat().st_size > 0
+
+
+def test_eval_mixture_refuses_another_tokenizer(tmp_path):
+  from elastic_jax.repro import mixture
+  # A model directory whose tokenizer is a different word list.
+  import shutil
+  shutil.copytree(BACKBONE, tmp_path / "m")
+  vocab = json.load(open(tmp_path / "m" / "tokenizer.json"))
+  words = vocab["model"]["vocab"]
+  a, b = mixture.VOCAB[10], mixture.VOCAB[11]
+  words[a], words[b] = words[b], words[a]
+  json.dump(vocab, open(tmp_path / "m" / "tokenizer.json", "w"))
+  proc = _run(["eval.py", "mixture"], "--model", tmp_path / "m", "--attention", "full",
+              "--samples", "1", "--out", tmp_path / "out")
+  assert proc.returncode == 2 and "not the task mixture's" in proc.stderr
+  assert not (tmp_path / "out" / "report.json").exists()
