@@ -55,9 +55,11 @@ def test_eval_bad_input_exits_2(tmp_path):
 
 
 def test_train_bad_arguments_exit_2(tmp_path):
-  proc = _run("train.py", "train.steps=0", f"run_dir={tmp_path / 'run'}")
+  # The smoke config: the default one (the CPU reproduction) lays its 4 rows out for 1 device.
+  tiny = ("--config", "configs/tiny.yaml")
+  proc = _run("train.py", *tiny, "train.steps=0", f"run_dir={tmp_path / 'run'}")
   assert proc.returncode == 2 and proc.stderr.startswith("error:")
   assert "train" in proc.stderr and "steps" in proc.stderr
-  proc = _run("train.py", f"model.path={tmp_path / 'missing.json'}")
+  proc = _run("train.py", *tiny, f"model.path={tmp_path / 'missing.json'}")
   assert proc.returncode == 2 and "missing.json" in proc.stderr
   assert not (tmp_path / "run").exists()
