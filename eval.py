@@ -185,10 +185,7 @@ def mixture_items(args, tokenizer, max_positions: int):
   from elastic_jax.errors import ElasticJaxError
   from elastic_jax.eval.runner import Item
   from elastic_jax.repro import mixture
-  vocab = tokenizer.get_vocab()
-  if any(vocab.get(w) != i for i, w in enumerate(mixture.VOCAB)):
-    raise ElasticJaxError(f"{args.model}: its tokenizer is not the task mixture's (the "
-                          "reproduction's backbone, elastic_jax/repro/backbone, has it)")
+  mixture.check_tokenizer(tokenizer, args.model)
   variants = [("seen", mixture.TRAIN_TEMPLATES, [int(x) for x in _csv(args.lengths)]),
               ("held-out", (mixture.HELDOUT_TEMPLATE,),
                [int(x) for x in _csv(args.heldout_lengths)])]

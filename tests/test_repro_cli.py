@@ -69,7 +69,7 @@ def test_eval_mixture_and_the_results_table(run):
   assert (run / "plots" / "routing_map.png").stat().st_size > 0
 
 
-def test_eval_mixture_refuses_another_tokenizer(tmp_path):
+def test_mixture_refuses_another_tokenizer(tmp_path):
   from elastic_jax.repro import mixture
   # A model directory whose tokenizer is a different word list.
   import shutil
@@ -83,3 +83,6 @@ def test_eval_mixture_refuses_another_tokenizer(tmp_path):
               "--samples", "1", "--out", tmp_path / "out")
   assert proc.returncode == 2 and "not the task mixture's" in proc.stderr
   assert not (tmp_path / "out" / "report.json").exists()
+  proc = _run(["train.py"], f"data.tokenizer={tmp_path / 'm'}", f"run_dir={tmp_path / 'run'}")
+  assert proc.returncode == 2 and "not the task mixture's" in proc.stderr
+  assert not (tmp_path / "run" / "data" / "train.jsonl").exists()

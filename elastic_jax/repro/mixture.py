@@ -117,6 +117,14 @@ def encode(text: str) -> np.ndarray:
     raise ElasticJaxError(f"word {e.args[0]!r} is not in the mixture's vocabulary") from None
 
 
+def check_tokenizer(tokenizer, where: str) -> None:
+  """Refuses a tokenizer whose ids are not the mixture's (the text would turn into <unk>)."""
+  vocab = tokenizer.get_vocab()
+  if any(vocab.get(w) != i for i, w in enumerate(VOCAB)):
+    raise ElasticJaxError(f"{where}: its tokenizer is not the task mixture's (the "
+                          "reproduction's backbone, elastic_jax/repro/backbone, has it)")
+
+
 def decode(ids: Sequence[int]) -> str:
   return " ".join(VOCAB[i] for i in ids if i >= len(SPECIALS))
 

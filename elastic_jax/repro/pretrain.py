@@ -139,7 +139,6 @@ class Prefetch:
   def __init__(self, make, depth: int = 4):
     self._q: queue.Queue = queue.Queue(depth)
     self._make = make
-    self._step = 0
     threading.Thread(target=self._run, daemon=True).start()
 
   def _run(self):

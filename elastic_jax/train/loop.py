@@ -128,6 +128,10 @@ def mixture_paths(cfg: RunConfig) -> tuple[str, str | None]:
   """Writes the task mixture's train and eval JSONL under RUN_DIR/data (process 0; the files
   are deterministic in the config, so a resumed run rewrites the same bytes)."""
   from elastic_jax.repro import mixture
+  from elastic_jax.train.data import load_tokenizer
+  if cfg.tokenizer_dir is None:
+    raise ElasticJaxError("data.mixture needs a tokenizer: the model's directory or data.tokenizer")
+  mixture.check_tokenizer(load_tokenizer(cfg.tokenizer_dir), cfg.tokenizer_dir)
   mx = cfg.data.mixture
   variant = mixture.Variant("train", mx.templates, mx.min_len, mx.max_len)
   d = os.path.join(cfg.run_dir, "data")
