@@ -60,6 +60,7 @@ import jax.numpy as jnp
 
 from elastic_jax import ops
 from elastic_jax.attention import Streaming
+from elastic_jax.attention import mosaic_gpu
 from elastic_jax.attention.pallas_gpu import Tiles, hybrid_forward, make_hybrid
 from elastic_jax.router import streaming_kept_fraction
 
@@ -87,6 +88,9 @@ class Bench:
   timing: tuple       # (reps, min_reps, seconds) for `timed`
   tiles: tuple        # extra kernel variants, (block_q, block_k, num_stages[, warps]) each
   train_tiles: tuple = ()  # extra training variants: "FWD/DQ/DKV", each BQxBKxS[xWARPS]
+  impl: str = "auto"       # ours: ops.hybrid_attention(impl=...)
+  also: tuple = ()         # other impls timed beside it (forward)
+  mosaic_tiles: tuple = ()  # Mosaic GPU kernel variants, (block_q, block_kv, slots) each
 
   @property
   def window(self) -> int:
@@ -126,8 +130,9 @@ class Bench:
         q, k, v, is_causal=True, implementation="xla" if self.dry_run else "cudnn",
         local_window_size=(self.window - 1, 0) if window else None)
 
-  def ours(self, q, k, v, gate, *, impl: str = "pallas_gpu"):
-    extra = {"interpret": True} if self.dry_run and impl == "pallas_gpu" else {}
+  def ours(self, q, k, v, gate, *, impl: str | None = None):
+    impl = impl or self.impl
+    extra = {"interpret": True} if self.dry_run and impl != "reference" else {}
     return ops.hybrid_attention(q, k, v, gate, sink_blocks=self.st.sink_blocks,
                                 local_blocks=self.st.local_blocks, block=self.st.block,
                                 impl=impl, **extra)
@@ -138,6 +143,22 @@ class Bench:
                                      num_stages=stages, num_warps=warps[0] if warps else None,
                                      interpret=self.dry_run))
 
+  def mosaic(self, tiles):
+    return jax.jit(functools.partial(mosaic_gpu.hybrid_forward_hard, streaming=self.st,
+                                     tiles=mosaic_gpu.MosaicTiles(*tiles),
+                                     interpret=self.dry_run))
+
+  def variants(self) -> dict:
+    """Forward variants timed beside ours: name -> (row key, fn(q, k, v, gate))."""
+    out = {f"ours, {impl}": (f"ours_{impl}", jax.jit(functools.partial(self.ours, impl=impl)))
+           for impl in self.also}
+    out.update({f"ours, tiles {'x'.join(map(str, tl))}": (f"ours[{'x'.join(map(str, tl))}]",
+                                                           self.tiled(tl))
+                for tl in self.tiles})
+    out.update({f"ours, mosaic {'x'.join(map(str, tl))}":
+                (f"ours_mosaic[{'x'.join(map(str, tl))}]", self.mosaic(tl))
+                for tl in self.mosaic_tiles})
+    return out
 
   def trained(self, spec: str):
     """q, k, v, gate -> out through `make_hybrid` with the tiles of a --train-tiles spec."""
@@ -274,7 +295,7 @@ def rel_err(got, want) -> float:
 def check(b: Bench, t: int, streams, grad_streams: int):
   """Ours against the float32 reference at length t, and the pair counts (see the docstring).
 
-  Returns (results, the --tiles variants that run here).
+  Returns (results, the names of the variants that run here).
   """
   out = {"T": t}
   if t <= PAIR_COUNT_MAX:
@@ -292,8 +313,7 @@ def check(b: Bench, t: int, streams, grad_streams: int):
   up = [x.astype(jnp.float32) for x in (q, k, v)]
   ref = jax.jit(functools.partial(b.ours, impl="reference"))
   ours = {"ours": jax.jit(b.ours)}
-  spec = lambda tl: f"ours[{'x'.join(map(str, tl))}]"
-  ours.update({spec(tl): b.tiled(tl) for tl in b.tiles})
+  ours.update({name: fn for name, (_, fn) in b.variants().items()})
   mixed = jnp.asarray([[(1.0, 0.0, 0.5, 0.0, 1.0, 0.0, 0.2, 0.0)[i % 8]
                         for i in range(b.kh)]], jnp.float32)
   gates = [(f"msr {s / b.kh:g}", b.gate(s)) for s in streams] + [("mixed gates", mixed)]
@@ -301,6 +321,8 @@ def check(b: Bench, t: int, streams, grad_streams: int):
   for label, gate in gates:
     want = ref(*up, gate)
     for name, fn in list(ours.items()):
+      if gate is mixed and ", mosaic " in name:  # the raw Mosaic kernel takes hard gates only
+        continue
       try:
         err = rel_err(fn(q, k, v, gate), want)
       except Exception as e:
@@ -308,7 +330,7 @@ def check(b: Bench, t: int, streams, grad_streams: int):
           err = float("inf")
           out["error"] = short(e)
           log(f"check T={t} forward {label} ours: failed, {out['error']}")
-        else:  # a --tiles variant over the shared-memory limit, say
+        else:  # a variant over the shared-memory limit, say
           log(f"check T={t} {name} does not run here, dropped: {short(e)}")
           del ours[name]
           continue
@@ -326,7 +348,7 @@ def check(b: Bench, t: int, streams, grad_streams: int):
   except Exception as e:
     out["grad"] = {"error": short(e)}
     log(f"check T={t} gradients: failed, {out['grad']['error']}")
-  return out, tuple(tl for tl in b.tiles if spec(tl) in ours)
+  return out, tuple(ours)
 
 
 def forward_rows(b: Bench, t: int, streams, flex: Flex) -> list[Row]:
@@ -339,13 +361,11 @@ def forward_rows(b: Bench, t: int, streams, flex: Flex) -> list[Row]:
                          4 * b.d * b.n * window),
                   label, jax.jit(functools.partial(b.cudnn, window=True)), q, k, v)]
   ours = jax.jit(b.ours)
-  tiled = {"x".join(map(str, tl)): b.tiled(tl) for tl in b.tiles}
   for s in streams:
     work, gate = b.hybrid_work(t, s), b.gate(s)
     rows.append(measure(b, Row("ours", "ours", s, work), label, ours, q, k, v, gate))
-    for spec, fn in tiled.items():
-      rows.append(measure(b, Row(f"ours, tiles {spec}", f"ours[{spec}]", s, work), label, fn,
-                          q, k, v, gate))
+    for name, (key, fn) in b.variants().items():
+      rows.append(measure(b, Row(name, key, s, work), label, fn, q, k, v, gate))
     rows.append(flex.row("forward", t, s, work))
     rec = flex.results.get(("forward", t, s), {})
     if "pairs" in rec:
@@ -485,6 +505,12 @@ def parse_args(argv=None):
   p.add_argument("--tiles", nargs="+", default=[], metavar="BQxBKxS[xW]",
                  help="also time the raw kernel (hybrid_forward) with these tiles, e.g. "
                       "128x64x3: block_q x block_k x num_stages [x num_warps]")
+  p.add_argument("--impl", default="auto",
+                 help="ours: ops.hybrid_attention(impl=...) (auto, pallas_gpu, mosaic_gpu)")
+  p.add_argument("--also", nargs="+", default=[], metavar="IMPL",
+                 help="also time the forward of these impls, e.g. pallas_gpu")
+  p.add_argument("--mosaic-tiles", nargs="+", default=[], metavar="BQxBKVxSLOTS",
+                 help="also time the Mosaic GPU kernel alone with these tiles, e.g. 64x128x2")
   p.add_argument("--train-tiles", nargs="+", default=[], metavar="FWD/DQ/DKV",
                  help="also time training with these tiles of the training forward, dQ and "
                       "dK/dV kernels, each BQxBKxSTAGES[xWARPS], e.g. 128x64x3/64x64x2/64x64x2")
@@ -517,6 +543,11 @@ def parse_args(argv=None):
     if len(parts) not in (3, 4) or not all(x.isdigit() and int(x) > 0 for x in parts):
       p.error(f"--tiles {spec}: expected BQxBKxSTAGES[xWARPS], e.g. 128x64x3")
   args.tiles = [tuple(int(x) for x in spec.split("x")) for spec in args.tiles]
+  for spec in args.mosaic_tiles:
+    parts = spec.split("x")
+    if len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts):
+      p.error(f"--mosaic-tiles {spec}: expected BQxBKVxSLOTS, e.g. 64x128x2")
+  args.mosaic_tiles = [tuple(int(x) for x in spec.split("x")) for spec in args.mosaic_tiles]
   for spec in args.train_tiles:
     parts = [x.split("x") for x in spec.split("/")]
     if len(parts) != 3 or not all(len(x) in (3, 4) and all(y.isdigit() and int(y) > 0
@@ -534,7 +565,7 @@ def main(argv=None):
   b = Bench(*args.heads, args.head_dim,
             Streaming(args.sink_blocks, args.local_blocks, args.block), args.dry_run,
             (args.reps, min(MIN_REPS, args.reps), args.seconds), tuple(args.tiles),
-            tuple(args.train_tiles))
+            tuple(args.train_tiles), args.impl, tuple(args.also), tuple(args.mosaic_tiles))
   streams = sorted({round(m * b.kh) for m in args.msr} | {0, b.kh})
   train_streams = list(dict.fromkeys(round(m * b.kh) for m in args.train_msr))
   meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -563,8 +594,11 @@ def main(argv=None):
         + ("; DRY RUN on CPU: times mean nothing" if args.dry_run else ""))
 
   t_check = min(args.lengths + ([] if args.skip_train else args.train_lengths))
-  report["check"], tiles = check(b, t_check, streams, train_streams[0])
-  b = dataclasses.replace(b, tiles=tiles)
+  report["check"], working = check(b, t_check, streams, train_streams[0])
+  runs = lambda what, tl: f"ours, {what} {'x'.join(map(str, tl))}" in working
+  b = dataclasses.replace(b, tiles=tuple(tl for tl in b.tiles if runs("tiles", tl)),
+                          mosaic_tiles=tuple(tl for tl in b.mosaic_tiles if runs("mosaic", tl)),
+                          also=tuple(i for i in b.also if f"ours, {i}" in working))
   worst = max(report["check"]["forward"].values())
   if worst > FWD_ERR_MAX:
     log(f"ABORT: forward rel err {worst:.2e} > {FWD_ERR_MAX:g}; nothing timed")

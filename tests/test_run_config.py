@@ -132,8 +132,8 @@ def test_wrong_override_values():
   fails(r"tiny\.yaml \(with override 'router\.pooling=max'\): section 'router': router "
         r"pooling 'max' is unknown", TINY, ["router.pooling=max"])
   fails(r"^override 'model\.attn_impl=flash': key 'model\.attn_impl' should be one of "
-        r"'auto', 'reference', 'dense', 'pallas_gpu', 'pallas_tpu', got 'flash'$", TINY,
-        ["model.attn_impl=flash"])
+        r"'auto', 'reference', 'dense', 'pallas_gpu', 'mosaic_gpu', 'pallas_tpu', "
+        r"got 'flash'$", TINY, ["model.attn_impl=flash"])
   fails(r"override 'train\.steps': expected section\.key=value", TINY, ["train.steps"])
   fails(r"override 'train\.lr=\[1': the value is not valid YAML", TINY, ["train.lr=[1"])
   fails(r"override 'seed\.x=1': 'seed' is not a section", TINY, ["seed=1", "seed.x=1"])

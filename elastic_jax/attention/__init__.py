@@ -9,8 +9,11 @@ Implementations:
   reference  chunked online-softmax in plain jnp; memory-safe at long T (the spec).
   dense      the textbook [T, T] softmax (causal only); short inputs and tests.
   pallas_gpu the fused hybrid kernel for GPUs (hybrid only; Pallas Triton backend).
+  mosaic_gpu pallas_gpu with a Hopper inference forward in Pallas Mosaic GPU (wgmma, TMA)
+             for hard gates and the shapes it takes (`mosaic_gpu.applies`).
   pallas_tpu the fused hybrid kernel for TPUs (hybrid only; Pallas Mosaic TPU).
-  auto       hybrid: pallas_gpu on a GPU, pallas_tpu on a TPU, the reference elsewhere;
+  auto       hybrid: mosaic_gpu on a Hopper GPU, pallas_gpu on other GPUs, pallas_tpu on a
+             TPU, the reference elsewhere;
              causal: cuDNN on a GPU (bf16/fp16, unpacked), the reference elsewhere.
 Both kernels run on CPU with `interpret=True` and have fused backward passes; packed segments
 fall back to the reference.
@@ -21,13 +24,20 @@ from elastic_jax.attention.reference import (Streaming, causal_attention,
 import jax
 import jax.numpy as jnp
 
-from elastic_jax.attention import pallas_gpu, pallas_tpu
+from elastic_jax.attention import mosaic_gpu, pallas_gpu, pallas_tpu
 from elastic_jax.errors import ElasticJaxError
 
 
+def _hopper() -> bool:
+  """Whether the default device is an NVIDIA GPU with wgmma (compute capability 9.x)."""
+  return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+
+
 def _auto_hybrid(*args, **kwargs):
-  """The fused kernel for the backend this runs on; the reference on CPU."""
-  impl = {"gpu": pallas_gpu.hybrid_attention, "tpu": pallas_tpu.hybrid_attention}.get(
+  """The fused kernel for the backend this runs on (Mosaic GPU's forward on Hopper); the
+  reference on CPU."""
+  gpu = mosaic_gpu.hybrid_attention if _hopper() else pallas_gpu.hybrid_attention
+  impl = {"gpu": gpu, "tpu": pallas_tpu.hybrid_attention}.get(
       jax.default_backend(), hybrid_attention)
   if impl is hybrid_attention:
     kwargs.pop("interpret", None)
@@ -42,9 +52,13 @@ def _auto_causal(q, k, v, segment_ids=None):
   return causal_attention(q, k, v, segment_ids)
 
 
+# The hybrid kernels' names also name a causal implementation (auto's), so that a model run
+# with impl="pallas_gpu" routes its heads through that kernel and its full layers as auto.
 IMPLS = {"reference": causal_attention, "dense": dense_causal_attention,
-         "auto": _auto_causal}
+         "auto": _auto_causal, "pallas_gpu": _auto_causal, "mosaic_gpu": _auto_causal,
+         "pallas_tpu": _auto_causal}
 HYBRID_IMPLS = {"reference": hybrid_attention, "pallas_gpu": pallas_gpu.hybrid_attention,
+                "mosaic_gpu": mosaic_gpu.hybrid_attention,
                 "pallas_tpu": pallas_tpu.hybrid_attention, "auto": _auto_hybrid}
 
 

@@ -616,6 +616,14 @@ def make_hybrid(forward_tiles: Tiles = FORWARD_TILES,
                 train_forward_tiles: Tiles = TRAIN_FORWARD_TILES, dq_tiles: Tiles = DQ_TILES,
                 dkv_tiles: Tiles = DKV_TILES):
   """The differentiable kernel `fn(q, k, v, gate_bk, streaming, interpret)` with these tiles."""
+  return with_fused_backward(*hybrid_parts(forward_tiles, train_forward_tiles, dq_tiles,
+                                           dkv_tiles))
+
+
+def hybrid_parts(forward_tiles: Tiles = FORWARD_TILES,
+                 train_forward_tiles: Tiles = TRAIN_FORWARD_TILES, dq_tiles: Tiles = DQ_TILES,
+                 dkv_tiles: Tiles = DKV_TILES):
+  """(forward, forward_train, backward) as `common.with_fused_backward` takes them."""
 
   def fit_all(t):
     all_tiles = [x.fit(t) for x in (train_forward_tiles, dq_tiles, dkv_tiles)]
@@ -641,7 +649,7 @@ def make_hybrid(forward_tiles: Tiles = FORWARD_TILES,
     (_, dq_t, dkv_t), _ = fit_all(d_out.shape[1])
     return _backward_call(res, d_out, streaming, interpret, dq_t, dkv_t)
 
-  return with_fused_backward(forward, forward_train, backward)
+  return forward, forward_train, backward
 
 
 hybrid_attention = functools.partial(kernel_or_reference, make_hybrid(),

@@ -39,7 +39,7 @@ CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "configs")
 
 # Must match the keys of `elastic_jax.attention.IMPLS | HYBRID_IMPLS` (a test checks).
-AttnImpl = Literal["auto", "reference", "dense", "pallas_gpu", "pallas_tpu"]
+AttnImpl = Literal["auto", "reference", "dense", "pallas_gpu", "mosaic_gpu", "pallas_tpu"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,107 @@
+"""The Mosaic GPU inference forward against the reference: GPU interpret mode on CPU, native on
+a GPU. Interpret mode runs everything but the two places the interpreter lacks (a register
+operand for wgmma and run_state: there P goes through shared memory), so the schedule, the
+pipeline's barriers, the masks and the softmax are the native code's.
+
+Tolerances against the float32 reference: max |diff| <= 3e-2 for bfloat16 inputs, 5e-3 for
+float16 (both kernels round P to the input type before the PV product).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from elastic_jax import ops
+from elastic_jax.attention import Streaming, mosaic_gpu
+from elastic_jax.attention.common import MODE_FULL, MODE_SPARSE
+from elastic_jax.attention.reference import dense_hybrid_attention
+
+INTERPRET = jax.default_backend() != "gpu"
+TOL = {jnp.bfloat16: 3e-2, jnp.float16: 5e-3}
+
+
+def _inputs(b, t, n, k, d, dtype, seed=0):
+  keys = jax.random.split(jax.random.key(seed), 3)
+  return tuple(jax.random.normal(kk, (b, t, h, d), jnp.float32).astype(dtype)
+               for kk, h in zip(keys, (n, k, k)))
+
+
+@pytest.mark.parametrize("rows,block_kv", [(64, 128), (128, 128), (64, 64)])
+@pytest.mark.parametrize("st", [Streaming(1, 1, 128), Streaming(2, 3, 128), Streaming(1, 2, 256)])
+def test_walk_visits_exactly_the_needed_tiles_and_masks_only_the_last(rows, block_kv, st):
+  """For every program and mode: the steps read distinct, increasing KV tiles, which are exactly
+  the tiles holding a key some row may see (token-level mask), and every tile that holds a key
+  after the program's first row comes after every tile that does not (only the last steps are
+  masked)."""
+  t = 1536
+  pos = np.arange(t)
+  for q_start in range(0, t, rows):
+    r = pos[q_start:q_start + rows]
+    causal = pos[None] <= r[:, None]
+    window = ((pos[None] // st.block < st.sink_blocks)
+              | (r[:, None] // st.block - pos[None] // st.block < st.local_blocks))
+    for mode, ok in ((MODE_FULL, causal), (MODE_SPARSE, causal & window)):
+      steps, sink_end, second = (int(x) for x in mosaic_gpu.walk(q_start, rows, mode, st,
+                                                                   block_kv))
+      tiles = [s if s < sink_end else second + s - sink_end for s in range(steps)]
+      needed = sorted({int(j) // block_kv for j in np.nonzero(ok.any(0))[0]})
+      assert tiles == needed, (q_start, mode)
+      later = [tile for tile in tiles if (tile + 1) * block_kv - 1 > q_start]
+      assert tiles[len(tiles) - len(later):] == later, (q_start, mode)
+
+
+@pytest.mark.parametrize("b,t,n,k,d,gates,st,dtype", [
+    (1, 512, 4, 2, 64, [[0.0, 1.0]], Streaming(1, 1, 128), jnp.bfloat16),  # G = 2: head pairs
+    (1, 300, 2, 2, 128, [[1.0, 0.0]], Streaming(1, 1, 128), jnp.bfloat16),  # G = 1, padded T
+    (2, 384, 4, 1, 64, [[0.0], [1.0]], Streaming(1, 1, 128), jnp.float16),  # G = 4, batches
+])
+def test_forward_matches_reference(b, t, n, k, d, gates, st, dtype):
+  q, kk, v = _inputs(b, t, n, k, d, dtype)
+  gate = jnp.asarray(gates, jnp.float32)
+  want = dense_hybrid_attention(*(x.astype(jnp.float32) for x in (q, kk, v)), gate, st)
+  got = mosaic_gpu.hybrid_forward_hard(q, kk, v, gate, st, interpret=INTERPRET)
+  assert got.shape == q.shape and got.dtype == dtype
+  err = float(jnp.abs(got.astype(jnp.float32) - want).max())
+  assert err <= TOL[dtype], err
+  # The case can tell the modes apart: swapping them moves the output far beyond the tolerance.
+  swapped = dense_hybrid_attention(*(x.astype(jnp.float32) for x in (q, kk, v)), 1.0 - gate, st)
+  assert float(jnp.abs(got.astype(jnp.float32) - swapped).max()) > 10 * TOL[dtype]
+
+
+def test_op_takes_fractional_gates_and_gradients_through_the_triton_kernels():
+  """impl="mosaic_gpu": a fractional gate runs the Triton forward (chosen at run time), and
+  gradients (the Triton training kernels) match the reference's."""
+  st = dict(sink_blocks=1, local_blocks=1, block=128)
+  q, k, v = _inputs(1, 384, 4, 2, 64, jnp.bfloat16, seed=1)
+  gate = jnp.asarray([[0.5, 0.0]], jnp.float32)
+  run = lambda impl, *x: ops.hybrid_attention(*x, **st, impl=impl,
+                                              **({} if impl == "reference" else
+                                                 {"interpret": INTERPRET}))
+  up = [x.astype(jnp.float32) for x in (q, k, v)]
+  got = run("mosaic_gpu", q, k, v, gate)
+  err = float(jnp.abs(got.astype(jnp.float32) - run("reference", *up, gate)).max())
+  assert err <= TOL[jnp.bfloat16], err
+
+  def loss(impl, q, k, v, g):
+    return jnp.sum(run(impl, q, k, v, g).astype(jnp.float32) ** 2)
+
+  grads = jax.grad(lambda *x: loss("mosaic_gpu", *x), argnums=(0, 1, 2, 3))(q, k, v, gate)
+  want = jax.grad(lambda *x: loss("reference", *x), argnums=(0, 1, 2, 3))(*up, gate)
+  for g, w in zip(grads, want):
+    scale = max(1.0, float(jnp.abs(w).max()))
+    assert float(jnp.abs(g.astype(jnp.float32) - w).max()) <= 2e-2 * scale
+
+
+def test_applies_only_where_its_layout_holds():
+  st = Streaming(1, 16, 128)
+  assert mosaic_gpu.applies((1, 1000, 32, 128), (1, 1000, 8, 128), jnp.bfloat16, st)
+  assert mosaic_gpu.applies((1, 1000, 8, 64), (1, 1000, 8, 64), jnp.float16, st)
+  assert not mosaic_gpu.applies((1, 1000, 32, 128), (1, 1000, 8, 128), jnp.float32, st)
+  assert not mosaic_gpu.applies((1, 1000, 32, 96), (1, 1000, 8, 96), jnp.bfloat16, st)
+  assert not mosaic_gpu.applies((1, 1000, 24, 128), (1, 1000, 8, 128), jnp.bfloat16, st)  # G=3
+  assert not mosaic_gpu.applies((1, 1000, 32, 128), (1, 1000, 8, 128), jnp.bfloat16,
+                                Streaming(1, 16, 64))
+  with pytest.raises(ValueError, match="does not take"):
+    mosaic_gpu.hybrid_forward_hard(*_inputs(1, 128, 2, 2, 32, jnp.bfloat16),
+                                   jnp.ones((1, 2)), st, interpret=True)
