@@ -21,11 +21,12 @@ last ones) to SSA and the others to full causal attention. In order:
    with the reason.
 3. Forward at --lengths: cuDNN causal (`jax.nn.dot_product_attention(implementation="cudnn",
    is_causal=True)`); cuDNN sliding window of sink + local tokens (no sink: the window-only
-   cost of an all-streaming model); ours (`ops.hybrid_attention(impl="pallas_gpu")`) at each
-   MSR and at 0 and 1; Flex hybrid; the ideal composition min(cuDNN causal, ours MSR 0) *
-   (1 - MSR) + min(cuDNN window, ours MSR 1) * MSR.
+   cost of an all-streaming model); ours (`ops.hybrid_attention(impl=--impl)`, auto: on a
+   Hopper GPU the Mosaic GPU forward) at each MSR and at 0 and 1, and any --also impls and
+   --tiles / --mosaic-tiles kernel variants beside it; Flex hybrid; the ideal composition
+   min(cuDNN causal, ours MSR 0) * (1 - MSR) + min(cuDNN window, ours MSR 1) * MSR.
 4. Training at --train-lengths: gradients of sum(out * cot) w.r.t. q, k, v (and the gate for
-   ours, `jax.grad` through `ops.hybrid_attention(impl="pallas_gpu")`) for cuDNN causal, cuDNN
+   ours, `jax.grad` through `ops.hybrid_attention(impl=--impl)`) for cuDNN causal, cuDNN
    window, ours at each --train-msr and with every gate at 0.5 (all heads mixed, as under a
    relaxed router), and Flex hybrid.
 Then a table per length (printed as each finishes), where the kernel issue's targets stand,
