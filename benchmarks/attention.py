@@ -60,8 +60,7 @@ import jax
 import jax.numpy as jnp
 
 from elastic_jax import ops
-from elastic_jax.attention import Streaming
-from elastic_jax.attention import mosaic_gpu
+from elastic_jax.attention import HYBRID_IMPLS, Streaming, mosaic_gpu
 from elastic_jax.attention.pallas_gpu import Tiles, hybrid_forward, make_hybrid
 from elastic_jax.router import streaming_kept_fraction
 
@@ -362,10 +361,11 @@ def forward_rows(b: Bench, t: int, streams, flex: Flex) -> list[Row]:
                          4 * b.d * b.n * window),
                   label, jax.jit(functools.partial(b.cudnn, window=True)), q, k, v)]
   ours = jax.jit(b.ours)
+  variants = b.variants()  # jitted once per length: each compiles once, not once per MSR
   for s in streams:
     work, gate = b.hybrid_work(t, s), b.gate(s)
     rows.append(measure(b, Row("ours", "ours", s, work), label, ours, q, k, v, gate))
-    for name, (key, fn) in b.variants().items():
+    for name, (key, fn) in variants.items():
       rows.append(measure(b, Row(name, key, s, work), label, fn, q, k, v, gate))
     rows.append(flex.row("forward", t, s, work))
     rec = flex.results.get(("forward", t, s), {})
@@ -544,6 +544,9 @@ def parse_args(argv=None):
     if len(parts) not in (3, 4) or not all(x.isdigit() and int(x) > 0 for x in parts):
       p.error(f"--tiles {spec}: expected BQxBKxSTAGES[xWARPS], e.g. 128x64x3")
   args.tiles = [tuple(int(x) for x in spec.split("x")) for spec in args.tiles]
+  for impl in [args.impl, *args.also]:
+    if impl not in HYBRID_IMPLS:
+      p.error(f"--impl/--also {impl}: unknown (known: {', '.join(sorted(HYBRID_IMPLS))})")
   for spec in args.mosaic_tiles:
     parts = spec.split("x")
     if len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts):

@@ -4,10 +4,9 @@
         [--devices 8] [--mesh data=1,fsdp=-1,sequence=2,tensor=1] [--seq-len 65536]
         [--micro-batch 4] [--compile] [--json plan.json] [--dry-run] [section.key=value ...]
 
-The mesh, the batch layout and the shardings are built exactly as train.py builds them
-(elastic_jax/train/loop.py: `resolve_mesh_shape`, `check_batch_layout`, `sharding.make_mesh`,
-`sharding.rules_for`, `sharding.param_shardings` on `model.abstract_params`, the replicated
-train state of `init_train_state`, `batch_sharding`), but on abstract arrays: nothing is
+The mesh, the batch layout and the shardings are built by the functions train.py builds them
+with (elastic_jax/train/loop.py: `mesh_layout`, `backbone_shardings`, `abstract_train_state`,
+`batch_sharding`, `BATCH_DTYPES`), but on abstract arrays: nothing is
 allocated, so an 8B backbone's plan for 8 GPUs is made on a laptop. The backbone has the
 published shapes of --model (train_router.py's SHAPES; the config's model.path is not read);
 everything else comes from --config and its dotted overrides.
@@ -232,14 +231,9 @@ def describe_split(axes, spec, shape, rules, mesh) -> str:
 def plan(args, say: Callable[[str], None] = print) -> dict[str, Any]:
   """Builds the memory plan that `args` (parse_args) asks for; prints it through `say`."""
   import jax
-  from jax.sharding import NamedSharding, PartitionSpec
-
-  from elastic_jax import sharding
   from elastic_jax.errors import ElasticJaxError
-  from elastic_jax.model import abstract_params
-  from elastic_jax.train.loop import batch_sharding
-  from elastic_jax.train.run_config import check_batch_layout, resolve_mesh_shape
-  from elastic_jax.train.step import init_train_state
+  from elastic_jax.train.loop import (BATCH_DTYPES, abstract_train_state, backbone_shardings,
+                                      batch_sharding, mesh_layout)
 
   cfg, overrides = load_config(args)
   devices = jax.devices()
@@ -250,37 +244,20 @@ def plan(args, say: Callable[[str], None] = print) -> dict[str, Any]:
     devices = devices[:args.devices]
   mcfg = model_config(args.model, args.dry_run)
 
-  # The mesh, as loop.train() builds it.
-  mesh_shape = resolve_mesh_shape(cfg.mesh, len(devices))
-  check_batch_layout(cfg, mesh_shape)
-  mesh = sharding.make_mesh(mesh_shape, devices)
-  rules = sharding.rules_for(mesh)
+  # The mesh, the backbone's placement and the train state, by loop.py's own functions.
+  mesh_shape, mesh, rules, micro = mesh_layout(cfg, devices)
   d = cfg.data
-  micro = (d.global_batch // d.micro_batch
-           if d.micro_batch and d.micro_batch < d.global_batch else None)
-
-  # The backbone, as loop.load_backbone() places it (random_init path).
-  shapes, axes = abstract_params(mcfg, cfg.model.dtype)
-  p_shard = sharding.param_shardings(axes, mesh, shapes)
+  shapes, axes, p_shard = backbone_shardings(mcfg, cfg.model.dtype, mesh)
   backbone = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                           shapes, p_shard)
-
-  # The train state: replicated, as in loop.train().
-  replicated = NamedSharding(mesh, PartitionSpec())
-  state = jax.eval_shape(lambda key: init_train_state(mcfg, cfg.router, cfg.train, key),
-                         jax.random.key(0))
-  state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
-                       state)
+  state = abstract_train_state(cfg, mcfg, mesh)
 
   # One step's batch, as loop.to_global() hands it to train_step.
   b_shard = batch_sharding(mesh, micro is not None)
   lead = (micro, d.global_batch // micro) if micro else (d.global_batch,)
-  kinds = {"input_ids": "int32", "targets": "int32", "loss_mask": "bool",
-           "segment_ids": "int32", "positions": "int32", "prompt_mask": "bool"}
-  batch = {k: jax.ShapeDtypeStruct((*lead, d.seq_len), dt, sharding=b_shard[k])
-           for k, dt in kinds.items()}
-  batch["task_ids"] = jax.ShapeDtypeStruct((*lead, d.max_segments), "int32",
-                                           sharding=b_shard["task_ids"])
+  batch = {k: jax.ShapeDtypeStruct(
+      (*lead, d.max_segments if k == "task_ids" else d.seq_len), dt, sharding=b_shard[k])
+      for k, dt in BATCH_DTYPES.items()}
 
   # One forward/backward pass of it (the step scans the passes), for reference.
   one = batch_sharding(mesh, False)

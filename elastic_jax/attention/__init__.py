@@ -15,7 +15,7 @@ Implementations:
   auto       hybrid: mosaic_gpu on a Hopper GPU, pallas_gpu on other GPUs, pallas_tpu on a
              TPU, the reference elsewhere;
              causal: cuDNN on a GPU (bf16/fp16, unpacked), the reference elsewhere.
-Both kernels run on CPU with `interpret=True` and have fused backward passes; packed segments
+The kernels run on CPU with `interpret=True` and have fused backward passes; packed segments
 fall back to the reference.
 """
 

@@ -44,20 +44,52 @@ def say(msg: str) -> None:
 # Backbone and mesh
 
 
+def mesh_layout(cfg: RunConfig, devices=None):
+  """The run's mesh over `devices` (default: all): (axis sizes, mesh, sharding rules, number of
+  micro-batch passes per step or None). Checks that the batch splits over it."""
+  n = jax.device_count() if devices is None else len(devices)
+  mesh_shape = resolve_mesh_shape(cfg.mesh, n)
+  check_batch_layout(cfg, mesh_shape)
+  mesh = sharding.make_mesh(mesh_shape, devices)
+  d = cfg.data
+  micro = (d.global_batch // d.micro_batch
+           if d.micro_batch and d.micro_batch < d.global_batch else None)
+  return mesh_shape, mesh, sharding.rules_for(mesh), micro
+
+
+def backbone_shardings(mcfg: ModelConfig, dtype: str, mesh):
+  """(abstract parameter shapes, their logical axes, their shardings on `mesh`)."""
+  shapes, axes = abstract_params(mcfg, dtype)
+  return shapes, axes, sharding.param_shardings(axes, mesh, shapes)
+
+
+def abstract_train_state(cfg: RunConfig, mcfg: ModelConfig, mesh):
+  """The train state's shapes, replicated on `mesh` as the run keeps it."""
+  replicated = NamedSharding(mesh, PartitionSpec())
+  abstract = jax.eval_shape(lambda key: init_train_state(mcfg, cfg.router, cfg.train, key),
+                            jax.random.key(0))
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+                      abstract)
+
+
 def load_backbone(cfg: RunConfig, mesh) -> tuple[ModelConfig, dict]:
   """The frozen backbone, placed on the mesh by its logical axes (random for a config JSON)."""
   path = resolve_model_path(cfg.model)
   if cfg.model.random_init:
     mcfg, _ = read_config_file(path)
-    shapes, axes = abstract_params(mcfg, cfg.model.dtype)
-    shardings = sharding.param_shardings(axes, mesh, shapes)
+    _, _, shardings = backbone_shardings(mcfg, cfg.model.dtype, mesh)
     init = jax.jit(lambda key: init_params(mcfg, key, cfg.model.dtype), out_shardings=shardings)
     return mcfg, init(jax.random.key(cfg.seed + 7919))
   from elastic_jax.api import from_pretrained
   model = from_pretrained(path, cfg.model.dtype, show_progress=jax.process_index() == 0)
-  shapes, axes = abstract_params(model.config, cfg.model.dtype)
-  shardings = sharding.param_shardings(axes, mesh, shapes)
+  _, _, shardings = backbone_shardings(model.config, cfg.model.dtype, mesh)
   return model.config, jax.device_put(model.params, shardings)
+
+
+# A batch's fields (train/step.py) and their types: [rows, T] per token, [rows, slots] task ids.
+BATCH_DTYPES = {"input_ids": "int32", "targets": "int32", "loss_mask": "bool",
+                "segment_ids": "int32", "positions": "int32", "prompt_mask": "bool",
+                "task_ids": "int32"}
 
 
 def batch_sharding(mesh, micro: bool) -> dict[str, NamedSharding]:
@@ -67,9 +99,7 @@ def batch_sharding(mesh, micro: bool) -> dict[str, NamedSharding]:
   lead = (None,) if micro else ()
   tokens = NamedSharding(mesh, PartitionSpec(*lead, rows, seq))
   slots = NamedSharding(mesh, PartitionSpec(*lead, rows, None))
-  return {k: slots if k == "task_ids" else tokens
-          for k in ("input_ids", "targets", "loss_mask", "segment_ids", "positions",
-                    "prompt_mask", "task_ids")}
+  return {k: slots if k == "task_ids" else tokens for k in BATCH_DTYPES}
 
 
 def to_global(local: dict[str, np.ndarray], shardings, micro: int | None) -> dict:
@@ -269,12 +299,7 @@ def evaluate_msr(cfg: RunConfig, mcfg: ModelConfig, backbone, router, data, batc
 
 def train(cfg: RunConfig) -> dict[str, Any]:
   """Trains the routers as `cfg` says; returns a summary (final step, metrics, eval MSR)."""
-  mesh_shape = resolve_mesh_shape(cfg.mesh, jax.device_count())
-  check_batch_layout(cfg, mesh_shape)
-  mesh = sharding.make_mesh(mesh_shape)
-  rules = sharding.rules_for(mesh)
-  micro = (cfg.data.global_batch // cfg.data.micro_batch
-           if cfg.data.micro_batch and cfg.data.micro_batch < cfg.data.global_batch else None)
+  _, mesh, rules, micro = mesh_layout(cfg)
 
   t0 = time.perf_counter()
   mcfg, backbone = load_backbone(cfg, mesh)
@@ -293,10 +318,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
   replicated = NamedSharding(mesh, PartitionSpec())
   init = jax.jit(lambda key: init_train_state(mcfg, cfg.router, cfg.train, key),
                  out_shardings=replicated)
-  abstract = jax.eval_shape(lambda key: init_train_state(mcfg, cfg.router, cfg.train, key),
-                            jax.random.key(0))
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
-                          abstract)
+  abstract = abstract_train_state(cfg, mcfg, mesh)
   fingerprint = train_fingerprint(mcfg, cfg.router, cfg.objective, data_fingerprint(data))
   ckpt = TrainCheckpointer.from_run_config(cfg, fingerprint)
   resumed = ckpt.resume(abstract)
