@@ -36,7 +36,9 @@ def _common(p, model_default=None, dtype_default="bfloat16"):
   p.add_argument("--model", required=model_default is None, default=model_default,
                  help="model directory (with tokenizer files)"
                  + (f"; default {model_default}" if model_default else ""))
-  p.add_argument("--routers", help="router export directory (train.py's export/elastic_jax)")
+  p.add_argument("--routers", help="router export directory (train.py's export/elastic_jax); "
+                                   "default: the model directory's own routers, if any (the "
+                                   "authors' released models)")
   p.add_argument("--attention", help="comma-separated settings: full,elastic,sparse,static")
   p.add_argument("--out", help="output directory (default runs/eval_<benchmark>)")
   p.add_argument("--dtype", default=dtype_default)
@@ -99,23 +101,19 @@ def _csv(text: str) -> list[str]:
 
 
 def _load(args):
-  """(model with its router config, routers or None, tokenizer)."""
+  """(model with its router config, routers or None, tokenizer). The routers are --routers,
+  else those the model directory holds (the authors' released models carry theirs)."""
   import elastic_jax as ej
   from elastic_jax.errors import ElasticJaxError
-  from elastic_jax.router import RouterConfig
   from elastic_jax.train.data import load_tokenizer
-  from elastic_jax.train.export import load_routers
-  model = ej.from_pretrained(args.model, dtype=args.dtype, show_progress=False)
+  model = ej.from_pretrained(args.model, dtype=args.dtype, show_progress=False,
+                             routers=args.routers)
   tokenizer = load_tokenizer(args.model)
-  routers = None
-  if args.routers:
-    trainable, meta = load_routers(args.routers)
-    want = meta.get("backbone", {})
-    have = {"num_layers": model.config.num_layers, "num_kv_heads": model.config.num_kv_heads}
-    if any(want.get(k) != v for k, v in have.items()):
-      raise ElasticJaxError(f"{args.routers}: routers trained for {want}, the model has {have}")
-    model = dataclasses.replace(model, router_config=RouterConfig(**meta["router"]))
-    routers = trainable["router"]
+  routers = model.router_params
+  if routers is not None and not args.routers:
+    print(f"routers: the model directory's own ({model.router_config.setting}, sink "
+          f"{model.router_config.sink_blocks} + window {model.router_config.local_blocks} "
+          f"blocks of {model.router_config.block})", flush=True)
   changes = {k: v for k, v in (("setting", args.setting), ("xa_threshold", args.xa_threshold))
              if v is not None}
   if changes:
@@ -284,7 +282,7 @@ def run_benchmark(args) -> int:
   model, routers, tokenizer = _load(args)
   settings = _settings(args, routers)
   runner.check_settings(settings, routers)
-  max_positions = model.config.max_position_embeddings
+  max_positions = model.config.max_length
   if args.command == "ruler":
     items, samples = ruler_items(args, tokenizer, max_positions)
     score, category = ruler_score(samples), ruler_category

@@ -11,8 +11,10 @@ elastic_jax/train/run_config.py); dotted overrides change single keys:
 
 The run writes RUN_DIR/config.yaml (the resolved config), metrics.jsonl, checkpoints/ (every
 checkpoint.every_steps, the last checkpoint.keep kept; SIGTERM saves and stops), eval.json
-(held-out MSR per task) and export/ (the routers, ours and the authors' layout). Running the
-same command again resumes from the latest checkpoint (checkpoint.resume=auto).
+(held-out MSR per task) and export/ (the routers, ours and the authors' layout; with
+export.full_model=true also the backbone with the routers merged in, the authors' full-model
+layout). Running the same command again resumes from the latest checkpoint
+(checkpoint.resume=auto). data.train_path takes our JSONL or the authors' parquet data.
 
 Many hosts: start one process per host with --distributed (SLURM and TPU pods are detected;
 elsewhere give --coordinator HOST:PORT --num-processes N --process-id I).
@@ -72,7 +74,8 @@ def main(argv=None) -> int:
     for task, value in summary["eval_msr"].items():
       say(f"  {task:<14} {targets[task]:>6.2f} {value:>6.2f}")
   for kind, path in summary.get("export", {}).items():
-    say(f"routers exported ({kind}): {path}")
+    if kind != "notes":
+      say(f"routers exported ({kind}): {path}")
   return 0
 
 

@@ -10,8 +10,9 @@ from elastic_jax import ops
 from elastic_jax.api import ElasticModel, from_pretrained, save_converted, save_pretrained
 from elastic_jax.config import ModelConfig, config_from_hf_dict
 from elastic_jax.errors import ElasticJaxError
+from elastic_jax.generate import SamplingConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "ElasticModel", "ElasticJaxError", "ModelConfig", "config_from_hf_dict",
-           "from_pretrained", "save_converted", "save_pretrained"]
+__all__ = ["ops", "ElasticModel", "ElasticJaxError", "ModelConfig", "SamplingConfig",
+           "config_from_hf_dict", "from_pretrained", "save_converted", "save_pretrained"]

@@ -14,8 +14,9 @@ import numpy as np
 
 from elastic_jax import checkpoint
 from elastic_jax.attention import get_attention
-from elastic_jax.config import ModelConfig, config_from_hf_dict, read_hf_config
-from elastic_jax.convert import hf
+from elastic_jax.config import (ARCHITECTURES, AUTHORS_KEYS, ModelConfig, config_from_hf_dict,
+                                is_authors_config, read_hf_config)
+from elastic_jax.convert import authors, hf
 from elastic_jax.errors import ElasticJaxError
 from elastic_jax.model import (Params, abstract_params, forward, forward_routed_jit,
                                positions_and_segments)
@@ -45,6 +46,8 @@ class ElasticModel:
   attn_impl: str = "reference"
   router_params: Params | None = None          # stacked over layers; see router.py
   router_config: RouterConfig = dataclasses.field(default_factory=RouterConfig)
+  lambdas: Params | None = None                # task multipliers {"l1", "l2"} [5], if any
+  authors_extras: authors.AuthorsExtras | None = None  # kept from an authors' directory
 
   @property
   def dtype(self) -> str:
@@ -59,11 +62,9 @@ class ElasticModel:
     if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
       raise ElasticJaxError(f"input_ids must be integer token ids shaped [T] or [B, T], got "
                             f"{ids.dtype} {list(ids.shape)}")
-    limit = self.config.max_position_embeddings
-    if ids.shape[1] > limit:
-      raise ElasticJaxError(
-          f"sequence of {ids.shape[1]} tokens is longer than the model's "
-          f"max_position_embeddings ({limit})")
+    if ids.shape[1] > self.config.max_length:
+      raise ElasticJaxError(f"sequence of {ids.shape[1]} tokens is longer than the model's "
+                            f"{self.config.max_length_text()}")
     bad = ids[(ids < 0) | (ids >= self.config.vocab_size)]
     if bad.size:
       raise ElasticJaxError(f"input_ids hold token {int(bad[0])} outside the vocabulary "
@@ -146,63 +147,165 @@ class ElasticModel:
     return logits, report
 
 
+ROUTERS_FILE = "routers.safetensors"   # our format: the routers under the authors' names
+
+
+def _generate(self: "ElasticModel", prompts, attention: str = "elastic", *, sampling=None,
+              eos_ids=(), tokenizer=None, gates=None, impl: str | None = None,
+              return_logits: bool = False):
+  """Generates after each prompt (lists of token ids) with this model's routers:
+  `elastic_jax.generate.generate` (see there for `attention`, `sampling`, `eos_ids`)."""
+  from elastic_jax.generate import SamplingConfig, generate
+  return generate(self.params, self.config, prompts, attention=attention,
+                  rcfg=self.router_config, router_params=self.router_params, gates=gates,
+                  sampling=sampling or SamplingConfig(), eos_ids=eos_ids, tokenizer=tokenizer,
+                  attn_impl=impl or ("auto" if self.attn_impl == "reference" else self.attn_impl),
+                  return_logits=return_logits)
+
+
+ElasticModel.generate = _generate
+
+
 def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", *,
                     allow_pickle: bool = False, attn_impl: str = "reference",
-                    show_progress: bool = True) -> ElasticModel:
+                    show_progress: bool = True, routers: str | os.PathLike | None = None
+                    ) -> ElasticModel:
   """Loads a model from an HF directory (safetensors) or from one that `convert` wrote.
 
+  The authors' released Elastic-Attention directories (PawQwen3ForCausalLM /
+  PawLlamaForCausalLM) load with their routers, task multipliers and router config
+  (convert/authors.py), ready for `logits(..., attention="elastic")`.
   dtype: "bfloat16", "float32", "float16", or "auto" (the checkpoint's own dtype).
   allow_pickle: also read PyTorch `*.bin` weights (with `torch.load(weights_only=True)`).
+  routers: a router export of train.py (its export/elastic_jax directory) to attach; it
+    replaces any routers the directory holds.
   """
+  if path is None or not isinstance(path, (str, os.PathLike)):
+    raise ElasticJaxError(f"from_pretrained needs a directory path, got {path!r}")
   path = os.fspath(path)
   dtype = _check_dtype(dtype)
   get_attention(attn_impl)
   if not os.path.isdir(path):
     raise ElasticJaxError(f"{path}: not a directory")
   cfg, raw = read_hf_config(path)
+  rcfg = (authors.router_config_from_authors(raw, os.path.join(path, "config.json"))
+          if is_authors_config(raw) else None)
+  router = lambdas = extras = None
   if checkpoint.is_our_checkpoint(path):
     meta = checkpoint.read_marker(path)
+    if rcfg is not None:
+      if not os.path.isfile(os.path.join(path, ROUTERS_FILE)):
+        raise ElasticJaxError(f"{path}: its config names the authors' architecture but it has "
+                              f"no {ROUTERS_FILE}")
+      router, lambdas, extras = authors.read_routers(hf.TensorSource(path), cfg, rcfg)
     dtype = meta["dtype"] if dtype == "auto" else dtype
     shapes, _ = abstract_params(cfg, dtype)
     params = checkpoint.restore_params(path, shapes)
   else:
-    params = hf.load_hf_params(path, cfg, dtype, allow_pickle=allow_pickle,
-                               show_progress=show_progress)
-  return ElasticModel(cfg, params, raw, source_dir=path, attn_impl=attn_impl)
+    src = hf.TensorSource(path, allow_pickle=allow_pickle)
+    if rcfg is not None:   # read (and check) the routers before the large backbone
+      router, lambdas, extras = authors.read_routers(src, cfg, rcfg)
+    params = hf.load_hf_params(src, cfg, dtype, show_progress=show_progress,
+                               ignore=authors.is_authors_name if rcfg is not None else None)
+  model = ElasticModel(cfg, params, raw, source_dir=path, attn_impl=attn_impl,
+                       router_params=router, router_config=rcfg or RouterConfig(),
+                       lambdas=lambdas, authors_extras=extras)
+  return attach_routers(model, routers) if routers is not None else model
 
 
-def _hf_config_for_export(model: ElasticModel, dtype: str) -> dict[str, Any]:
+def attach_routers(model: ElasticModel, directory: str | os.PathLike) -> ElasticModel:
+  """`model` with the routers (and their config and multipliers) of a train.py export."""
+  from elastic_jax.train.export import load_routers
+  directory = os.fspath(directory)
+  trainable, meta = load_routers(directory)
+  want = meta.get("backbone", {})
+  have = {"family": model.config.family, "num_layers": model.config.num_layers,
+          "num_kv_heads": model.config.num_kv_heads, "head_dim": model.config.head_dim}
+  wrong = [k for k, v in have.items() if k in want and want[k] != v]
+  if wrong:
+    raise ElasticJaxError(f"{directory}: routers trained for a backbone with {wrong[0]} "
+                          f"{want[wrong[0]]}, this model has {have[wrong[0]]}")
+  try:
+    rcfg = RouterConfig(**meta["router"])
+  except (TypeError, ValueError) as e:
+    raise ElasticJaxError(f"{directory}: routers.json holds an unusable router config "
+                          f"({e})") from None
+  lambdas = trainable.get("lambdas") or None
+  extras = model.authors_extras
+  if extras is not None:   # float32 routers replace the directory's: keep their precision
+    extras = dataclasses.replace(extras, router_dtype="float32")
+  return dataclasses.replace(model, router_params=trainable["router"], router_config=rcfg,
+                             lambdas=lambdas, authors_extras=extras)
+
+
+def _hf_config_for_export(model: ElasticModel, dtype: str, with_routers: bool) -> dict[str, Any]:
   raw = copy.deepcopy(model.hf_config) if model.hf_config else model.config.to_hf_dict()
   # The stored config must still describe this model exactly.
   if config_from_hf_dict(raw, source="the model's config") != model.config:
     raw = model.config.to_hf_dict()
+  if with_routers:
+    raw = authors.authors_config(raw, model.config.family, model.router_config,
+                                 lambdas=model.lambdas is not None)
+  elif is_authors_config(raw):   # the backbone alone: a plain HF config
+    raw = {k: v for k, v in raw.items() if k not in AUTHORS_KEYS}
+    raw["architectures"] = [ARCHITECTURES[model.config.family]]
   raw["dtype"] = dtype
   if "torch_dtype" in raw:
     raw["torch_dtype"] = dtype
   return raw
 
 
+def _router_tensors(model: ElasticModel) -> dict[str, np.ndarray]:
+  """The routers, multipliers and kept extras under the authors' names and dtypes."""
+  extras = model.authors_extras or authors.AuthorsExtras({})
+  out = authors.authors_tensors(jax.device_get(model.router_params), model.lambdas,
+                                model.config.num_layers, extras.router_dtype)
+  out.update(extras.tensors)
+  return out
+
+
+def _writes_routers(model: ElasticModel, routers: bool) -> bool:
+  if not routers or model.router_params is None:
+    return False
+  authors.authors_keys(model.router_config, lambdas=False)   # refuses what cannot be written
+  return True
+
+
 def save_pretrained(model: ElasticModel, directory: str | os.PathLike, *,
                     dtype: str | None = None, max_shard_size: int = 5 * 2**30,
-                    overwrite: bool = False, show_progress: bool = False) -> None:
+                    overwrite: bool = False, show_progress: bool = False,
+                    routers: bool = True) -> None:
   """Writes an HF directory (config.json + safetensors) that `transformers` loads.
 
+  A model that carries routers is written in the authors' full-model layout (their
+  architecture name and config keys, routers and multipliers beside the backbone), which
+  their code and `transformers` both load; `routers=False` writes the backbone alone.
   With `dtype=None` the tensors keep the model's dtype, so HF -> ours -> HF is bit-exact.
   Written atomically: on failure nothing is left at `directory`.
   """
   dtype = _check_dtype(dtype or model.dtype, allow_auto=False)
+  with_routers = _writes_routers(model, routers)
+  config = _hf_config_for_export(model, dtype, with_routers)
+  extra = _router_tensors(model) if with_routers else None
   with atomic_directory(os.fspath(directory), overwrite=overwrite) as tmp:
     with open(os.path.join(tmp, "config.json"), "w") as f:
-      json.dump(_hf_config_for_export(model, dtype), f, indent=2, sort_keys=True)
+      json.dump(config, f, indent=2, sort_keys=True)
     checkpoint.copy_side_files(model.source_dir, tmp)
     hf.write_hf_safetensors(model.params, model.config, tmp, dtype, max_shard_size,
-                            show_progress=show_progress)
+                            show_progress=show_progress, extra=extra)
 
 
 def save_converted(model: ElasticModel, directory: str | os.PathLike, *,
-                   overwrite: bool = False) -> None:
-  """Writes our own format (orbax params + config), atomically."""
+                   overwrite: bool = False, routers: bool = True) -> None:
+  """Writes our own format (orbax params + config; routers, if any, in routers.safetensors
+  under the authors' names), atomically."""
+  from safetensors.numpy import save_file
+  with_routers = _writes_routers(model, routers)
+  config = _hf_config_for_export(model, model.dtype, with_routers)
+  extra = _router_tensors(model) if with_routers else None
   with atomic_directory(os.fspath(directory), overwrite=overwrite) as tmp:
     checkpoint.copy_side_files(model.source_dir, tmp)
-    checkpoint.save_params(tmp, model.params, model.hf_config or model.config.to_hf_dict(),
-                           model.dtype)
+    if extra:
+      save_file({k: np.array(v, order="C") for k, v in extra.items()},
+                os.path.join(tmp, ROUTERS_FILE), metadata={"format": "pt"})
+    checkpoint.save_params(tmp, model.params, config, model.dtype)

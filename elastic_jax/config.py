@@ -18,6 +18,51 @@ from elastic_jax.errors import ElasticJaxError
 
 # Architectures this package implements, keyed by HF `model_type`.
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+# The authors' released Elastic-Attention models: the same backbones plus routers in the same
+# directory (convert/authors.py reads and writes them).
+AUTHORS_ARCHITECTURES = {"qwen3": "PawQwen3ForCausalLM", "llama": "PawLlamaForCausalLM"}
+
+# The keys the authors' config adds (their PawQwen3Config), each with what elastic_jax does
+# with it. "routing" keys become the model's RouterConfig (convert/authors.py checks their
+# values); the others configure their training or variants we refuse elsewhere, and cannot
+# change what an evaluated model computes.
+AUTHORS_KEYS = {
+    "enable_ada_sparsity": "routing: must be true (input-dependent routers); false means "
+                           "static per-head masks, which their evaluation code does not run",
+    "toggle_type": "routing: must be 'streaming' (sparse heads attend sink + local window)",
+    "retrieval_mode": "routing: 'full' -> setting fa-ssa, 'xattn' -> xa-ssa (full-routed heads "
+                      "run XAttention)",
+    "sink_size": "routing: sink tokens, a multiple of 128 -> router.sink_blocks",
+    "local_window_size": "routing: window tokens, a multiple of 128 -> router.local_blocks",
+    "pooling_mode": "routing: must be 'ctx_q' (the only mode their evaluation code runs): "
+                    "boundary pooling of the prompt's first and last 100 tokens",
+    "use_softmax": "routing: true -> two logits, argmax (router.relaxation softmax); false -> "
+                   "one logit layer-normalised across the layer's KV heads, > 0 "
+                   "(router.relaxation sigmoid, router.head_norm)",
+    "xattn_threshold": "routing: XAttention's mass threshold (default 0.8, their code's value)",
+    "xattn_stride": "routing: XAttention's antidiagonal stride (default 16)",
+    "block_size": "routing: XAttention's block (default 128)",
+    "mask_temp": "ignored: the router's inference temperature, which moves only the soft "
+                 "probability, never the argmax",
+    "enable_lambda_task": "training: per-task multipliers; their tensors are read when present",
+    "suggested_sparsity": "training: rounds the static masks (enable_ada_sparsity false only)",
+    "suggested_threshold": "training: threshold of the static masks (written at their save)",
+    "disable_linear_regularization_term": "training: drops the lambda-1 term",
+    "topk_k": "training: their top-k toggle variant (toggle_type topk)",
+    "triangle_n_last": "training: their TriangleMix toggle variant",
+    "enable_layerwise_sparsity": "training: a layer-wise sparsity schedule",
+    "layerwise_sparsity_schedule": "training: a layer-wise sparsity schedule",
+    "layerwise_sparsity_min_ratio": "training: a layer-wise sparsity schedule",
+    "layerwise_sparsity_max_ratio": "training: a layer-wise sparsity schedule",
+    "layerwise_sparsity_power": "training: a layer-wise sparsity schedule",
+    "layerwise_sparsity_weight": "training: a layer-wise sparsity schedule",
+    "erank_analysis_path": "training: a file of their analysis scripts",
+    "pooling_seq": "training: unused by their code",
+    "use_task_emb_for_mask": "training: a task embedding added to the pooled keys in training "
+                             "only (its tensor is kept for export)",
+    "enable_contrastive_loss": "training: an extra loss of theirs",
+    "mask_hard_sample": "training: unused by their router",
+}
 
 # Keys that describe the checkpoint or generation defaults but never the forward pass.
 _METADATA_KEYS = frozenset({
@@ -34,6 +79,8 @@ _METADATA_KEYS = frozenset({
     # Tensor-parallel plans and the pretraining slice count change how HF splits matmuls,
     # not their result.
     "base_model_tp_plan", "base_model_pp_plan", "pretraining_tp",
+    # Which remote code would build the model; elastic_jax never runs it.
+    "auto_map",
 })
 
 _MATH_KEYS = {
@@ -41,31 +88,68 @@ _MATH_KEYS = {
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
         "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
         "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings",
+        "original_max_position_embeddings",
         "attention_bias", "mlp_bias",
     }),
     "qwen3": frozenset({
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
         "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
         "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings",
+        "original_max_position_embeddings",
         "attention_bias", "use_sliding_window", "sliding_window", "max_window_layers",
         "layer_types",
     }),
 }
 
+# transformers' defaults when a config omits max_position_embeddings (dynamic NTK RoPE and
+# YaRN read it).
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen3": 32768}
+
+# RoPE types and the fields each reads (HF `rope_parameters` / legacy `rope_scaling`).
+_ROPE_COMMON = frozenset({"rope_type", "type", "rope_theta"})
 _ROPE_KEYS = {
-    "default": frozenset({"rope_type", "type", "rope_theta"}),
-    "llama3": frozenset({"rope_type", "type", "rope_theta", "factor", "low_freq_factor",
-                         "high_freq_factor", "original_max_position_embeddings"}),
+    "default": _ROPE_COMMON,
+    "linear": _ROPE_COMMON | {"factor"},
+    "dynamic": _ROPE_COMMON | {"factor"},
+    "llama3": _ROPE_COMMON | {"factor", "low_freq_factor", "high_freq_factor",
+                              "original_max_position_embeddings"},
+    "yarn": _ROPE_COMMON | {"factor", "original_max_position_embeddings", "attention_factor",
+                            "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"},
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-  """Llama 3.x frequency-dependent RoPE scaling (HF ``rope_type: llama3``)."""
+  """RoPE scaling of the HF families we serve (`rope_type`), computed as `transformers` does:
+
+  linear   every frequency divided by `factor` (position interpolation);
+  dynamic  NTK: the base grows with the sequence length once it passes
+           max_position_embeddings (`dynamic_inv_freq`); length-dependent, see
+           `model.rope_tables`;
+  llama3   Llama 3.x: low frequencies divided by `factor`, high ones kept, a smooth ramp
+           between (`low_freq_factor`, `high_freq_factor`, `original_max_position_embeddings`);
+  yarn     YaRN: per-frequency blend of interpolation and extrapolation over the correction
+           range set by `beta_fast` / `beta_slow` (floored and ceiled when `truncate`), and
+           cos/sin scaled by `attention_factor` (default 0.1 ln(factor) + 1, or the ratio of
+           the `mscale` / `mscale_all_dim` terms when both are given).
+  """
+  rope_type: str                   # linear | dynamic | llama3 | yarn
   factor: float
-  low_freq_factor: float
-  high_freq_factor: float
-  original_max_position_embeddings: int
+  original_max_position_embeddings: int | None = None   # llama3, yarn
+  low_freq_factor: float | None = None                  # llama3
+  high_freq_factor: float | None = None
+  attention_factor: float | None = None                 # yarn (None: derived from factor)
+  beta_fast: float | None = None
+  beta_slow: float | None = None
+  mscale: float | None = None
+  mscale_all_dim: float | None = None
+  truncate: bool = True
+
+  def to_hf(self) -> dict[str, Any]:
+    return {"rope_type": self.rope_type,
+            **{k: v for k, v in dataclasses.asdict(self).items()
+               if v is not None and k != "rope_type"
+               and (self.rope_type == "yarn" or k != "truncate")}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +176,23 @@ class ModelConfig:
   def groups(self) -> int:
     return self.num_heads // self.num_kv_heads
 
+  @property
+  def max_length(self) -> int:
+    """Longest sequence this model accepts: max_position_embeddings, or, with dynamic NTK
+    RoPE (made to run past it), `factor` times that."""
+    s = self.rope_scaling
+    if s is not None and s.rope_type == "dynamic":
+      return int(self.max_position_embeddings * max(s.factor, 1.0))
+    return self.max_position_embeddings
+
+  def max_length_text(self) -> str:
+    """`max_length` in words, for error messages."""
+    mpe = self.max_position_embeddings
+    if self.max_length == mpe:
+      return f"max_position_embeddings ({mpe})"
+    return (f"limit ({self.max_length}: max_position_embeddings {mpe} times the dynamic RoPE "
+            "factor)")
+
   def num_params(self) -> int:
     e, f, n, k, h, v = (self.hidden_size, self.intermediate_size, self.num_heads,
                         self.num_kv_heads, self.head_dim, self.vocab_size)
@@ -107,8 +208,7 @@ class ModelConfig:
     """A minimal HF ``config.json`` that describes exactly this model."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
     if self.rope_scaling is not None:
-      rope = {"rope_type": "llama3", "rope_theta": self.rope_theta,
-              **dataclasses.asdict(self.rope_scaling)}
+      rope = {**self.rope_scaling.to_hf(), "rope_theta": self.rope_theta}
     out = {
         "architectures": [ARCHITECTURES[self.family]], "model_type": self.family,
         "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
@@ -162,15 +262,49 @@ def _parse_rope(d: dict, source: str) -> tuple[float, RopeScaling | None]:
   theta = _get({"rope_theta": theta}, "rope_theta", float, source)
   if rope_type == "default":
     return theta, None
-  scaling = RopeScaling(
-      factor=_get(params, "factor", float, source),
-      low_freq_factor=_get(params, "low_freq_factor", float, source),
-      high_freq_factor=_get(params, "high_freq_factor", float, source),
-      original_max_position_embeddings=_get(params, "original_max_position_embeddings", int,
-                                            source))
-  if scaling.high_freq_factor <= scaling.low_freq_factor:
-    _fail(source, "rope 'high_freq_factor' must exceed 'low_freq_factor'")
-  return theta, scaling
+  p = dict(params)
+  if rope_type in ("llama3", "yarn"):
+    # As transformers: a top-level original_max_position_embeddings wins, then the rope
+    # field, then max_position_embeddings.
+    orig = d.get("original_max_position_embeddings", p.get("original_max_position_embeddings"))
+    p["original_max_position_embeddings"] = (
+        orig if orig is not None else d.get("max_position_embeddings",
+                                            _DEFAULT_MAX_POSITIONS[d.get("model_type")]))
+  if rope_type == "yarn" and p.get("factor") is None and p["original_max_position_embeddings"]:
+    # transformers derives a missing YaRN factor from the two lengths.
+    p["factor"] = (d.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[d["model_type"]])
+                   / p["original_max_position_embeddings"])
+
+  def num(key, required=False):
+    value = p.get(key)
+    if value is None:
+      if required:
+        _fail(source, f"rope type '{rope_type}' needs field '{key}'")
+      return None
+    return _get({key: value}, key, float, f"{source} (rope field)")
+
+  factor = num("factor", required=True)
+  if rope_type == "linear" or rope_type == "dynamic":
+    return theta, RopeScaling(rope_type, factor)
+  orig = _get(p, "original_max_position_embeddings", int, f"{source} (rope field)")
+  if rope_type == "llama3":
+    scaling = RopeScaling(rope_type, factor, orig, low_freq_factor=num("low_freq_factor", True),
+                          high_freq_factor=num("high_freq_factor", True))
+    if scaling.high_freq_factor <= scaling.low_freq_factor:
+      _fail(source, "rope 'high_freq_factor' must exceed 'low_freq_factor'")
+    return theta, scaling
+  truncate = p.get("truncate", True)
+  if not isinstance(truncate, bool):
+    _fail(source, f"rope field 'truncate' should be true or false, got {truncate!r}")
+  # transformers reads beta_fast, beta_slow, mscale and mscale_all_dim with `or` / truth
+  # tests: a 0 or null means "not given".
+  for key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+    if not p.get(key):
+      p[key] = None
+  return theta, RopeScaling(
+      rope_type, factor, orig, attention_factor=num("attention_factor"),
+      beta_fast=num("beta_fast") or 32.0, beta_slow=num("beta_slow") or 1.0,
+      mscale=num("mscale"), mscale_all_dim=num("mscale_all_dim"), truncate=truncate)
 
 
 def config_from_hf_dict(d: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -182,10 +316,13 @@ def config_from_hf_dict(d: dict[str, Any], source: str = "config.json") -> Model
     _fail(source, f"model_type {model_type!r} is not supported (supported: "
                   f"{', '.join(sorted(ARCHITECTURES))})")
   archs = d.get("architectures") or [ARCHITECTURES[model_type]]
-  if archs != [ARCHITECTURES[model_type]]:
+  authors = archs == [AUTHORS_ARCHITECTURES[model_type]]
+  if archs != [ARCHITECTURES[model_type]] and not authors:
     _fail(source, f"architectures {archs} is not supported for model_type '{model_type}' "
-                  f"(expected ['{ARCHITECTURES[model_type]}'])")
-  unknown = sorted(set(d) - _METADATA_KEYS - _MATH_KEYS[model_type])
+                  f"(expected ['{ARCHITECTURES[model_type]}'] or the authors' "
+                  f"['{AUTHORS_ARCHITECTURES[model_type]}'])")
+  unknown = sorted(set(d) - _METADATA_KEYS - _MATH_KEYS[model_type]
+                   - (set(AUTHORS_KEYS) if authors else set()))
   if unknown:
     _fail(source, f"field '{unknown[0]}' is not implemented by elastic_jax for "
                   f"{model_type} and could change the model's output")
@@ -234,8 +371,15 @@ def config_from_hf_dict(d: dict[str, Any], source: str = "config.json") -> Model
       attention_bias=bool(d.get("attention_bias", False)),
       mlp_bias=bool(d.get("mlp_bias", False)),
       qk_norm=model_type == "qwen3",
-      max_position_embeddings=_get(d, "max_position_embeddings", int, source, default=131072),
+      max_position_embeddings=_get(d, "max_position_embeddings", int, source,
+                                   default=_DEFAULT_MAX_POSITIONS[model_type]),
   )
+
+
+def is_authors_config(d: dict[str, Any]) -> bool:
+  """Whether an HF config dict is one of the authors' released models (Paw architectures)."""
+  archs = d.get("architectures") or []
+  return any(a in AUTHORS_ARCHITECTURES.values() for a in archs)
 
 
 def read_config_file(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any]]:
@@ -259,15 +403,25 @@ def read_hf_config(directory: str | os.PathLike) -> tuple[ModelConfig, dict[str,
   return read_config_file(path)
 
 
-def rope_inv_freq(cfg: ModelConfig):
-  """Inverse RoPE frequencies [H/2] in float64, exactly as HF derives them (then cast)."""
+def _default_inv_freq(theta: float, h: int):
   import numpy as np
-  h = cfg.head_dim
-  inv = 1.0 / (cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.int64).astype(np.float32) / h))
-  inv = inv.astype(np.float32)
-  s = cfg.rope_scaling
-  if s is None:
+  return (1.0 / (theta ** (np.arange(0, h, 2, dtype=np.int64).astype(np.float32) / h))
+          ).astype(np.float32)
+
+
+def rope_inv_freq(cfg: ModelConfig):
+  """Inverse RoPE frequencies [H/2] float32, computed with transformers' float32 operations
+  in its order, so the tables match it bit for bit (pow aside). For dynamic NTK this is the
+  table at or below max_position_embeddings; longer inputs use `dynamic_inv_freq`."""
+  import numpy as np
+  h, s = cfg.head_dim, cfg.rope_scaling
+  inv = _default_inv_freq(cfg.rope_theta, h)
+  if s is None or s.rope_type == "dynamic":
     return inv
+  if s.rope_type == "linear":
+    return (inv / np.float32(s.factor)).astype(np.float32)
+  if s.rope_type == "yarn":
+    return _yarn_inv_freq(cfg.rope_theta, h, s)
   low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
   high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
   wavelen = 2 * math.pi / inv
@@ -277,3 +431,54 @@ def rope_inv_freq(cfg: ModelConfig):
   smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
   medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
   return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def _yarn_inv_freq(theta: float, dim: int, s: RopeScaling):
+  import numpy as np
+
+  def correction_dim(rotations):
+    return (dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi))
+            / (2 * math.log(theta)))
+
+  low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+  if s.truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, dim - 1)
+  if low == high:
+    high += 0.001      # as transformers, against a zero-width ramp
+  pos_freqs = (theta ** (np.arange(0, dim, 2).astype(np.float32) / dim)).astype(np.float32)
+  extrapolation = np.float32(1.0) / pos_freqs
+  interpolation = np.float32(1.0) / (np.float32(s.factor) * pos_freqs)
+  ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low))
+                 / np.float32(high - low), 0, 1).astype(np.float32)
+  keep = np.float32(1) - ramp       # share of the extrapolated (unscaled) frequency
+  return (interpolation * (np.float32(1) - keep) + extrapolation * keep).astype(np.float32)
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+  """The factor transformers multiplies cos and sin by (YaRN's mscale; 1 otherwise)."""
+  s = cfg.rope_scaling
+  if s is None or s.rope_type != "yarn":
+    return 1.0
+  if s.attention_factor is not None:
+    return s.attention_factor
+
+  def mscale(scale, m=1.0):
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+  if s.mscale and s.mscale_all_dim:
+    return float(mscale(s.factor, s.mscale) / mscale(s.factor, s.mscale_all_dim))
+  return mscale(s.factor)
+
+
+def dynamic_inv_freq(cfg: ModelConfig, seq_len):
+  """Dynamic NTK inverse frequencies [H/2] for a (traced) sequence length, float32 as
+  transformers computes them: base * (factor * L / M - (factor - 1)) ** (H / (H - 2)) with
+  L = max(seq_len, M), M = max_position_embeddings. At or below M this is the plain table."""
+  import jax.numpy as jnp
+  h, s, m = cfg.head_dim, cfg.rope_scaling, cfg.max_position_embeddings
+  length = jnp.maximum(jnp.asarray(seq_len, jnp.int32), m).astype(jnp.float32)
+  grow = (jnp.float32(s.factor) * length / jnp.float32(m)) - jnp.float32(s.factor - 1)
+  base = jnp.float32(cfg.rope_theta) * grow ** jnp.float32(h / (h - 2))
+  exponent = jnp.arange(0, h, 2, dtype=jnp.int32).astype(jnp.float32) / jnp.float32(h)
+  return jnp.float32(1.0) / base ** exponent

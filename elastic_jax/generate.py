@@ -56,6 +56,8 @@ class Generation:
   prefill_seconds: float            # to the first token's logits (time-to-first-token)
   decode_seconds: float
   info: dict[str, Any] = dataclasses.field(default_factory=dict)
+  logits: np.ndarray | None = None  # [steps, B, V] float32, with return_logits: the logits
+                                    # each new token was chosen from
 
 
 def _bucket(n: int, multiple: int = 128) -> int:
@@ -100,14 +102,16 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
              attention: str = "elastic", rcfg: RouterConfig | None = None,
              router_params: Params | None = None, gates=None,
              sampling: SamplingConfig = SamplingConfig(), eos_ids: Sequence[int] = (),
-             tokenizer=None, attn_impl: str = "auto", unroll_decode: bool = False
-             ) -> Generation:
+             tokenizer=None, attn_impl: str = "auto", unroll_decode: bool = False,
+             return_logits: bool = False) -> Generation:
   """Generate up to `sampling.max_new_tokens` tokens after each prompt (lists of token ids).
 
   attention: "full" (every head full, cache dense), "elastic" (routers decide; needs
   `router_params`), "forced" (`gates` [L, K] or [L, B, K], 1 = full), "sparse" (every head
   streaming). A row stops at an EOS id or, with a tokenizer, once its text holds a stop string.
   unroll_decode: unroll the decode step's loop over layers (`model.decode_step`).
+  return_logits: also return the logits of every step (`Generation.logits`; one host copy of
+  [B, V] per step).
   """
   if attention not in MODES:
     raise ElasticJaxError(f"attention='{attention}' is not one of {', '.join(MODES)}")
@@ -121,10 +125,10 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   b, n_layers, kh = len(prompts), cfg.num_layers, cfg.num_kv_heads
   lengths = np.asarray([len(p) for p in prompts], np.int32)
   capacity_needed = int(lengths.max()) + sampling.max_new_tokens
-  if capacity_needed > cfg.max_position_embeddings:
+  if capacity_needed > cfg.max_length:
     raise ElasticJaxError(f"prompt ({int(lengths.max())} tokens) + max_new_tokens "
                           f"({sampling.max_new_tokens}) exceeds the model's "
-                          f"max_position_embeddings ({cfg.max_position_embeddings})")
+                          f"{cfg.max_length_text()}")
   t = _bucket(int(lengths.max()))
   ids = np.zeros((b, t), np.int32)
   seg = np.zeros((b, t), np.int32)
@@ -167,7 +171,10 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   finish = [""] * b
   pos = jnp.asarray(lengths)
   start = time.perf_counter()
+  step_logits = []
   for step in range(sampling.max_new_tokens):
+    if return_logits:
+      step_logits.append(np.asarray(logits))
     key, sub = jax.random.split(key)
     tok = _sample(logits, sub, temperature=sampling.temperature, top_p=sampling.top_p)
     tok_np = np.asarray(tok)
@@ -205,4 +212,5 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
                          xa_kept_bsk=None if xa_kept is None else xa_kept[-1][:, None]))[:, 0],
       cache_bytes=cache.nbytes, dense_cache_bytes=dense, prefill_seconds=prefill_s,
       decode_seconds=decode_s,
-      info={"new_tokens": sum(len(o) for o in out), "capacity": capacity})
+      info={"new_tokens": sum(len(o) for o in out), "capacity": capacity},
+      logits=np.stack(step_logits) if return_logits else None)

@@ -27,7 +27,8 @@ import numpy as np
 from elastic_jax import kv_cache, parallel
 from elastic_jax import router as rt
 from elastic_jax.attention import get_attention, get_hybrid_attention, xattention
-from elastic_jax.config import ModelConfig, rope_inv_freq
+from elastic_jax.config import (ModelConfig, dynamic_inv_freq, rope_attention_factor,
+                                rope_inv_freq)
 from elastic_jax.errors import ElasticJaxError
 
 Params = dict[str, Any]
@@ -78,12 +79,33 @@ class RMSNorm(nn.Module):
     return _lead(scale, x.ndim) * x32.astype(x.dtype)
 
 
-def rope_tables(cfg: ModelConfig, positions_bt: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-  """cos, sin [B, T, H] for rotate-half RoPE (the HF layout: frequencies repeated twice)."""
-  inv_freq = jnp.asarray(rope_inv_freq(cfg), jnp.float32)
+def rope_tables(cfg: ModelConfig, positions_bt: jax.Array, dtype, valid_bt=None
+                ) -> tuple[jax.Array, jax.Array]:
+  """cos, sin [B, T, H] for rotate-half RoPE (the HF layout: frequencies repeated twice),
+  scaled by the RoPE type's attention factor (YaRN) as transformers does.
+
+  Dynamic NTK RoPE depends on the length: as transformers, the table is that of
+  max(position) + 1 over the whole batch's real tokens (`valid_bt`, default all), once past
+  max_position_embeddings. In a decode step that is the new token's position + 1, so the new
+  token's query and key use the grown table while the cached keys keep the one they were
+  computed with (transformers' behaviour for a model fed positions in increasing order).
+  """
+  s = cfg.rope_scaling
+  if s is not None and s.rope_type == "dynamic":
+    pos = positions_bt if valid_bt is None else jnp.where(valid_bt, positions_bt, 0)
+    seq_len = jnp.max(pos) + 1
+    # Up to the limit, the table computed once on the host (transformers' original table).
+    inv_freq = jnp.where(seq_len > cfg.max_position_embeddings,
+                         dynamic_inv_freq(cfg, seq_len), jnp.asarray(rope_inv_freq(cfg)))
+  else:
+    inv_freq = jnp.asarray(rope_inv_freq(cfg), jnp.float32)
   freqs = positions_bt.astype(jnp.float32)[..., None] * inv_freq[None, None]
   emb = jnp.concatenate([freqs, freqs], axis=-1)
-  return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+  cos, sin = jnp.cos(emb), jnp.sin(emb)
+  factor = rope_attention_factor(cfg)
+  if factor != 1.0:
+    cos, sin = cos * jnp.float32(factor), sin * jnp.float32(factor)
+  return cos.astype(dtype), sin.astype(dtype)
 
 
 def apply_rope(x_btnh, cos_bth, sin_bth):
@@ -247,7 +269,7 @@ class Transformer(nn.Module):
                    dtype=dt)
     x = jnp.take(embed, input_ids_bt, axis=0)
     x = nn.with_logical_constraint(x, ("batch", "seq", "act_embed"))
-    cos, sin = rope_tables(cfg, positions_bt, dt)
+    cos, sin = rope_tables(cfg, positions_bt, dt, segment_ids_bt > 0)
     ctx = Context(cos, sin, segment_ids_bt, positions_bt, prompt_mask_bt, tau, return_kv)
     layer_cls = nn.remat(DecoderLayer, prevent_cse=False) if self.remat else DecoderLayer
     stack = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},

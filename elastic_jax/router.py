@@ -48,6 +48,9 @@ class RouterConfig:
   xa_block: int = 128
   static: bool = False            # no input dependence: one learned gate per (layer, KV head),
                                   # the same for every input (a DuoAttention-style baseline)
+  head_norm: bool = False         # sigmoid only: layer-normalise the logit across the layer's
+                                  # KV heads before the decision (the authors' evaluation code
+                                  # for use_softmax false)
 
   def __post_init__(self):
     if self.pooling not in POOLINGS:
@@ -57,6 +60,8 @@ class RouterConfig:
                        f"(known: {RELAXATIONS})")
     if self.boundary < 1 or self.hidden_mult < 1 or self.max_segments < 1:
       raise ValueError("router boundary, hidden_mult and max_segments must be positive")
+    if self.head_norm and self.relaxation != "sigmoid":
+      raise ValueError("router head_norm applies to the sigmoid relaxation only")
     if self.setting not in SETTINGS:
       raise ValueError(f"router setting '{self.setting}' is unknown (known: {SETTINGS})")
     self.streaming  # validates the SSA numbers
@@ -182,6 +187,11 @@ def gate_from_logits(z_bskc: jax.Array, rcfg: RouterConfig, *, key: jax.Array | 
     hard = (z_bskc[..., 1] > z_bskc[..., 0]).astype(jnp.float32)
   else:
     z = z_bskc[..., 0]
+    if rcfg.head_norm:
+      # LayerNorm over the KV heads without affine weights, eps 1e-5 (torch's default).
+      mean = z.mean(-1, keepdims=True)
+      var = jnp.square(z - mean).mean(-1, keepdims=True)
+      z = (z - mean) * jax.lax.rsqrt(var + 1e-5)
     if key is not None:
       z = z + gumbel(key, z.shape)
     soft = jax.nn.sigmoid(z / (tau if key is not None else 1.0))

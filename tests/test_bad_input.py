@@ -126,7 +126,7 @@ def test_pickle_weights_refused_without_flag(broken):
     ({"sliding_window_pattern": 4}, "'sliding_window_pattern'"),
     ({"use_sliding_window": True, "sliding_window": 16}, "'use_sliding_window'"),
     ({"hidden_act": "gelu"}, "'hidden_act'"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+    ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}}, "rope type 'longrope'"),
     ({"num_key_value_heads": 3}, "not a multiple"),
     ({"hidden_size": "32"}, "'hidden_size' should be int"),
     ({"vocab_size": None}, "'vocab_size' is missing"),

@@ -1,6 +1,7 @@
 """eval.py end to end on a tiny random model with a tokenizer built here: RULER and LongBench
 reports and plots, resumption, bad input."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -8,10 +9,12 @@ import sys
 import types
 
 import jax
+import numpy as np
 import pytest
 
 import elastic_jax as ej
 from elastic_jax.config import config_from_hf_dict
+from elastic_jax.generate import SamplingConfig
 from elastic_jax.model import init_params
 from elastic_jax.router import RouterConfig, init_router_params
 from elastic_jax.train.export import export_routers
@@ -145,3 +148,29 @@ def test_bad_input(model_dir):
   proc = _eval("ruler", "--model", model_dir / "m", "--attention", "elastic", "--lengths", "512",
                "--tasks", "vt", "--samples", "1", "--out", model_dir / "bad3")
   assert proc.returncode == 2 and "routers" in proc.stderr
+
+
+def test_authors_model_directory_evaluates_with_its_own_routers(model_dir):
+  """A directory in the authors' full-model layout (backbone + routers, their config keys)
+  evaluates under elastic with no --routers: its own routers decide."""
+  base = ej.from_pretrained(model_dir / "m", dtype="float32", show_progress=False)
+  rcfg = RouterConfig(local_blocks=2)             # their layout: blocks of 128, boundary 100
+  paw = dataclasses.replace(base, router_params=init_router_params(base.config, rcfg,
+                                                                    jax.random.key(5)),
+                            router_config=rcfg)
+  ej.save_pretrained(paw, model_dir / "paw")
+  assert json.loads((model_dir / "paw" / "config.json").read_text())["architectures"] == [
+      "PawQwen3ForCausalLM"]
+  out = model_dir / "paw_ruler"
+  proc = _eval("ruler", "--model", model_dir / "paw", "--lengths", "512", "--tasks",
+               "niah_single_1", "--samples", "1", "--dtype", "float32", "--impl", "reference",
+               "--attention", "full,elastic", "--out", out)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "routers: the model directory's own (fa-ssa" in proc.stdout
+  report = json.loads((out / "report.json").read_text())
+  assert set(report["settings"]) == {"full", "elastic"}
+  gen = paw.generate([[5, 6, 7] * 50], sampling=SamplingConfig(max_new_tokens=3),
+                     impl="reference")
+  want = np.asarray(paw.logits([5, 6, 7] * 50, attention="elastic", return_routing=True)[1][
+      "gates"])
+  np.testing.assert_array_equal(gen.gates, want)

@@ -1,8 +1,12 @@
-"""python -m elastic_jax.convert SRC_DIR OUT_DIR [--dtype D] [--to-hf] [--allow-pickle]
+"""python -m elastic_jax.convert SRC_DIR OUT_DIR [--dtype D] [--to-hf] [--routers R]
 
-SRC_DIR is an HF directory (safetensors, single or sharded) or one this command wrote.
-OUT_DIR receives our format (orbax params + config + tokenizer files), or with --to-hf an HF
-directory that `transformers` loads. The output appears only once it is complete.
+SRC_DIR is an HF directory (safetensors, single or sharded), one of the authors' released
+Elastic-Attention models (PawQwen3ForCausalLM / PawLlamaForCausalLM: backbone and routers in
+one directory), or one this command wrote. OUT_DIR receives our format (orbax params +
+config + tokenizer files, and the routers if there are any), or with --to-hf an HF directory
+that `transformers` loads: the authors' full-model layout when the model carries routers,
+which their code loads too. --routers merges a train.py router export into the output.
+The output appears only once it is complete.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import sys
 import time
 
 from elastic_jax.cli import run_cli
+from elastic_jax.errors import ElasticJaxError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="with --to-hf: largest safetensors shard, in GiB (default 5)")
   p.add_argument("--allow-pickle", action="store_true",
                  help="also read PyTorch *.bin weights (torch.load with weights_only=True)")
+  p.add_argument("--routers", help="a router export of train.py (export/elastic_jax) to merge "
+                                   "in; it replaces any routers SRC_DIR holds")
+  p.add_argument("--no-routers", action="store_true",
+                 help="write the backbone alone, leaving out SRC_DIR's routers")
   p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
   p.add_argument("--quiet", action="store_true", help="no progress bars")
   return p
@@ -37,18 +46,27 @@ def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
   import elastic_jax as ej
   t0 = time.perf_counter()
+  if args.routers and args.no_routers:
+    raise ElasticJaxError("--routers and --no-routers exclude each other")
   model = ej.from_pretrained(args.src, dtype=args.dtype, allow_pickle=args.allow_pickle,
-                             show_progress=not args.quiet)
+                             show_progress=not args.quiet, routers=args.routers)
   t1 = time.perf_counter()
+  keep = not args.no_routers
   if args.to_hf:
     ej.save_pretrained(model, args.out, max_shard_size=int(args.max_shard_gb * 2**30),
-                       overwrite=args.overwrite, show_progress=not args.quiet)
+                       overwrite=args.overwrite, show_progress=not args.quiet, routers=keep)
   else:
-    ej.save_converted(model, args.out, overwrite=args.overwrite)
+    ej.save_converted(model, args.out, overwrite=args.overwrite, routers=keep)
   t2 = time.perf_counter()
   n = model.config.num_params()
   print(f"converted {model.config.family} ({n / 1e6:.1f}M parameters, {model.dtype}) "
         f"{args.src} -> {args.out}: read {t1 - t0:.1f}s, wrote {t2 - t1:.1f}s")
+  if model.router_params is not None and keep:
+    r = model.router_config
+    print(f"routers: {model.config.num_layers} layers x {model.config.num_kv_heads} KV heads, "
+          f"setting {r.setting}, sink {r.sink_blocks} + window {r.local_blocks} blocks of "
+          f"{r.block}, {r.relaxation} relaxation"
+          + (" (the authors' layout)" if args.to_hf else ""))
   return 0
 
 

@@ -231,7 +231,8 @@ class TensorSource:
     return str(self._pickled[path][name].dtype).removeprefix("torch.")
 
 
-def _check_names_and_shapes(src: TensorSource, cfg: ModelConfig, shapes: Params) -> list[Row]:
+def _check_names_and_shapes(src: TensorSource, cfg: ModelConfig, shapes: Params,
+                            ignore: Callable[[str], bool] | None = None) -> list[Row]:
   rows = name_table(cfg)
   expected: dict[str, tuple[int, ...]] = {}
   for row in rows:
@@ -243,7 +244,8 @@ def _check_names_and_shapes(src: TensorSource, cfg: ModelConfig, shapes: Params)
   if missing:
     more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
     raise ElasticJaxError(f"{src.directory}: tensor '{missing[0]}' is missing{more}")
-  unused = sorted(n for n in src.names - set(expected) if not n.endswith(_IGNORED_SUFFIXES))
+  unused = sorted(n for n in src.names - set(expected)
+                  if not n.endswith(_IGNORED_SUFFIXES) and not (ignore and ignore(n)))
   if cfg.tie_word_embeddings and "lm_head.weight" in unused:
     # Some tied checkpoints store the shared matrix twice; accept it only if it is the same.
     if not np.array_equal(src.get("lm_head.weight"), src.get("model.embed_tokens.weight")):
@@ -262,16 +264,19 @@ def _check_names_and_shapes(src: TensorSource, cfg: ModelConfig, shapes: Params)
   return rows
 
 
-def load_hf_params(directory: str, cfg: ModelConfig, dtype: str, *,
+def load_hf_params(directory: str | TensorSource, cfg: ModelConfig, dtype: str, *,
                    allow_pickle: bool = False, show_progress: bool = True,
-                   put: Callable[[tuple[str, ...], np.ndarray], jax.Array] | None = None
-                   ) -> Params:
-  """Reads an HF checkpoint directory into our parameter tree.
+                   put: Callable[[tuple[str, ...], np.ndarray], jax.Array] | None = None,
+                   ignore: Callable[[str], bool] | None = None) -> Params:
+  """Reads an HF checkpoint directory (or an open TensorSource) into our parameter tree.
 
   `put(path, host_array)` places one leaf on the device(s); the default is `jax.device_put`.
-  A later issue passes a sharded placement here.
+  `ignore(name)` marks tensors another reader takes (the authors' routers), which are then
+  neither loaded nor refused as unused.
   """
-  src = TensorSource(directory, allow_pickle=allow_pickle)
+  src = (directory if isinstance(directory, TensorSource)
+         else TensorSource(directory, allow_pickle=allow_pickle))
+  directory = src.directory
   if dtype == "auto":
     dtype = src.dtype()
     if dtype not in _DTYPES:
@@ -279,7 +284,7 @@ def load_hf_params(directory: str, cfg: ModelConfig, dtype: str, *,
                             f"(pass dtype= one of {', '.join(_DTYPES)})")
   np_dtype = _DTYPES[dtype]
   shapes, _ = abstract_params(cfg, dtype)
-  rows = _check_names_and_shapes(src, cfg, shapes)
+  rows = _check_names_and_shapes(src, cfg, shapes, ignore)
   put = put or (lambda _, x: jax.device_put(x))
   params: Params = {}
   for row in progress(rows, desc="loading tensors", unit="param", enabled=show_progress):
@@ -303,28 +308,40 @@ _SAFETENSORS_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
 def write_hf_safetensors(params: Params, cfg: ModelConfig, directory: str, dtype: str,
-                         max_shard_bytes: int, show_progress: bool = False) -> list[str]:
+                         max_shard_bytes: int, show_progress: bool = False,
+                         extra: dict[str, np.ndarray] | None = None) -> list[str]:
   """Writes `model.safetensors`, or numbered shards plus an index when over `max_shard_bytes`.
 
   Streamed: every header is planned from the shapes first, then each of our leaves is fetched
   from the device once, converted, and its tensors written in place; host memory holds one
-  leaf at a time, whatever the model size.
+  leaf at a time, whatever the model size. `extra`: more tensors (name -> host array, in its
+  own dtype; e.g. the authors' routers) written after the backbone's.
   """
   np_dtype = np.dtype(_DTYPES[dtype])
-  plan: list[tuple[Row, int | None, str, tuple[int, ...]]] = []
+  extra = extra or {}
+  clash = sorted(set(extra) & {n for row in name_table(cfg) for n in _hf_names(row, cfg)})
+  if clash:
+    raise ElasticJaxError(f"tensor '{clash[0]}' would be written twice")
+  bad = sorted(n for n, x in extra.items() if str(x.dtype) not in _SAFETENSORS_CODES)
+  if bad:
+    raise ElasticJaxError(f"tensor '{bad[0]}' has dtype {extra[bad[0]].dtype}, which this "
+                          "writer does not support")
+  plan: list[tuple[str, tuple[int, ...], int, str]] = []   # name, shape, itemsize, dtype
   for row in name_table(cfg):
     ours = _get_path(params, row.path).shape
-    for i, name in enumerate(_hf_names(row, cfg)):
-      plan.append((row, i if row.stacked else None, name,
-                   row.hf_shape(ours[1:] if row.stacked else ours)))
-  shards: list[dict[str, tuple[tuple[int, ...], int, int]]] = [{}]
+    for name in _hf_names(row, cfg):
+      plan.append((name, row.hf_shape(ours[1:] if row.stacked else ours), np_dtype.itemsize,
+                   dtype))
+  for name, x in extra.items():
+    plan.append((name, tuple(x.shape), x.dtype.itemsize, str(x.dtype)))
+  shards: list[dict[str, tuple[tuple[int, ...], int, int, str]]] = [{}]
   size = 0
-  for _, _, name, shape in plan:
-    nbytes = math.prod(shape) * np_dtype.itemsize
+  for name, shape, itemsize, code in plan:
+    nbytes = math.prod(shape) * itemsize
     if shards[-1] and size + nbytes > max_shard_bytes:
       shards.append({})
       size = 0
-    shards[-1][name] = (shape, size, size + nbytes)
+    shards[-1][name] = (shape, size, size + nbytes, code)
     size += nbytes
   n = len(shards)
   files = ["model.safetensors" if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
@@ -333,16 +350,16 @@ def write_hf_safetensors(params: Params, cfg: ModelConfig, directory: str, dtype
   handles = []
   try:
     for k, shard in enumerate(shards):
-      header = {name: {"dtype": _SAFETENSORS_CODES[dtype], "shape": list(shape),
+      header = {name: {"dtype": _SAFETENSORS_CODES[code], "shape": list(shape),
                        "data_offsets": [begin, end]}
-                for name, (shape, begin, end) in shard.items()}
+                for name, (shape, begin, end, code) in shard.items()}
       header["__metadata__"] = {"format": "pt"}
       blob = json.dumps(header, separators=(",", ":")).encode()
       blob += b" " * (-len(blob) % 8)
       f = open(os.path.join(directory, files[k]), "wb")
       handles.append(f)
       f.write(len(blob).to_bytes(8, "little") + blob)
-      for name, (_, begin, _) in shard.items():
+      for name, (_, begin, _, _) in shard.items():
         where[name] = (k, 8 + len(blob) + begin)
     rows = progress(name_table(cfg), desc="writing tensors", unit="param",
                     enabled=show_progress)
@@ -355,11 +372,15 @@ def write_hf_safetensors(params: Params, cfg: ModelConfig, directory: str, dtype
         handles[k].seek(offset)
         handles[k].write(arr.tobytes())
       del leaf
+    for name, x in extra.items():
+      k, offset = where[name]
+      handles[k].seek(offset)
+      handles[k].write(np.ascontiguousarray(x).tobytes())
   finally:
     for f in handles:
       f.close()
   if n > 1:
-    total = sum(end - begin for shard in shards for _, begin, end in shard.values())
+    total = sum(end - begin for shard in shards for _, begin, end, _ in shard.values())
     weight_map = {name: files[k] for k, shard in enumerate(shards) for name in shard}
     with open(os.path.join(directory, SAFE_INDEX), "w") as f:
       json.dump({"metadata": {"total_size": total},

@@ -3,7 +3,8 @@
 Records. One JSON object per line, {"context", "question", "answer", "task"}; task is one of the
 authors' names ("Single QA", "MultiHop QA", "Summarization", "Code", "In-Context Learning") or
 our ids (objective.TASK_TYPES), case-insensitive. Blank lines are ignored; any other bad line
-fails with the file and its 1-based line number.
+fails with the file and its 1-based line number. A .parquet path (or a directory of them) is
+the authors' own data, SFT records or their packed rows (train/authors_data.py).
 
 Tokens of one record: prompt = prefix + context + question + suffix, then answer + EOS. With a
 chat template the prompt is the user turn (context, a blank line, the question) rendered with
@@ -199,6 +200,8 @@ class Encoded:
   starts: np.ndarray              # [N + 1] int64
   prompt_len: np.ndarray          # [N] int32
   task_ids: np.ndarray            # [N] int32
+  targets: np.ndarray | None = None  # [total] bool, tokens the loss predicts; None: every
+                                     # token after the prompt (the answer and its EOS)
 
   @property
   def lengths(self) -> np.ndarray:
@@ -280,7 +283,10 @@ def pack_rows(rows: list[list[int]], enc: Encoded, seq_len: int, max_segments: i
       end = off + n
       ids[i, off:end] = tok
       targets[i, off:end - 1] = tok[1:]
-      loss_mask[i, off + p - 1:end - 1] = True
+      if enc.targets is None:
+        loss_mask[i, off + p - 1:end - 1] = True
+      else:   # position t is trained when token t + 1 is a target
+        loss_mask[i, off:end - 1] = enc.targets[enc.starts[rec] + 1:enc.starts[rec + 1]]
       prompt_mask[i, off:off + p] = True
       segment_ids[i, off:end] = slot
       positions[i, off:end] = np.arange(n, dtype=np.int32)
@@ -327,12 +333,19 @@ class TrainData:
       tokenizer = load_tokenizer(os.fspath(tokenizer))
     self.tokenizer = tokenizer
     self.format = prompt_format(self.tokenizer, use_chat_template)
-    records = read_records(path)
-    self.encoded, self._stats = encode_records(records, self.tokenizer, seq_len, self.format,
-                                               overlong, source=path)
+    from elastic_jax.train import authors_data
+    if authors_data.is_authors_data(path):
+      if overlong not in OVERLONG:
+        raise ElasticJaxError(f"overlong policy '{overlong}' is unknown (known: {OVERLONG})")
+      self.encoded, self._stats = authors_data.encode(path, self.tokenizer, seq_len, overlong,
+                                                      use_chat_template)
+    else:
+      records = read_records(path)
+      self.encoded, self._stats = encode_records(records, self.tokenizer, seq_len,
+                                                 self.format, overlong, source=path)
     if not len(self.encoded):
-      raise ElasticJaxError(f"{path}: none of its {len(records)} records fits seq_len {seq_len} "
-                            f"(overlong policy '{overlong}')")
+      raise ElasticJaxError(f"{path}: none of its {self._stats['records_read']} records fits "
+                            f"seq_len {seq_len} (overlong policy '{overlong}')")
     pad = self.tokenizer.pad_token_id
     self.pad_id = int(self.tokenizer.eos_token_id if pad is None else pad)
     self._lengths = self.encoded.lengths
@@ -349,8 +362,9 @@ class TrainData:
     h = hashlib.sha256(json.dumps([self.seq_len, self.batch_size, self.max_segments, self.seed,
                                    overlong, self.num_epochs]).encode())
     for a in (self.encoded.tokens, self.encoded.starts, self.encoded.prompt_len,
-              self.encoded.task_ids):
-      h.update(np.ascontiguousarray(a).tobytes())
+              self.encoded.task_ids, self.encoded.targets):
+      if a is not None:
+        h.update(np.ascontiguousarray(a).tobytes())
     return h.hexdigest()[:16]
 
   @property

@@ -1,12 +1,17 @@
-"""The trained routers, written out at the end of a run, in two layouts.
+"""The trained routers, written out at the end of a run, in up to three layouts.
 
-ours     `routers.safetensors` (router params stacked over layers, [L, ...], and the
-         multipliers) plus `routers.json` (router config, objective targets, backbone shape):
-         what `load_routers` reads back.
-authors  `routers.safetensors` under the authors' tensor names (SPEC.md section 9), one set per
-         layer, PyTorch Linear layout (weight [out, in]), plus `config_extra.json` with the
-         keys their config adds. Not written for a static router (the authors' layout has no
-         place for its per-head logits).
+ours        `routers.safetensors` (router params stacked over layers, [L, ...], and the
+            multipliers) plus `routers.json` (router config, objective targets, backbone
+            shape): what `load_routers` reads back.
+authors     `routers.safetensors` under the authors' tensor names (convert/authors.py), one
+            set per layer, PyTorch Linear layout (weight [out, in]), plus `config_extra.json`
+            with the keys their config adds. Written when their layout can express the
+            router (not a static one, not FA-XA, blocks of 128 tokens, ...); otherwise a note
+            says why not.
+full_model  (export.full_model) the backbone with these routers merged in, in the authors'
+            full-model layout: a directory their code, transformers and `from_pretrained`
+            load (`python -m elastic_jax.convert MODEL OUT --routers EXPORT` does the same
+            afterwards).
 Each directory is written whole or not at all.
 """
 
@@ -20,38 +25,27 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from elastic_jax.config import ModelConfig
+from elastic_jax.config import AUTHORS_ARCHITECTURES, ModelConfig
+from elastic_jax.convert import authors
 from elastic_jax.errors import ElasticJaxError
 from elastic_jax.router import RouterConfig
 from elastic_jax.utils import atomic_directory
 
-# Our stacked router tensors -> (authors' module, Linear index) per layer.
-AUTHORS_LINEARS = {
-    "task_w1": ("cls_feat_extractor", 0), "task_w2": ("cls_feat_extractor", 2),
-    "route_w1": ("cls_router_head_agnostic", 0), "route_w2": ("cls_router_head_agnostic", 2),
-    "route_w3": ("cls_router_head_agnostic", 4),
-}
-_PREFIX = "model.layers.{i}.self_attn.mask_allocator.{module}.{index}.{kind}"
+AUTHORS_LINEARS = authors.ROUTER_LINEARS
 
 
-def authors_tensors(trainable: dict[str, Any], num_layers: int) -> dict[str, np.ndarray]:
-  """The router and multipliers under the authors' names (float32)."""
-  router = {k: np.asarray(v, np.float32) for k, v in trainable["router"].items()}
-  out = {}
-  for name, (module, index) in AUTHORS_LINEARS.items():
-    bias = router[name.replace("w", "b")]
-    for i in range(num_layers):
-      out[_PREFIX.format(i=i, module=module, index=index, kind="weight")] = np.ascontiguousarray(
-          router[name][i].T)
-      out[_PREFIX.format(i=i, module=module, index=index, kind="bias")] = bias[i].copy()
-  lam = trainable["lambdas"]
-  out["model.sparsity_lambda1_task"] = np.asarray(lam["l1"], np.float32)
-  out["model.sparsity_lambda2_task"] = np.asarray(lam["l2"], np.float32)
-  return out
+def authors_layout_problem(rcfg: RouterConfig) -> str | None:
+  """Why the authors' layout cannot hold routers of this config, or None if it can."""
+  try:
+    authors.authors_keys(rcfg, lambdas=True)
+  except ElasticJaxError as e:
+    return str(e)
+  return None
 
 
 def export_routers(cfg, mcfg: ModelConfig, trainable: dict[str, Any]) -> dict[str, str]:
-  """Writes the layouts `cfg.export` asks for under `cfg.export_dir`; returns their paths."""
+  """Writes the router layouts `cfg.export` asks for under `cfg.export_dir`; returns their
+  paths (and, under "notes", why a layout was left out)."""
   rcfg: RouterConfig = cfg.router
   meta = {"format": "elastic_jax.routers", "version": 1,
           "router": dataclasses.asdict(rcfg),
@@ -69,20 +63,38 @@ def export_routers(cfg, mcfg: ModelConfig, trainable: dict[str, Any]) -> dict[st
       with open(os.path.join(tmp, "routers.json"), "w") as f:
         json.dump(meta, f, indent=1)
     paths["ours"] = target
-  if cfg.export.authors and not rcfg.static:
+  problem = authors_layout_problem(rcfg)
+  if cfg.export.authors and problem:
+    paths["notes"] = f"export.authors skipped: {problem}"
+  elif cfg.export.authors:
     target = os.path.join(cfg.export_dir, "authors")
-    extra = {"architectures": [f"Paw{'Qwen3' if mcfg.family == 'qwen3' else 'Llama'}ForCausalLM"],
-             "toggle_type": "streaming", "sink_size": rcfg.sink_blocks * rcfg.block,
-             "local_window_size": rcfg.local_blocks * rcfg.block, "retrieval_mode": "full",
-             "pooling_mode": rcfg.pooling, "use_softmax": rcfg.relaxation == "softmax",
-             "enable_ada_sparsity": True}
+    extra = {"architectures": [AUTHORS_ARCHITECTURES[mcfg.family]],
+             **authors.authors_keys(rcfg, lambdas=True)}
+    tensors = authors.authors_tensors(trainable["router"], trainable["lambdas"],
+                                      mcfg.num_layers)
     with atomic_directory(target, overwrite=True) as tmp:
-      save_file(authors_tensors(trainable, mcfg.num_layers),
-                os.path.join(tmp, "routers.safetensors"))
+      save_file(tensors, os.path.join(tmp, "routers.safetensors"))
       with open(os.path.join(tmp, "config_extra.json"), "w") as f:
         json.dump(extra, f, indent=1)
     paths["authors"] = target
   return paths
+
+
+def export_full_model(cfg, mcfg: ModelConfig, backbone, trainable: dict[str, Any]) -> str:
+  """The backbone (on this process's devices) with the trained routers, in the authors'
+  full-model layout under EXPORT_DIR/full_model; returns the path."""
+  from elastic_jax.api import ElasticModel, save_pretrained
+  from elastic_jax.config import read_config_file, read_hf_config
+  from elastic_jax.train.run_config import resolve_model_path
+  path = resolve_model_path(cfg.model)
+  raw = (read_config_file(path) if cfg.model.random_init else read_hf_config(path))[1]
+  model = ElasticModel(mcfg, backbone, raw,
+                       source_dir=None if cfg.model.random_init else path,
+                       router_params=trainable["router"], router_config=cfg.router,
+                       lambdas=trainable["lambdas"])
+  target = os.path.join(cfg.export_dir, "full_model")
+  save_pretrained(model, target, overwrite=True)
+  return target
 
 
 def load_routers(directory: str) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -300,6 +300,14 @@ def evaluate_msr(cfg: RunConfig, mcfg: ModelConfig, backbone, router, data, batc
 def train(cfg: RunConfig) -> dict[str, Any]:
   """Trains the routers as `cfg` says; returns a summary (final step, metrics, eval MSR)."""
   _, mesh, rules, micro = mesh_layout(cfg)
+  if cfg.export.full_model:
+    if jax.process_count() > 1:
+      raise ElasticJaxError("export.full_model runs in a single process; on many hosts, merge "
+                            "the exported routers afterwards with python -m elastic_jax.convert "
+                            "MODEL OUT --to-hf --routers EXPORT_DIR/elastic_jax")
+    problem = export.authors_layout_problem(cfg.router)
+    if problem:
+      raise ElasticJaxError(f"export.full_model: {problem}")
 
   t0 = time.perf_counter()
   mcfg, backbone = load_backbone(cfg, mesh)
@@ -391,5 +399,13 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                    "targets": dict(zip(TASK_TYPES, cfg.objective.targets))}, f, indent=1)
   if jax.process_index() == 0 and (cfg.export.ours or cfg.export.authors):
     summary["export"] = export.export_routers(cfg, mcfg, jax.device_get(state.trainable))
+    if "notes" in summary["export"]:
+      say(f"note: {summary['export']['notes']}")
+  if cfg.export.full_model:
+    trainable = jax.device_get(state.trainable)
+    summary.setdefault("export", {})["full_model"] = export.export_full_model(
+        cfg, mcfg, backbone, trainable)
+    say(f"full model (backbone + routers, the authors' layout): "
+        f"{summary['export']['full_model']}")
   return summary
 

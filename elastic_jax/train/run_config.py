@@ -116,8 +116,9 @@ class MixtureConfig:
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   """Training and evaluation data, packed into rows of seq_len tokens."""
-  train_path: str | None = None      # JSONL of task-tagged samples; null = synthetic batches
-  eval_path: str | None = None       # JSONL for held-out evaluation; null = none
+  train_path: str | None = None      # JSONL of task-tagged samples, or the authors' parquet
+                                     # data (a file or a directory); null = synthetic batches
+  eval_path: str | None = None       # the same, for held-out evaluation; null = none
   tokenizer: str | None = None       # tokenizer dir; null = the model dir
   seq_len: int = 65536               # tokens per packed row
   global_batch: int = 48             # rows per optimizer step
@@ -184,7 +185,10 @@ class LogConfig:
 class ExportConfig:
   """What is written at the end of training."""
   ours: bool = True                  # routers + multipliers + router config, our format
-  authors: bool = True               # the same under the authors' names (SPEC.md section 9)
+  authors: bool = True               # the same under the authors' names (SPEC.md section 9),
+                                     # when their layout can express the router
+  full_model: bool = False           # also the backbone with the routers merged in, the
+                                     # authors' full-model layout (EXPORT_DIR/full_model)
   dir: str | None = None             # null = RUN_DIR/export
 
 
