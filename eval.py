@@ -23,6 +23,7 @@ LongBench data: the published JSONL files of THUDM/LongBench (data/*.jsonl; Long
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -30,6 +31,25 @@ import sys
 import time
 
 import numpy as np
+
+
+def _positive_int(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+  return value
+
+
+def _int_list(text: str) -> str:
+  items = [x.strip() for x in text.split(",") if x.strip()]
+  if not items:
+    raise argparse.ArgumentTypeError("needs at least one value")
+  for x in items:
+    _positive_int(x)
+  return text
 
 
 def _common(p, model_default=None, dtype_default="bfloat16"):
@@ -41,6 +61,9 @@ def _common(p, model_default=None, dtype_default="bfloat16"):
                                    "authors' released models)")
   p.add_argument("--attention", help="comma-separated settings: full,elastic,sparse,static")
   p.add_argument("--out", help="output directory (default runs/eval_<benchmark>)")
+  p.add_argument("--overwrite", action="store_true",
+                 help="start over in --out: drop predictions another model, routers, dtype, "
+                      "implementation or setting made there (default: refuse to mix them)")
   p.add_argument("--dtype", default=dtype_default)
   p.add_argument("--impl", default="auto", help="attention implementation (default auto)")
   from elastic_jax.attention.reference import SETTINGS
@@ -48,7 +71,7 @@ def _common(p, model_default=None, dtype_default="bfloat16"):
                  help="what full and sparse heads run (default: the routers' setting, else "
                       "fa-ssa); xa = XAttention's content-chosen blocks")
   p.add_argument("--xa-threshold", type=float, help="XAttention's mass threshold (default 0.9)")
-  p.add_argument("--batch-size", type=int, default=1)
+  p.add_argument("--batch-size", type=_positive_int, default=1)
   p.add_argument("--chat", choices=("auto", "on", "off"), default="auto",
                  help="wrap prompts in the tokenizer's chat template (auto: when it has one)")
 
@@ -59,28 +82,30 @@ def parse_args(argv=None):
   sub = p.add_subparsers(dest="command", required=True)
   r = sub.add_parser("ruler", help="RULER synthetic tasks, generated locally")
   _common(r)
-  r.add_argument("--lengths", default="4096", help="comma-separated context lengths (tokens)")
+  r.add_argument("--lengths", default="4096", type=_int_list,
+                 help="comma-separated context lengths (tokens)")
   r.add_argument("--tasks", default="niah_single_1,niah_multikey_1,vt,cwe")
-  r.add_argument("--samples", type=int, default=4, help="samples per task and length")
+  r.add_argument("--samples", type=_positive_int, default=4, help="samples per task and length")
   r.add_argument("--seed", type=int, default=0)
   mx = sub.add_parser("mixture", help="the reproduction's synthetic task mixture "
                       "(elastic_jax/repro/mixture.py), seen and held-out variants")
   _common(mx, model_default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                          "elastic_jax", "repro", "backbone"),
           dtype_default="float32")     # a 2.6M-parameter model: float32 costs nothing
-  mx.add_argument("--lengths", default="384",
+  mx.add_argument("--lengths", default="384", type=_int_list,
                   help="prompt lengths (tokens) of the seen variant: training templates")
-  mx.add_argument("--heldout-lengths", default="896",
+  mx.add_argument("--heldout-lengths", default="896", type=_int_list,
                   help="prompt lengths of the held-out variant: the held-out template")
   mx.add_argument("--tasks", default="kv,hop,summary,pattern,fewshot")
-  mx.add_argument("--samples", type=int, default=8, help="samples per task, variant and length")
+  mx.add_argument("--samples", type=_positive_int, default=8,
+                  help="samples per task, variant and length")
   mx.add_argument("--seed", type=int, default=0)
   for name in ("longbench", "longbench-v2"):
     lb = sub.add_parser(name, help=f"{name} from local files")
     _common(lb)
     lb.add_argument("--data", required=True, help="directory holding the published files")
-    lb.add_argument("--limit", type=int, help="at most this many records per dataset")
-    lb.add_argument("--max-length", type=int, default=None,
+    lb.add_argument("--limit", type=_positive_int, help="at most this many records per dataset")
+    lb.add_argument("--max-length", type=_positive_int, default=None,
                     help="prompt tokens kept (middle truncation; default LongBench's 31500, "
                          "120000 for v2, capped by the model)")
     if name == "longbench":
@@ -92,7 +117,7 @@ def parse_args(argv=None):
   src.add_argument("--text", help="UTF-8 text file, tokenized with DIR's tokenizer")
   src.add_argument("--ids", help="JSON file holding a list of token ids")
   pp.add_argument("--dtype", default="bfloat16")
-  pp.add_argument("--max-tokens", type=int, default=4096)
+  pp.add_argument("--max-tokens", type=_positive_int, default=4096)
   return p.parse_args(argv)
 
 
@@ -227,7 +252,7 @@ def longbench_items(args, tokenizer, max_positions: int, v2: bool):
   else:
     records = lb.load_longbench(args.data, _csv(args.datasets) if args.datasets else None,
                                 e=args.e, limit=args.limit)
-  default = lb.V2_MODEL_MAX_LENGTH if v2 else 31500
+  default = lb.V2_DEFAULT_MAX_LENGTH if v2 else lb.V1_MAX_LENGTH
   items, by_key = [], {}
   for rec in records:
     max_new = lb.V2_MAX_NEW_TOKENS if v2 else lb.MAX_NEW_TOKENS[rec.dataset]
@@ -258,27 +283,83 @@ def longbench_score(by_key, v2: bool):
   return score
 
 
-def _check_setting(out: str, setting: dict) -> None:
-  """Predictions in `out` are reused on a rerun: only under the head setting that made them."""
+def _files_digest(root: str, names) -> str:
+  """sha256 of (name, size, mtime) of each file: which weights, without reading them."""
+  import hashlib
+  h = hashlib.sha256()
+  for name in sorted(names):
+    st = os.stat(os.path.join(root, name))
+    h.update(f"{name}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+  return h.hexdigest()[:16]
+
+
+def provenance(args, model) -> dict:
+  """What produced predictions: reused on a rerun only if all of it is the same."""
+  import hashlib
+  import jax
+  root = os.path.realpath(args.model)
+  weights = []
+  for dirpath, _, files in os.walk(root):
+    for f in files:
+      if f.endswith((".safetensors", ".bin", ".json")) or "/params" in dirpath:
+        weights.append(os.path.relpath(os.path.join(dirpath, f), root))
+  routers = None
+  if model.router_params is not None:
+    h = hashlib.sha256()
+    for k in sorted(model.router_params):
+      h.update(k.encode() + np.asarray(jax.device_get(model.router_params[k])).tobytes())
+    routers = h.hexdigest()[:16]
+  rcfg = model.router_config
+  return {"setting": rcfg.setting,
+          **({"xa_threshold": rcfg.xa_threshold} if rcfg.uses_xattention else {}),
+          "model": root, "weights": _files_digest(root, weights), "routers": routers,
+          "dtype": args.dtype, "impl": args.impl, "chat": args.chat,
+          "seed": getattr(args, "seed", None)}
+
+
+def _check_provenance(out: str, record: dict, overwrite: bool) -> None:
+  """Predictions in `out` are reused on a rerun only if the same model, weights, routers,
+  dtype, implementation, head setting, chat mode and seed made them (setting.json)."""
   from elastic_jax.errors import ElasticJaxError
   from elastic_jax.utils import atomic_write_text
   path = os.path.join(out, "setting.json")
-  if os.path.exists(path):
+  if os.path.exists(path) and not overwrite:
     try:
       with open(path, encoding="utf-8") as f:
         before = json.load(f)
+      if not isinstance(before, dict):
+        raise ValueError("not a JSON object")
     except (OSError, ValueError) as e:
-      raise ElasticJaxError(f"{path} cannot be read ({e}); pass another --out") from None
-    if before != setting:
-      raise ElasticJaxError(f"{out} holds predictions made with {before}, not {setting}: pass "
-                            "another --out")
+      raise ElasticJaxError(f"{path} cannot be read ({e}); pass another --out, or --overwrite "
+                            "to start over there") from None
+    diff = [k for k in record if before.get(k, "(not recorded)") != record[k]]
+    if diff:
+      k = diff[0]
+      raise ElasticJaxError(f"{out} holds predictions made with {k} {before.get(k, '(not recorded)')!r}, "
+                            f"not {record[k]!r}: pass another --out, or --overwrite to start "
+                            "over there")
     return
+  if overwrite:
+    for name in ("predictions.jsonl", "setting.json", "report.json", "report.md"):
+      with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(out, name))
   os.makedirs(out, exist_ok=True)
-  atomic_write_text(path, json.dumps(setting) + "\n")
+  atomic_write_text(path, json.dumps(record) + "\n")
+
+
+def _check_out(out: str, args) -> None:
+  from elastic_jax.errors import ElasticJaxError
+  from elastic_jax.utils import check_apart
+  if os.path.exists(out) and not os.path.isdir(out):
+    raise ElasticJaxError(f"--out {out}: is a file, not a directory")
+  check_apart(out, [args.model, getattr(args, "routers", None), getattr(args, "data", None)],
+              "an input (--model, --routers or --data)")
 
 
 def run_benchmark(args) -> int:
   from elastic_jax.eval import metrics, report, runner
+  if args.out:
+    _check_out(args.out, args)
   model, routers, tokenizer = _load(args)
   settings = _settings(args, routers)
   runner.check_settings(settings, routers)
@@ -301,7 +382,7 @@ def run_benchmark(args) -> int:
   out = args.out or os.path.join(
       "runs", f"eval_{args.command.replace('-', '_')}"
       + ("" if rcfg.setting == "fa-ssa" else f"_{rcfg.setting}"))
-  _check_setting(out, setting)
+  _check_provenance(out, provenance(args, model), args.overwrite)
   t0 = time.perf_counter()
   records = runner.run(model, tokenizer, items, settings, out, router_params=routers,
                        batch_size=args.batch_size, attn_impl=args.impl)
@@ -324,7 +405,11 @@ def perplexity(args) -> int:
   try:
     if args.ids:
       with open(args.ids) as f:
-        ids = np.asarray(json.load(f), dtype=np.int64)
+        raw = json.load(f)
+      if not isinstance(raw, list) or not all(isinstance(x, int) and not isinstance(x, bool)
+                                              for x in raw):
+        raise ElasticJaxError(f"--ids {args.ids}: must hold a JSON list of token ids")
+      ids = np.asarray(raw, dtype=np.int64)
     else:
       from elastic_jax.train.data import load_tokenizer
       with open(args.text, encoding="utf-8") as f:

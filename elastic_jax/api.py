@@ -227,9 +227,23 @@ def attach_routers(model: ElasticModel, directory: str | os.PathLike) -> Elastic
                           f"{want[wrong[0]]}, this model has {have[wrong[0]]}")
   try:
     rcfg = RouterConfig(**meta["router"])
-  except (TypeError, ValueError) as e:
+  except (KeyError, TypeError, ValueError) as e:
     raise ElasticJaxError(f"{directory}: routers.json holds an unusable router config "
                           f"({e})") from None
+  from elastic_jax.router import init_router_params
+  want = jax.eval_shape(lambda: init_router_params(model.config, rcfg, jax.random.key(0)))
+  got = trainable["router"]
+  for name in sorted(set(want) | set(got)):
+    if name not in got:
+      raise ElasticJaxError(f"{directory}: router tensor 'router.{name}' is missing")
+    if name not in want:
+      raise ElasticJaxError(f"{directory}: router tensor 'router.{name}' is not one this router "
+                            "config has")
+    if tuple(got[name].shape) != tuple(want[name].shape):
+      raise ElasticJaxError(f"{directory}: router tensor 'router.{name}' has shape "
+                            f"{list(got[name].shape)}, this model needs "
+                            f"{list(want[name].shape)} (head_dim {model.config.head_dim}, "
+                            f"{model.config.num_layers} layers)")
   lambdas = trainable.get("lambdas") or None
   extras = model.authors_extras
   if extras is not None:   # float32 routers replace the directory's: keep their precision
@@ -264,6 +278,24 @@ def _router_tensors(model: ElasticModel) -> dict[str, np.ndarray]:
   return out
 
 
+def _check_params(model: ElasticModel) -> None:
+  """Every parameter has the shape the config gives it: a changed tree would otherwise be
+  written as a checkpoint that does not load."""
+  shapes, _ = abstract_params(model.config, model.dtype)
+  want = {jax.tree_util.keystr(p): tuple(x.shape)
+          for p, x in jax.tree_util.tree_leaves_with_path(shapes)}
+  have = {jax.tree_util.keystr(p): tuple(np.shape(x))
+          for p, x in jax.tree_util.tree_leaves_with_path(model.params)}
+  for key in sorted(set(want) | set(have)):
+    if key not in have:
+      raise ElasticJaxError(f"the model has no parameter {key}, which its config needs")
+    if key not in want:
+      raise ElasticJaxError(f"parameter {key} is not part of a model with this config")
+    if have[key] != want[key]:
+      raise ElasticJaxError(f"parameter {key} has shape {list(have[key])}, but the config "
+                            f"makes it {list(want[key])}; nothing was written")
+
+
 def _writes_routers(model: ElasticModel, routers: bool) -> bool:
   if not routers or model.router_params is None:
     return False
@@ -284,10 +316,12 @@ def save_pretrained(model: ElasticModel, directory: str | os.PathLike, *,
   Written atomically: on failure nothing is left at `directory`.
   """
   dtype = _check_dtype(dtype or model.dtype, allow_auto=False)
+  _check_params(model)
   with_routers = _writes_routers(model, routers)
   config = _hf_config_for_export(model, dtype, with_routers)
   extra = _router_tensors(model) if with_routers else None
-  with atomic_directory(os.fspath(directory), overwrite=overwrite) as tmp:
+  with atomic_directory(os.fspath(directory), overwrite=overwrite,
+                        protect=[model.source_dir]) as tmp:
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(config, f, indent=2, sort_keys=True)
     checkpoint.copy_side_files(model.source_dir, tmp)
@@ -300,10 +334,12 @@ def save_converted(model: ElasticModel, directory: str | os.PathLike, *,
   """Writes our own format (orbax params + config; routers, if any, in routers.safetensors
   under the authors' names), atomically."""
   from safetensors.numpy import save_file
+  _check_params(model)
   with_routers = _writes_routers(model, routers)
   config = _hf_config_for_export(model, model.dtype, with_routers)
   extra = _router_tensors(model) if with_routers else None
-  with atomic_directory(os.fspath(directory), overwrite=overwrite) as tmp:
+  with atomic_directory(os.fspath(directory), overwrite=overwrite,
+                        protect=[model.source_dir]) as tmp:
     checkpoint.copy_side_files(model.source_dir, tmp)
     if extra:
       save_file({k: np.array(v, order="C") for k, v in extra.items()},

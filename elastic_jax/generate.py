@@ -115,8 +115,16 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   """
   if attention not in MODES:
     raise ElasticJaxError(f"attention='{attention}' is not one of {', '.join(MODES)}")
-  if not prompts or any(len(p) == 0 for p in prompts):
+  if isinstance(prompts, (str, bytes)) or not prompts or any(
+      isinstance(p, (str, bytes)) or not hasattr(p, "__len__") for p in prompts):
+    raise ElasticJaxError("prompts must be a list of token-id lists (tokenize text first)")
+  if any(len(p) == 0 for p in prompts):
     raise ElasticJaxError("every prompt needs at least one token")
+  for p in prompts:
+    arr = np.asarray(p)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+      raise ElasticJaxError(f"prompts must hold integer token ids, got {arr.dtype} "
+                            f"{list(arr.shape)}")
   if sampling.stop and tokenizer is None:
     raise ElasticJaxError("stop strings need a tokenizer to decode the generated text")
   if attention == "elastic" and router_params is None:

@@ -6,7 +6,42 @@ import jax
 import jax.numpy as jnp
 
 from elastic_jax.attention import HYBRID_IMPLS, Streaming
+from elastic_jax.attention.reference import SETTINGS
 from elastic_jax.errors import ElasticJaxError
+
+
+def _concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def _check_inputs(q, k, v, gate, segment_ids, positions) -> None:
+  for name, x, rank in (("q", q, 4), ("k", k, 4), ("v", v, 4)):
+    if getattr(x, "ndim", None) != rank:
+      raise ElasticJaxError(f"{name} must be [B, T, heads, D], got shape "
+                            f"{list(getattr(x, 'shape', ()))}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise ElasticJaxError(f"{name} must be a floating-point array, got {x.dtype}")
+  if k.shape != v.shape:
+    raise ElasticJaxError(f"k and v differ in shape: {list(k.shape)} and {list(v.shape)}")
+  b, t, hq, d = q.shape
+  if k.shape[:2] != (b, t) or k.shape[3] != d:
+    raise ElasticJaxError(f"q {list(q.shape)} and k/v {list(k.shape)} must share batch, length "
+                          "and head_dim (self-attention: q, k and v are the same tokens)")
+  if hq % k.shape[2]:
+    raise ElasticJaxError(f"q has {hq} heads, not a multiple of k/v's {k.shape[2]} (GQA)")
+  if not (jnp.issubdtype(gate.dtype, jnp.floating) or jnp.issubdtype(gate.dtype, jnp.integer)
+          or gate.dtype == jnp.bool_):
+    raise ElasticJaxError(f"gate must be numeric, got {gate.dtype}")
+  if _concrete(gate):
+    g = jnp.asarray(gate)
+    if bool(jnp.any((g < 0) | (g > 1) | jnp.isnan(g.astype(jnp.float32)))):
+      raise ElasticJaxError("gate values must lie in [0, 1] (1 = full attention)")
+  for name, x in (("segment_ids", segment_ids), ("positions", positions)):
+    if x is None:
+      continue
+    if tuple(x.shape) != (b, t) or not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ElasticJaxError(f"{name} must be integers [B, T] = {[b, t]}, got "
+                            f"{x.dtype}{list(x.shape)}")
 
 
 def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, gate: jax.Array, *,
@@ -31,10 +66,15 @@ def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, gate: jax.Array, 
       (r = 1 heads do), with xa_keep [B, Hkv, nb, nb] bool the kept blocks of xa_block tokens
       (`elastic_jax.attention.xattention.select`).
   Differentiable in q, k, v and gate (the kept blocks are constants).
+
+  Shapes and dtypes are checked up front, one sentence each. Values (gates in [0, 1]; segment
+  ids as contiguous runs) are checked when they are concrete, i.e. not under `jax.jit`, where
+  only shapes and dtypes are known: inside jit the caller vouches for them.
   """
   if impl not in HYBRID_IMPLS:
     raise ElasticJaxError(f"hybrid attention impl '{impl}' is unknown (known: "
                           f"{', '.join(sorted(HYBRID_IMPLS))})")
+  _check_inputs(q, k, v, gate, segment_ids, positions)
   b, t = q.shape[:2]
   hkv = k.shape[2]
   if gate.shape == (b, hkv):
@@ -42,9 +82,15 @@ def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, gate: jax.Array, 
   elif gate.shape != (b, t, hkv):
     raise ElasticJaxError(f"gate has shape {list(gate.shape)}; expected [B, Hkv] = "
                           f"{[b, hkv]} or [B, T, Hkv] = {[b, t, hkv]}")
+  if setting not in SETTINGS:
+    raise ElasticJaxError(f"setting '{setting}' is unknown (known: {', '.join(SETTINGS)})")
   if setting != "fa-ssa":
     if xa_keep is None:
       raise ElasticJaxError(f"setting '{setting}' needs the kept XAttention blocks (xa_keep)")
+    nb = -(-t // xa_block)
+    if tuple(xa_keep.shape) != (b, hkv, nb, nb) or xa_keep.dtype != jnp.bool_:
+      raise ElasticJaxError(f"xa_keep is {xa_keep.dtype}{list(xa_keep.shape)}; expected bool "
+                            f"[B, Hkv, nb, nb] = {[b, hkv, nb, nb]} for blocks of {xa_block}")
     impl_kwargs.update(setting=setting, xa_keep=xa_keep, xa_block=xa_block)
   return HYBRID_IMPLS[impl](q, k, v, gate, Streaming(sink_blocks, local_blocks, block),
                             segment_ids, positions, **impl_kwargs)

@@ -37,28 +37,133 @@ def text_lines(path: str, where: Callable[[int], str]) -> Iterator[tuple[int, st
         yield line_no, text
 
 
+def _real(path: str | os.PathLike) -> str:
+  return os.path.realpath(os.path.abspath(os.fspath(path)))
+
+
+def check_apart(out: str | os.PathLike, protected: Iterable[str | os.PathLike | None],
+                what: str = "the input") -> None:
+  """Refuses an output directory that is, contains or lies inside a protected one (paths
+  resolved, symlinks followed): replacing it could delete the input."""
+  o = _real(out)
+  for p in protected:
+    if p is None:
+      continue
+    q = _real(p)
+    if o == q:
+      rel = "is"
+    elif q.startswith(o.rstrip(os.sep) + os.sep):
+      rel = "contains"
+    elif o.startswith(q.rstrip(os.sep) + os.sep):
+      rel = "lies inside"
+    else:
+      continue
+    raise ElasticJaxError(f"{os.fspath(out)}: the output {rel} {what} ({os.fspath(p)}); "
+                          "choose an output directory apart from it")
+
+
+def check_creatable(path: str | os.PathLike, what: str) -> None:
+  """Refuses a directory path that exists as a file, or whose nearest existing ancestor is a
+  file or not writable: found before any work is done, without creating anything."""
+  path = os.path.abspath(os.fspath(path))
+  if os.path.exists(path):
+    if not os.path.isdir(path):
+      raise ElasticJaxError(f"{what} '{path}': is a file, not a directory")
+    if not os.access(path, os.W_OK):
+      raise ElasticJaxError(f"{what} '{path}': is not writable")
+    return
+  parent = os.path.dirname(path)
+  while not os.path.exists(parent):
+    parent = os.path.dirname(parent)
+  if not os.path.isdir(parent):
+    raise ElasticJaxError(f"{what} '{path}': cannot be created ({parent} is a file)")
+  if not os.access(parent, os.W_OK):
+    raise ElasticJaxError(f"{what} '{path}': cannot be created ({parent} is not writable)")
+
+
+_PARTIAL = ".partial-"
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def _clean_stale_partials(parent: str, name: str) -> list[str]:
+  """Removes `.NAME.partial-*` folders of `name` left by runs that died (their process is
+  gone, or an older layout without a process id); returns what it removed."""
+  removed = []
+  prefix = f".{name}{_PARTIAL}"
+  try:
+    entries = os.listdir(parent)
+  except OSError:
+    return removed
+  for entry in entries:
+    if not entry.startswith(prefix):
+      continue
+    rest = entry[len(prefix):].removesuffix(".old")
+    pid = rest.split("-", 1)[0]
+    if pid.isdigit() and "-" in rest and _pid_alive(int(pid)):
+      continue                                   # another live run is writing it
+    path = os.path.join(parent, entry)
+    if os.path.isdir(path) and not os.path.islink(path):
+      shutil.rmtree(path, ignore_errors=True)
+    else:
+      with contextlib.suppress(OSError):
+        os.remove(path)
+    removed.append(path)
+  return removed
+
+
+def _remove(path: str) -> None:
+  if os.path.isdir(path) and not os.path.islink(path):
+    shutil.rmtree(path, ignore_errors=True)
+  else:
+    with contextlib.suppress(OSError):
+      os.remove(path)
+
+
 @contextlib.contextmanager
-def atomic_directory(target: str, overwrite: bool = False) -> Iterator[str]:
+def atomic_directory(target: str, overwrite: bool = False,
+                     protect: Iterable[str | os.PathLike | None] = ()) -> Iterator[str]:
   """Yields a fresh temporary directory beside `target`; renames it to `target` on success.
 
   On any failure (an exception, Ctrl-C, SIGTERM turned into SystemExit) the temporary
   directory is removed and `target` is left as it was: a reader never sees a half-written
-  output. With `overwrite`, an existing `target` is replaced only after the new one is whole.
+  output. With `overwrite`, an existing `target` (directory or file) is replaced only after
+  the new one is whole. `protect`: inputs the target must neither be, contain nor lie inside
+  (`check_apart`). Temporary folders of the same target that a killed run left behind are
+  removed first.
   """
   target = os.path.abspath(target)
+  check_apart(target, protect)
   if os.path.exists(target) and not overwrite:
     raise ElasticJaxError(f"{target}: already exists (pass --overwrite to replace it)")
   parent = os.path.dirname(target)
-  os.makedirs(parent, exist_ok=True)
-  tmp = os.path.join(parent, f".{os.path.basename(target)}.partial-{uuid.uuid4().hex[:8]}")
-  os.makedirs(tmp)
+  try:
+    os.makedirs(parent, exist_ok=True)
+  except OSError as e:
+    raise ElasticJaxError(f"{parent}: cannot create the output's folder "
+                          f"({e.strerror or e})") from None
+  _clean_stale_partials(parent, os.path.basename(target))
+  tmp = os.path.join(parent, f".{os.path.basename(target)}{_PARTIAL}{os.getpid()}-"
+                             f"{uuid.uuid4().hex[:8]}")
+  try:
+    os.makedirs(tmp)
+  except OSError as e:
+    raise ElasticJaxError(f"{parent}: cannot write there ({e.strerror or e})") from None
   try:
     yield tmp
-    if os.path.exists(target):
+    if os.path.lexists(target):
       old = tmp + ".old"
       os.replace(target, old)
       os.replace(tmp, target)
-      shutil.rmtree(old, ignore_errors=True)
+      _remove(old)
     else:
       os.replace(tmp, target)
   except BaseException:
@@ -69,6 +174,106 @@ def atomic_directory(target: str, overwrite: bool = False) -> Iterator[str]:
 def atomic_write_text(path: str, text: str) -> None:
   """Writes `text` (UTF-8) to `path` whole or not at all (a temporary file, then a rename)."""
   tmp = f"{path}.partial-{uuid.uuid4().hex[:8]}"
-  with open(tmp, "w", encoding="utf-8") as f:
-    f.write(text)
-  os.replace(tmp, path)
+  try:
+    with open(tmp, "w", encoding="utf-8") as f:
+      f.write(text)
+    os.replace(tmp, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+    raise
+
+
+def repair_jsonl_tail(path: str) -> bool:
+  """Drops a torn last line (a run killed while writing it) from a JSONL file that is
+  appended to, so that the next append starts on a fresh line; True if it changed the file.
+  A complete last line that only lacks its newline gets one."""
+  import json
+  if not os.path.isfile(path):
+    return False
+  with open(path, "rb+") as f:
+    f.seek(0, os.SEEK_END)
+    size = f.tell()
+    if size == 0:
+      return False
+    f.seek(max(0, size - 1))
+    if f.read(1) == b"\n":
+      return False
+    # Find the start of the last line.
+    pos, chunk = size, 1 << 16
+    start = 0
+    while pos > 0:
+      read = min(chunk, pos)
+      f.seek(pos - read)
+      block = f.read(read)
+      i = block.rfind(b"\n")
+      if i >= 0:
+        start = pos - read + i + 1
+        break
+      pos -= read
+    f.seek(start)
+    last = f.read()
+    try:
+      json.loads(last.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+      f.truncate(start)
+      return True
+    f.write(b"\n")
+    return True
+
+
+class DirectoryLock:
+  """An exclusive lock on a directory, held by a live process (`flock` on DIR/.lock).
+
+  A second holder is refused with one sentence naming the first (its pid and start time). A
+  lock left by a process that died is free again (the kernel drops it with the process), so
+  the next run takes it over and says so through `taken_over`.
+  """
+
+  def __init__(self, directory: str, what: str = "run directory"):
+    self.directory, self.what = directory, what
+    self.path = os.path.join(directory, ".lock")
+    self.taken_over: str | None = None
+    self._file = None
+
+  def __enter__(self) -> "DirectoryLock":
+    import fcntl
+    import json
+    import time
+    try:
+      os.makedirs(self.directory, exist_ok=True)
+      f = open(self.path, "a+")
+    except OSError as e:
+      raise ElasticJaxError(f"{self.directory}: cannot create the {self.what} "
+                            f"({e.strerror or e})") from None
+    f.seek(0)
+    before = f.read().strip()
+    try:
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+      f.close()
+      holder = "another process"
+      with contextlib.suppress(ValueError, TypeError):
+        info = json.loads(before)
+        holder = f"process {info['pid']} (started {info['started']})"
+      raise ElasticJaxError(f"{self.directory}: this {self.what} is in use by {holder}; wait "
+                            f"for it to finish or choose another one") from None
+    if before:
+      with contextlib.suppress(ValueError, TypeError, KeyError):
+        info = json.loads(before)
+        if info.get("pid") != os.getpid():
+          self.taken_over = f"process {info['pid']} (started {info['started']})"
+    f.seek(0)
+    f.truncate()
+    f.write(json.dumps({"pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}))
+    f.flush()
+    self._file = f
+    return self
+
+  def __exit__(self, *exc) -> None:
+    if self._file is not None:
+      with contextlib.suppress(OSError):
+        self._file.seek(0)
+        self._file.truncate()
+      self._file.close()          # releases the lock
+      self._file = None

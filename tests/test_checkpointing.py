@@ -183,15 +183,29 @@ def _truncate_arrays(step_dir):
       f.truncate(os.path.getsize(path) // 2)
 
 
+def _flip_bytes(step_dir):
+  """Bytes changed in place, the sizes kept: what a bad disk or copy does silently."""
+  files = [os.path.join(d, n) for d, _, names in os.walk(step_dir / "state" / "d")
+           for n in names]
+  path = max(files, key=os.path.getsize)
+  with open(path, "r+b") as f:
+    data = bytearray(f.read())
+    for i in range(len(data) // 3, len(data) // 3 + 64):
+      data[i] ^= 0xFF
+    f.seek(0)
+    f.write(bytes(data))
+
+
 # A failed tensorstore read may leave orbax's event loop a late callback to drop.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("damage", [
     _truncate_arrays,
+    _flip_bytes,
     lambda d: os.remove(d / "state" / "manifest.ocdbt"),
     lambda d: os.remove(d / "state" / "_METADATA"),
     lambda d: open(d / "meta" / "metadata", "r+b").truncate(5),
     lambda d: os.remove(d / "data" / "metadata"),
-], ids=["truncated-arrays", "no-manifest", "no-metadata", "truncated-meta", "no-data"])
+], ids=["truncated-arrays", "flipped-bytes", "no-manifest", "no-metadata", "truncated-meta", "no-data"])
 def test_damaged_latest_is_an_error_and_the_previous_survives(tmp_path, damage):
   with _ckpt(tmp_path) as ckpt:
     ckpt.save(2, _state(2), DATA_STATE)
@@ -208,6 +222,22 @@ def test_damaged_latest_is_an_error_and_the_previous_survives(tmp_path, damage):
     restored, _, _ = ckpt.restore(2, _abstract())
   _assert_equal(_state(2), restored)
   assert (tmp_path / "2" / ck.COMMIT_FILE).is_file()
+
+
+def test_checksum_written_at_save_is_checked_at_restore(tmp_path):
+  """Arrays that read back fine but differ from what was saved are refused by the checksum
+  in the checkpoint's metadata."""
+  with _ckpt(tmp_path) as ckpt:
+    ckpt.save(2, _state(2), DATA_STATE)
+  meta_path = tmp_path / "2" / "meta" / "metadata"
+  meta = json.loads(meta_path.read_text())
+  assert meta["checksum"] == ck.state_checksum(_state(2))
+  meta["checksum"] = ck.state_checksum(_state(4))        # as if the arrays had changed
+  meta_path.write_text(json.dumps(meta))
+  with _ckpt(tmp_path) as ckpt:
+    with pytest.raises(ElasticJaxError, match="do not match the checksum written when it was "
+                                              "saved"):
+      ckpt.restore(2, _abstract())
 
 
 def test_unfinished_step_dirs_are_ignored(tmp_path):

@@ -104,6 +104,9 @@ def test_task_names_map_to_task_ids(tmp_path):
 def test_load_tokenizer_errors(tmp_path):
   with pytest.raises(ElasticJaxError, match="no such tokenizer directory"):
     load_tokenizer(str(tmp_path / "nope"))
+  with pytest.raises(ElasticJaxError, match="holds no tokenizer files"):
+    load_tokenizer(str(tmp_path))
+  (tmp_path / "tokenizer.json").write_text("{not json")
   with pytest.raises(ElasticJaxError, match="cannot load a tokenizer"):
     load_tokenizer(str(tmp_path))
 

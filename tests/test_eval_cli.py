@@ -174,3 +174,32 @@ def test_authors_model_directory_evaluates_with_its_own_routers(model_dir):
   want = np.asarray(paw.logits([5, 6, 7] * 50, attention="elastic", return_routing=True)[1][
       "gates"])
   np.testing.assert_array_equal(gen.gates, want)
+
+
+def test_longbench_v2_and_provenance_of_reused_predictions(model_dir):
+  """LongBench-v2 on a valid file with the default truncation; a rerun into the same --out
+  with another dtype, or with other routers, is refused; --overwrite starts over."""
+  data = model_dir / "lb2"
+  data.mkdir()
+  records = [{"_id": f"r{i}", "domain": "d", "sub_domain": "s", "difficulty": "easy",
+              "length": "short", "question": f"which color is the grass {i}?",
+              "choice_A": "green", "choice_B": "blue", "choice_C": "red", "choice_D": "pink",
+              "answer": "A", "context": "the grass is green " * 20} for i in range(2)]
+  (data / "data.json").write_text(json.dumps(records))
+  out = model_dir / "lb2_out"
+  base = ("longbench-v2", "--model", model_dir / "m", "--data", data, "--impl", "reference",
+          "--attention", "full", "--out", out)
+  proc = _eval(*base, "--dtype", "float32")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  report = json.loads((out / "report.json").read_text())
+  assert report["settings"]["full"]["tasks"]["easy/short"]["n"] == 2
+  other = _eval(*base, "--dtype", "bfloat16")
+  assert other.returncode == 2
+  assert "holds predictions made with dtype 'float32', not 'bfloat16'" in other.stderr
+  routers = _eval(*base[:-4], "--routers", model_dir / "export/elastic_jax", "--attention",
+                  "full", "--out", out, "--dtype", "float32")
+  assert routers.returncode == 2 and "holds predictions made with routers None" in routers.stderr
+  again = _eval(*base, "--dtype", "bfloat16", "--overwrite")
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert json.loads((out / "setting.json").read_text())["dtype"] == "bfloat16"
+  assert len((out / "predictions.jsonl").read_text().splitlines()) == 2

@@ -225,6 +225,8 @@ def test_resume_after_sigkill_is_bit_exact(reference, cache_dir, tmp_path):
 
   again = _ok(_train(cache_dir, run_dir, "checkpoint.async_save=true"))
   assert f"resumed from step {resume_from}" in again.stdout
+  # The killed run's lock died with it: taken over, and said.
+  assert f"note: {run_dir} was locked by process {proc.pid} (started " in again.stdout
   _assert_same_export(run_dir, ref_dir)
   records = _metrics(run_dir)
   assert records[:len(first)] == first  # appended, not rewritten
@@ -233,6 +235,10 @@ def test_resume_after_sigkill_is_bit_exact(reference, cache_dir, tmp_path):
   assert [r["step"] for r in tail] == list(range(resume_from + 1, STEPS + 1))
   assert [r["loss"] for r in tail] == [ref[s] for s in range(resume_from + 1, STEPS + 1)]
   assert all(r["loss"] == ref[r["step"]] for r in first)
+  # Asked for fewer steps than the checkpoint holds: nothing trains, and it says so.
+  fewer = _ok(_train(cache_dir, run_dir, "train.steps=6", *NO_EVAL))
+  assert f"note: the checkpoint is at step {STEPS}, at or past train.steps=6" in fewer.stdout
+  _assert_same_export(run_dir, ref_dir)
 
 
 def test_sigterm_saves_and_stops_then_resumes(reference, cache_dir, tmp_path):

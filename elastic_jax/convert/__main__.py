@@ -12,11 +12,22 @@ The output appears only once it is complete.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
 from elastic_jax.cli import run_cli
 from elastic_jax.errors import ElasticJaxError
+
+
+def _positive_float(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+  if not math.isfinite(value) or value <= 0:
+    raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+  return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "default bfloat16")
   p.add_argument("--to-hf", action="store_true",
                  help="write HF safetensors instead of an elastic_jax checkpoint")
-  p.add_argument("--max-shard-gb", type=float, default=5.0,
+  p.add_argument("--max-shard-gb", type=_positive_float, default=5.0,
                  help="with --to-hf: largest safetensors shard, in GiB (default 5)")
   p.add_argument("--allow-pickle", action="store_true",
                  help="also read PyTorch *.bin weights (torch.load with weights_only=True)")
@@ -48,6 +59,8 @@ def main(argv=None) -> int:
   t0 = time.perf_counter()
   if args.routers and args.no_routers:
     raise ElasticJaxError("--routers and --no-routers exclude each other")
+  from elastic_jax.utils import check_apart
+  check_apart(args.out, [args.src, args.routers], "an input (SRC_DIR or --routers)")
   model = ej.from_pretrained(args.src, dtype=args.dtype, allow_pickle=args.allow_pickle,
                              show_progress=not args.quiet, routers=args.routers)
   t1 = time.perf_counter()

@@ -21,6 +21,7 @@ import glob
 import json
 import math
 import os
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -295,6 +296,12 @@ def load_hf_params(directory: str | TensorSource, cfg: ModelConfig, dtype: str, 
         host[i] = row.to_ours(src.get(name), ours[1:])
     else:
       host = row.to_ours(src.get(row.hf), ours).astype(np_dtype)
+    if not np.isfinite(host).all():
+      bad = [n for i, n in enumerate(_hf_names(row, cfg))
+             if not np.isfinite(host[i] if row.stacked else host).all()]
+      warnings.warn(f"{directory}: tensor '{bad[0]}' holds NaN or inf values"
+                    + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+                    + "; the model's outputs will not be finite", stacklevel=2)
     _set_path(params, row.path, put(row.path, host))
     del host
   return params

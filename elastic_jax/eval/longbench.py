@@ -95,6 +95,11 @@ V2_MAX_NEW_TOKENS: int = _V2["max_new_tokens"]
 V2_MODEL_MAX_LENGTH: Mapping[str, int] = MappingProxyType(dict(_V2["model2maxlen"]))
 """LongBench v2's model2maxlen: the truncation length of each model it evaluated (reference)."""
 
+V2_DEFAULT_MAX_LENGTH = 120000
+"""v2's truncation length for every model it lists but one (model2maxlen)."""
+V1_MAX_LENGTH = 31500
+"""LongBench's prompt truncation length (pred.py's max_length for 32K-context models)."""
+
 V2_DIFFICULTIES: tuple[str, ...] = ("easy", "hard")
 V2_LENGTHS: tuple[str, ...] = ("short", "medium", "long")
 V2_ANSWERS: tuple[str, ...] = ("A", "B", "C", "D")

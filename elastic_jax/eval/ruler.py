@@ -611,6 +611,10 @@ def _fit(measure, n_min: int, budget: int, hint: int | None = None):
 
   if m(n_min) > budget:
     return None
+  # Every haystack unit costs at least one token, so no answer lies beyond n_min + budget: the
+  # search never builds a larger haystack (a tokenizer that encodes it to nothing would
+  # otherwise grow it without bound).
+  n_max = n_min + max(budget, 1)
   lo, hi = n_min, None
   guess = hint if hint is not None and hint > n_min else n_min + 64
   side = streak = 0
@@ -625,9 +629,12 @@ def _fit(measure, n_min: int, budget: int, hint: int | None = None):
     if hi is not None and hi - lo <= 1:
       return lo, m(lo)
     if hi is None:
+      if lo >= n_max:
+        raise ElasticJaxError("the RULER haystack does not grow in tokens: the tokenizer "
+                              "encodes its text to (almost) nothing")
       rate = max((m(lo) - m(n_min)) / (lo - n_min), 1e-6)
       step = max(1, int((budget - m(lo)) / rate) + 1)
-      guess = lo + step * 2 ** (streak - 1)
+      guess = min(lo + step * 2 ** (streak - 1), n_max)
     else:
       if streak >= 2:
         guess = (lo + hi) // 2

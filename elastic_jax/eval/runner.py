@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from elastic_jax.errors import ElasticJaxError
 from elastic_jax.generate import SamplingConfig, generate
+from elastic_jax.utils import repair_jsonl_tail
 
 SETTINGS = ("full", "elastic", "sparse", "static")
 
@@ -90,6 +91,8 @@ def run(model, tokenizer, items: Sequence[Item], settings: Sequence[str], out_di
     raise ElasticJaxError(f"batch size must be >= 1, got {batch_size}")
   os.makedirs(out_dir, exist_ok=True)
   path = os.path.join(out_dir, "predictions.jsonl")
+  if repair_jsonl_tail(path):
+    log(f"{path}: dropped a torn last line (a run stopped while writing it)")
   done = read_predictions(path)
   eos = () if tokenizer.eos_token_id is None else tuple(
       int(x) for x in np.atleast_1d(tokenizer.eos_token_id))

@@ -24,7 +24,8 @@ backbone never is.
       <step>/                        one finished checkpoint
         state/                       the TrainState (orbax StandardSave)
         data/metadata                the data iterator state as JSON ({} = none, e.g. synthetic)
-        meta/metadata                JSON: format, version, step, fingerprint, run_config, time
+        meta/metadata                JSON: format, version, step, fingerprint, run_config, time,
+                                     checksum (sha256 of the state's arrays, checked at restore)
         commit_success.txt           orbax's finalize marker, written before the final rename
       <step>.orbax-checkpoint-tmp-*  a save in progress, or one killed midway: never read
 
@@ -183,9 +184,33 @@ def _scalar(x) -> int:
   return int(np.asarray(jax.device_get(x)))
 
 
+def state_checksum(state) -> str:
+  """sha256 over every array of a TrainState (names, dtypes, shapes, bytes): written into a
+  checkpoint's metadata at save and checked after restore, so that damaged bytes (a size-
+  preserving corruption the storage layer does not notice) are found instead of trained on."""
+  import hashlib
+  h = hashlib.sha256()
+  for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+      leaf = jax.random.key_data(leaf)
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+      leaf = leaf.addressable_data(0)
+    arr = np.ascontiguousarray(np.asarray(jax.device_get(leaf)))
+    h.update(f"{_path_name(path)}|{arr.dtype.str}|{arr.shape}|".encode())
+    h.update(arr.tobytes())
+  return h.hexdigest()
+
+
+_OS_ERRORS = ("No space left on device", "Disk quota exceeded", "Read-only file system",
+              "Permission denied", "Input/output error")
+
+
 def _reason(e: BaseException) -> str:
   """One short line from an orbax / tensorstore exception."""
   text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+  for os_error in _OS_ERRORS:
+    if os_error in text:
+      return os_error
   text = text.split(" [tensorstore_spec", 1)[0].split("[tensorstore_spec", 1)[0].strip()
   if len(text) > 300:
     text = text[:297] + "..."
@@ -288,12 +313,16 @@ class TrainCheckpointer:
           f"another checkpoint.dir, or move the newer steps aside)")
     self._move_aside_incomplete(step)
     meta = {"format": FORMAT, "version": VERSION, "step": step, "fingerprint": self.fingerprint,
-            "run_config": self.run_config,
+            "run_config": self.run_config, "checksum": state_checksum(state),
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "process_count": jax.process_count()}
     args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                               data=ocp.args.JsonSave(data_json), meta=ocp.args.JsonSave(meta))
-    self._manager.save(step, args=args, force=True)
+    try:
+      self._manager.save(step, args=args, force=True)
+    except Exception as e:  # noqa: BLE001 - a full disk, a lost mount: one sentence
+      raise ElasticJaxError(f"{self.directory}: checkpoint step {step} could not be written "
+                            f"({_reason(e)}); earlier checkpoints are intact") from None
     self._known.add(step)
     if force or not self.config.async_save:
       self.wait_until_finished()
@@ -313,15 +342,20 @@ class TrainCheckpointer:
     path.rename(aside)
 
   def wait_until_finished(self) -> None:
-    """Blocks until every save in flight is on disk (raises what a background save raised)."""
-    self._manager.wait_until_finished()
+    """Blocks until every save in flight is on disk; a background save that failed (a full
+    disk, a lost mount) is reported in one sentence."""
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:  # noqa: BLE001
+      raise ElasticJaxError(f"{self.directory}: a checkpoint could not be written "
+                            f"({_reason(e)}); earlier checkpoints are intact") from None
 
   def close(self) -> None:
     """Finishes the saves in flight and releases orbax's threads; idempotent."""
     if not self._closed:
       self._closed = True
       try:
-        self._manager.wait_until_finished()
+        self.wait_until_finished()
       finally:
         self._manager.close()
 
@@ -402,6 +436,9 @@ class TrainCheckpointer:
           state=ocp.args.StandardRestore(target)))["state"]
     except Exception as e:  # noqa: BLE001
       raise self._unreadable(step, steps, e) from None
+    if "checksum" in meta and state_checksum(state) != meta["checksum"]:
+      raise self._unreadable(step, steps, ValueError(
+          "its arrays do not match the checksum written when it was saved"))
     self._known.add(step)
     return state, (data_state or None), meta
 

@@ -100,16 +100,27 @@ def export_full_model(cfg, mcfg: ModelConfig, backbone, trainable: dict[str, Any
 def load_routers(directory: str) -> tuple[dict[str, Any], dict[str, Any]]:
   """Reads what `export_routers` wrote in our layout: ({"router", "lambdas"}, metadata)."""
   meta_path = os.path.join(directory, "routers.json")
+  tensors_path = os.path.join(directory, "routers.safetensors")
   try:
     with open(meta_path) as f:
       meta = json.load(f)
-    tensors = load_file(os.path.join(directory, "routers.safetensors"))
   except (OSError, ValueError) as e:
     raise ElasticJaxError(f"{directory}: not a router export ({e})") from None
-  if meta.get("format") != "elastic_jax.routers":
-    raise ElasticJaxError(f"{meta_path}: not a router export (format {meta.get('format')!r})")
+  if not isinstance(meta, dict) or meta.get("format") != "elastic_jax.routers":
+    raise ElasticJaxError(f"{meta_path}: not a router export (format "
+                          f"{meta.get('format') if isinstance(meta, dict) else meta!r})")
+  try:
+    tensors = load_file(tensors_path)
+  except Exception as e:  # noqa: BLE001 - safetensors raises its own types for damaged files
+    raise ElasticJaxError(f"{tensors_path}: unreadable, truncated or damaged "
+                          f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})"
+                          ) from None
   trainable: dict[str, dict] = {"router": {}, "lambdas": {}}
   for k, v in tensors.items():
-    group, name = k.split(".", 1)
+    group, _, name = k.partition(".")
+    if group not in trainable or not name:
+      raise ElasticJaxError(f"{tensors_path}: tensor '{k}' is not a router or multiplier tensor")
+    if not np.all(np.isfinite(v)):
+      raise ElasticJaxError(f"{tensors_path}: tensor '{k}' holds NaN or inf values")
     trainable[group][name] = v
   return trainable, meta

@@ -16,12 +16,13 @@ import time
 from typing import Any, Iterator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from elastic_jax import sharding
-from elastic_jax.config import ModelConfig, read_config_file
+from elastic_jax.config import ModelConfig, read_config_file, read_hf_config
 from elastic_jax.errors import ElasticJaxError
 from elastic_jax.model import abstract_params, forward_routed_jit, init_params
 from elastic_jax.router import msr
@@ -30,7 +31,8 @@ from elastic_jax.train.checkpointing import PreemptionGuard, TrainCheckpointer, 
 from elastic_jax.train.objective import TASK_TYPES
 from elastic_jax.train.run_config import (RunConfig, check_batch_layout, dump_run_config,
                                           resolve_mesh_shape, resolve_model_path)
-from elastic_jax.train.step import init_train_state, train_step
+from elastic_jax.train.step import all_finite, init_train_state, train_step
+from elastic_jax.utils import DirectoryLock, check_apart, check_creatable
 from elastic_jax.train.synthetic import synthetic_batch
 
 
@@ -185,10 +187,16 @@ def make_data(cfg: RunConfig, vocab: int, path: str | None, *, eval_split: bool 
     raise ElasticJaxError("data.tokenizer must name a tokenizer dir when the model is a random "
                           "config and data.train_path is set")
   d = cfg.data
-  return TrainData(path, cfg.tokenizer_dir, d.seq_len, d.global_batch, d.max_segments,
+  data = TrainData(path, cfg.tokenizer_dir, d.seq_len, d.global_batch, d.max_segments,
                    overlong=d.overlong, seed=d.shuffle_seed + (1 if eval_split else 0),
                    use_chat_template=d.use_chat_template, process_index=jax.process_index(),
                    process_count=jax.process_count(), num_epochs=1 if eval_split else None)
+  tokens = data.encoded.tokens
+  bad = tokens[(tokens < 0) | (tokens >= vocab)]
+  if bad.size:
+    raise ElasticJaxError(f"{path}: holds token ids outside the model's vocabulary [0, {vocab}) "
+                          f"(e.g. {int(bad[0])}, {bad.size} in all)")
+  return data
 
 
 def data_fingerprint(data) -> str:
@@ -297,9 +305,38 @@ def evaluate_msr(cfg: RunConfig, mcfg: ModelConfig, backbone, router, data, batc
 # The run
 
 
-def train(cfg: RunConfig) -> dict[str, Any]:
-  """Trains the routers as `cfg` says; returns a summary (final step, metrics, eval MSR)."""
-  _, mesh, rules, micro = mesh_layout(cfg)
+def preflight(cfg: RunConfig) -> ModelConfig:
+  """Checks what can be checked before the backbone loads and before anything is written:
+  the model's config, the logging backend, the tokenizer against the model's vocabulary,
+  outputs apart from the inputs, the full-model export. Returns the model config."""
+  path = resolve_model_path(cfg.model)
+  mcfg = (read_config_file(path) if cfg.model.random_init else read_hf_config(path))[0]
+  if cfg.log.tensorboard:
+    try:
+      import tensorboardX  # noqa: F401
+    except ImportError:
+      raise ElasticJaxError("log.tensorboard needs the tensorboardX package (pip install "
+                            "tensorboardX), or set log.tensorboard=false") from None
+  for data_path, key in ((cfg.data.train_path, "data.train_path"),
+                         (cfg.data.eval_path, "data.eval_path")):
+    if data_path is not None and not os.path.exists(data_path):
+      raise ElasticJaxError(f"{key} '{data_path}': no such file or directory")
+  for out, key in ((cfg.run_dir, "run_dir"), (cfg.log_dir, "log.dir"),
+                   (cfg.export_dir, "export.dir"), (cfg.checkpoint_dir, "checkpoint.dir")):
+    if "://" not in out:   # every output folder can be made: found before any work is done
+      check_creatable(out, key)
+  uses_tokenizer = cfg.data.train_path is not None or cfg.data.mixture.per_task
+  if uses_tokenizer and cfg.tokenizer_dir is not None:
+    from elastic_jax.train.data import check_vocabulary, load_tokenizer
+    check_vocabulary(load_tokenizer(cfg.tokenizer_dir), mcfg.vocab_size, cfg.tokenizer_dir)
+  inputs = [None if cfg.model.random_init else path, cfg.data.train_path, cfg.data.eval_path,
+            cfg.data.tokenizer]
+  for out, what in ((cfg.export_dir, "export.dir"), (cfg.checkpoint_dir, "checkpoint.dir"),
+                    (cfg.log_dir, "log.dir"), (cfg.run_dir, "run_dir")):
+    try:
+      check_apart(out, inputs, "an input of the run (model, data or tokenizer)")
+    except ElasticJaxError as e:
+      raise ElasticJaxError(f"{what} {e}") from None
   if cfg.export.full_model:
     if jax.process_count() > 1:
       raise ElasticJaxError("export.full_model runs in a single process; on many hosts, merge "
@@ -308,7 +345,45 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     problem = export.authors_layout_problem(cfg.router)
     if problem:
       raise ElasticJaxError(f"export.full_model: {problem}")
+  return mcfg
 
+
+def train(cfg: RunConfig) -> dict[str, Any]:
+  """Trains the routers as `cfg` says; returns a summary (final step, metrics, eval MSR).
+
+  The run directory is locked for the run's duration: a second train.py on the same
+  run_dir is refused (process 0 holds the lock)."""
+  mesh_layout(cfg)            # the batch must split over the mesh: checked before anything
+  preflight(cfg)
+  if jax.process_index() != 0:
+    return _train(cfg)
+  with DirectoryLock(cfg.run_dir) as lock:
+    if lock.taken_over:
+      say(f"note: {cfg.run_dir} was locked by {lock.taken_over}, which has ended; continuing")
+    return _train(cfg)
+
+
+def _nonfinite_error(step: int) -> ElasticJaxError:
+  return ElasticJaxError(
+      f"step {step}: the loss or a router gradient is not finite (NaN or inf); training "
+      "stopped, and nothing from that step on was saved or exported (the last checkpoint, if "
+      "any, is intact); likely causes: backbone weights holding NaN or inf, token ids outside "
+      "the model's vocabulary, or a learning rate far too large")
+
+
+def _host_int(x) -> int:
+  """A replicated scalar as an int, also when it spans several processes."""
+  return int(np.asarray(x.addressable_data(0)))
+
+
+@jax.jit
+def _first_bad(first_bad, finite, step):
+  """The first step (1-based) whose loss or gradients were not finite, or 0."""
+  return jnp.where((first_bad == 0) & ~finite, step, first_bad)
+
+
+def _train(cfg: RunConfig) -> dict[str, Any]:
+  _, mesh, rules, micro = mesh_layout(cfg)
   t0 = time.perf_counter()
   mcfg, backbone = load_backbone(cfg, mesh)
   if cfg.data.seq_len > mcfg.max_position_embeddings:
@@ -338,6 +413,10 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     if data_state is not None:
       data.restore(data_state)
     say(f"resumed from step {int(state.step)} ({cfg.checkpoint_dir})")
+    if int(state.step) >= cfg.train.steps:
+      say(f"note: the checkpoint is at step {int(state.step)}, at or past train.steps="
+          f"{cfg.train.steps}: nothing left to train; the routers of step {int(state.step)} "
+          "are evaluated and exported")
   if jax.process_index() == 0:
     os.makedirs(cfg.run_dir, exist_ok=True)
     dump_run_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
@@ -353,17 +432,30 @@ def train(cfg: RunConfig) -> dict[str, Any]:
   stopped = False
   t_timing = None
   timed_steps = 0
+  first_bad = jnp.zeros((), jnp.int32)
   with jax.set_mesh(mesh), PreemptionGuard() as guard, ckpt:
     for step in range(start, steps):
+      if step == start:
+        say("compiling the train step (the first step includes it) ...")
       batch = to_global(next(data), shardings, micro)
       state, m = train_step(state, backbone, batch, **step_kw)
       done = step + 1
+      first_bad = _first_bad(first_bad, m["finite"], done)
       if t_timing is None:  # the first step compiles: time from its end
         jax.block_until_ready(m["loss"])
         t_timing, timed_steps = time.perf_counter(), 0
       else:
         timed_steps += 1
-      if done % cfg.log.every_steps == 0 or done == steps:
+      # Agreeing on a signal is a collective across processes: poll it at the logging cadence
+      # there, so the host does not wait for every step.
+      poll = jax.process_count() == 1 or done % cfg.log.every_steps == 0 or done == steps
+      stop = guard.sync() if poll else False
+      logged = done % cfg.log.every_steps == 0 or done == steps
+      saving = ckpt.should_save(done) or stop or done == steps
+      if (logged or saving) and _host_int(first_bad):
+        metrics.close()
+        raise _nonfinite_error(_host_int(first_bad))
+      if logged:
         m = jax.device_get(m)
         elapsed = time.perf_counter() - t_timing
         rate = timed_steps * tokens_per_step / elapsed if timed_steps else None
@@ -371,17 +463,16 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         last = step_record(done, m, rate, eta)
         say(progress_line(last, steps))
         metrics.write(last)
-      # Agreeing on a signal is a collective across processes: poll it at the logging cadence
-      # there, so the host does not wait for every step.
-      poll = jax.process_count() == 1 or done % cfg.log.every_steps == 0 or done == steps
-      stop = guard.sync() if poll else False
-      if ckpt.should_save(done) or stop or done == steps:
+      if saving:
         ckpt.save(done, state, data.state(), force=stop or done == steps)
       if stop:
         say(f"signal received: saved step {done} to {cfg.checkpoint_dir}; stopping")
         stopped = True
         break
   metrics.close()
+  if not all_finite(state.trainable):
+    raise ElasticJaxError("the trained routers hold NaN or inf values (restored from a damaged "
+                          "checkpoint?); nothing was exported")
 
   summary: dict[str, Any] = {"step": int(state.step), "stopped": stopped, "last": last}
   if stopped:

@@ -54,6 +54,17 @@ class TrainConfig:
       raise ValueError(f"train steps must be >= 1, got {self.steps}")
     if self.tau_schedule not in ("cosine", "exponential"):
       raise ValueError(f"tau_schedule '{self.tau_schedule}' is unknown (cosine, exponential)")
+    for name in ("lr", "lambda_lr", "tau_init", "tau_final", "clip_norm"):
+      value = getattr(self, name)
+      if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        what = "temperature" if name.startswith("tau") else "value"
+        raise ValueError(f"train.{name} must be a finite {what} > 0, got {value!r}")
+    if not 0 <= self.warmup_frac < 1 or not 0 < self.tau_frac <= 1:
+      raise ValueError(f"train.warmup_frac must lie in [0, 1) and tau_frac in (0, 1], got "
+                       f"{self.warmup_frac} and {self.tau_frac}")
+    if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1 and self.weight_decay >= 0):
+      raise ValueError(f"train.b1 and b2 must lie in [0, 1) and weight_decay >= 0, got "
+                       f"{self.b1}, {self.b2} and {self.weight_decay}")
 
 
 def temperature(step, tcfg: TrainConfig):
@@ -155,7 +166,22 @@ def train_step(state: TrainState, backbone: dict, batch: dict, *, cfg: ModelConf
   trainable = optax.apply_updates(state.trainable, updates)
   per_layer_norm = jnp.sqrt(sum(jnp.sum(g.reshape(g.shape[0], -1) ** 2, axis=1)
                                 for g in jax.tree.leaves(grads["router"])))
+  # A non-finite loss or gradient leaves the state as it was (step included): the host
+  # stops at the first one it sees (`finite`), and nothing non-finite is ever saved.
+  finite = jnp.isfinite(loss) & jnp.all(jnp.asarray(
+      [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
   metrics = {"loss": loss, "tau": tau, "lambda1": state.trainable["lambdas"]["l1"],
              "lambda2": state.trainable["lambdas"]["l2"],
-             "router_grad_norm_per_layer": per_layer_norm, **aux}
-  return TrainState(state.step + 1, trainable, opt_state, key), metrics
+             "router_grad_norm_per_layer": per_layer_norm, "finite": finite, **aux}
+  new = TrainState(state.step + 1, trainable, opt_state, key)
+  return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, state), metrics
+
+
+def all_finite(tree) -> bool:
+  """Whether every floating-point leaf of `tree` (on the host or devices) is finite."""
+  import numpy as np
+  for leaf in jax.tree.leaves(tree):
+    if jnp.issubdtype(jnp.result_type(leaf), jnp.floating) and not np.all(
+        np.isfinite(np.asarray(jax.device_get(leaf)))):
+      return False
+  return True

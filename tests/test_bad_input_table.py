@@ -1,0 +1,355 @@
+"""Bad input at the command lines, one row per case: the command, the exit status, the words
+of its one-line message. A new CLI option's bad values join the table.
+
+The entry points run in this process (their `main` through `run_cli`, as `python X` does), so
+a row costs milliseconds, not an interpreter start. Every row also checks the promise: stderr
+is one `error:` line (or argparse's usage and error), never a traceback.
+"""
+
+import contextlib
+import importlib.util
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import elastic_jax as ej
+from elastic_jax.cli import run_cli
+from elastic_jax.config import config_from_hf_dict
+from elastic_jax.model import init_params
+from elastic_jax.router import RouterConfig, init_router_params
+from toktools import make_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+CFG = dict(model_type="qwen3", vocab_size=512, hidden_size=32, intermediate_size=64,
+           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+           max_position_embeddings=2048)
+
+
+def _module(name):
+  spec = importlib.util.spec_from_file_location(f"entry_{name}", os.path.join(ROOT, f"{name}.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def _routers(root, name, cfg, rcfg=RouterConfig(), extra=None, truncate=False):
+  """A router export in our layout (as train.py writes it), possibly broken."""
+  d = root / name
+  d.mkdir()
+  params = {f"router.{k}": np.asarray(v) for k, v in
+            init_router_params(cfg, rcfg, jax.random.key(0)).items()}
+  params.update(extra or {})
+  save_file(params, d / "routers.safetensors")
+  if truncate:
+    data = (d / "routers.safetensors").read_bytes()
+    (d / "routers.safetensors").write_bytes(data[:len(data) // 2])
+  import dataclasses
+  (d / "routers.json").write_text(json.dumps({
+      "format": "elastic_jax.routers", "version": 1, "router": dataclasses.asdict(rcfg),
+      "objective_targets": [0.7, 0.7, 1, 1, 1],
+      "backbone": {"family": cfg.family, "num_layers": cfg.num_layers,
+                   "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim}}))
+  return d
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+  root = tmp_path_factory.mktemp("bad")
+  cfg = config_from_hf_dict(CFG)
+  model = ej.ElasticModel(cfg, init_params(cfg, jax.random.key(0), "float32"), cfg.to_hf_dict())
+  ej.save_pretrained(model, root / "m")
+  make_tokenizer(root / "m", ["the grass is green and the sky is blue"])
+  ej.save_pretrained(model, root / "bare")                     # no tokenizer files
+  other = config_from_hf_dict(dict(CFG, head_dim=8, hidden_size=32))
+  _routers(root, "routers", cfg)
+  _routers(root, "routers_head_dim", other)
+  _routers(root, "routers_unknown", cfg, extra={"gate.bias": np.zeros(2, np.float32)})
+  _routers(root, "routers_truncated", cfg, truncate=True)
+  (root / "afile").write_text("x")
+  (root / "ids_dict.json").write_text('{"ids": [1, 2, 3]}')
+  (root / "ids.json").write_text("[1, 2, 3, 4]")
+  small = root / "small_vocab"
+  small_cfg = config_from_hf_dict(dict(CFG, vocab_size=64))
+  ej.save_pretrained(ej.ElasticModel(small_cfg, init_params(small_cfg, jax.random.key(1),
+                                                            "float32"), small_cfg.to_hf_dict()),
+                     small)
+  make_tokenizer(small, ["the grass is green and the sky is blue"])   # 300+ tokens > 64
+  (root / "data.jsonl").write_text(json.dumps({"context": "a", "question": "b", "answer": "c",
+                                               "task": "code"}) + "\n")
+  return root
+
+
+T = ("train", ["--config", TINY])
+# id: (entry point, [base argv,] argv with {root} for the fixture's folder, exit status, words)
+CASES = {
+    "train tau 0": (*T, ["train.tau_init=0"], 2, "train.tau_init must be a finite temperature"),
+    "train lr negative": (*T, ["train.lr=-1e-3"], 2, "train.lr must be a finite value > 0"),
+    "train lambda lr 0": (*T, ["train.lambda_lr=0"], 2, "train.lambda_lr must be"),
+    "train log.dir under a file": (*T, ["log.dir={root}/afile/logs"], 2,
+                                   "log.dir '{root}/afile/logs': cannot be created"),
+    "train export.dir under a file": (*T, ["export.dir={root}/afile/x"], 2,
+                                      "export.dir '{root}/afile/x': cannot be created"),
+    "train run_dir is a file": (*T, ["run_dir={root}/afile"], 2, "is a file, not a directory"),
+    "train export into the model": (*T, ["model.path={root}/m", "export.dir={root}/m"], 2,
+                                    "export.dir {root}/m: the output is an input"),
+    "train missing data": (*T, ["model.path={root}/m", "data.train_path={root}/nope.jsonl"], 2,
+                           "data.train_path '{root}/nope.jsonl': no such file"),
+    "train missing eval data": (*T, ["model.path={root}/m", "data.train_path={root}/data.jsonl",
+                                     "data.eval_path={root}/nope.jsonl"], 2,
+                                "data.eval_path '{root}/nope.jsonl': no such file"),
+    "train tokenizer past vocab": (*T, ["model.path={root}/small_vocab",
+                                        "data.train_path={root}/data.jsonl"], 2,
+                                   "but the model's vocabulary has 64: ids 64.."),
+    "train no tokenizer": (*T, ["model.path={root}/bare", "data.train_path={root}/data.jsonl"],
+                           2, "holds no tokenizer files"),
+    "train unknown key": (*T, ["train.stepz=3"], 2, "train.stepz"),
+    "eval lengths abc": ("eval", ["ruler", "--model", "{root}/m", "--lengths", "abc"], 2,
+                         "'abc' is not a whole number"),
+    "eval samples 0": ("eval", ["ruler", "--model", "{root}/m", "--samples", "0"], 2,
+                       "must be at least 1"),
+    "eval out is a file": ("eval", ["ruler", "--model", "{root}/m", "--out", "{root}/afile"], 2,
+                           "is a file, not a directory"),
+    "eval out is the model": ("eval", ["ruler", "--model", "{root}/m", "--out", "{root}/m"], 2,
+                              "the output is an input"),
+    "eval routers head_dim": ("eval", ["ruler", "--model", "{root}/m", "--routers",
+                                       "{root}/routers_head_dim"], 2,
+                              "routers trained for a backbone with head_dim 8"),
+    "eval routers unknown tensor": ("eval", ["ruler", "--model", "{root}/m", "--routers",
+                                             "{root}/routers_unknown"], 2,
+                                    "tensor 'gate.bias' is not a router or multiplier tensor"),
+    "eval routers truncated": ("eval", ["ruler", "--model", "{root}/m", "--routers",
+                                        "{root}/routers_truncated"], 2,
+                               "unreadable, truncated or damaged"),
+    "eval routers missing": ("eval", ["ruler", "--model", "{root}/m", "--routers",
+                                      "{root}/nowhere"], 2, "not a router export"),
+    "eval no tokenizer": ("eval", ["ruler", "--model", "{root}/bare"], 2,
+                          "holds no tokenizer files"),
+    "eval ppl ids not a list": ("eval", ["ppl", "--model", "{root}/m", "--ids",
+                                         "{root}/ids_dict.json"], 2,
+                                "must hold a JSON list of token ids"),
+    "eval ppl max-tokens 0": ("eval", ["ppl", "--model", "{root}/m", "--ids", "{root}/ids.json",
+                                       "--max-tokens", "0"], 2, "must be at least 1"),
+    "convert max-shard-gb nan": ("convert", ["{root}/m", "{root}/out", "--to-hf",
+                                             "--max-shard-gb", "nan"], 2,
+                                 "must be a finite number > 0"),
+    "convert onto its source": ("convert", ["{root}/m", "{root}/m", "--overwrite"], 2,
+                                "the output is an input"),
+    "convert onto a parent of its source": ("convert", ["{root}/m", "{root}", "--overwrite"], 2,
+                                            "the output contains an input"),
+    "convert into its source": ("convert", ["{root}/m", "{root}/m/inner"], 2,
+                                "the output lies inside an input"),
+    "convert out under a file": ("convert", ["{root}/m", "{root}/afile/out"], 2,
+                                 "cannot create the output's folder"),
+    "convert routers and no routers": ("convert", ["{root}/m", "{root}/out2", "--routers",
+                                                   "{root}/routers", "--no-routers"], 2,
+                                       "exclude each other"),
+}
+
+
+def _main(entry):
+  if entry == "convert":
+    from elastic_jax.convert.__main__ import main
+    return main
+  return _module(entry).main
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_gives_one_sentence(world, case, capsys, monkeypatch):
+  row = CASES[case]
+  entry, base, argv, status, words = row if len(row) == 5 else (row[0], [], *row[1:])
+  monkeypatch.chdir(world)
+  argv = [a.format(root=world) for a in base + argv]
+  if entry == "train":
+    argv.append(f"run_dir={world}/run_{case.replace(' ', '_')}")
+    if any(a.startswith("run_dir=") for a in argv[:-1]):
+      argv.pop()
+  before = sorted(os.listdir(world))
+  code = None
+  try:
+    code = run_cli(lambda: _main(entry)(argv))
+  except SystemExit as e:            # argparse
+    code = e.code
+  err = capsys.readouterr().err
+  assert code == status, (case, err)
+  assert words.format(root=world) in err, (case, err)
+  assert "Traceback" not in err
+  lines = [l for l in err.strip().splitlines() if l.strip()]
+  assert lines[-1].startswith(("error:", "usage:")) or ": error:" in lines[-1], err
+  if lines[0].startswith("error:"):
+    assert len(lines) == 1, err
+  # Nothing new was written next to the inputs (no half-made outputs).
+  assert sorted(os.listdir(world)) == before, case
+
+
+def test_convert_refusals_keep_the_source(world):
+  """The data-loss cases: after refusing OUT == SRC and OUT above SRC, SRC is whole."""
+  m = ej.from_pretrained(world / "m", dtype="float32", show_progress=False)
+  with pytest.raises(ej.ElasticJaxError, match="the output is the input"):
+    ej.save_pretrained(m, world / "m", overwrite=True)
+  with pytest.raises(ej.ElasticJaxError, match="the output contains the input"):
+    ej.save_converted(m, world, overwrite=True)
+  again = ej.from_pretrained(world / "m", dtype="float32", show_progress=False)
+  for a, b in zip(jax.tree.leaves(m.params), jax.tree.leaves(again.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_python_api_bad_input(world):
+  from elastic_jax import ops
+  from elastic_jax.generate import generate
+  with pytest.raises(ej.ElasticJaxError, match="needs a directory path, got None"):
+    ej.from_pretrained(None)
+  m = ej.from_pretrained(world / "m", dtype="float32", show_progress=False)
+  broken = ej.ElasticModel(m.config, {**m.params, "embed": np.zeros((3, 3), np.float32)},
+                           m.hf_config)
+  with pytest.raises(ej.ElasticJaxError, match=r"parameter \['embed'\] has shape \[3, 3\]"):
+    ej.save_pretrained(broken, world / "never")
+  assert not (world / "never").exists()
+  with pytest.raises(ej.ElasticJaxError, match="integer token-id lists|token-id lists"):
+    generate(m.params, m.config, "a prompt", attention="full")
+  q, k = jax.numpy.ones((1, 8, 2, 4)), jax.numpy.ones((1, 8, 1, 4))
+  for args, kw, words in (
+      ((q, k[:, :4], k[:, :4], jax.numpy.ones((1, 1))), {}, "must share batch, length"),
+      ((q, k, k, jax.numpy.full((1, 1), 1.5)), {}, "gate values must lie in [0, 1]"),
+      ((q.astype(int), k, k, jax.numpy.ones((1, 1))), {}, "q must be a floating-point"),
+      ((q, k, k, jax.numpy.ones((1, 1))), dict(setting="fa-xa", xa_keep=jax.numpy.ones((1, 1))),
+       "xa_keep is"),
+      ((q, k, k, jax.numpy.ones((1, 1))), dict(setting="xx"), "setting 'xx' is unknown"),
+      ((q, k, k, jax.numpy.ones((1, 1))), dict(segment_ids=jax.numpy.ones((1, 7), int)),
+       "segment_ids must be integers [B, T]")):
+    with pytest.raises(ej.ElasticJaxError) as err:
+      ops.hybrid_attention(*args, block=4, local_blocks=1, **kw)
+    assert words in str(err.value)
+
+
+def test_nan_weights_warn_at_conversion(world, tmp_path):
+  from safetensors.numpy import load_file
+  src = tmp_path / "nan"
+  import shutil
+  shutil.copytree(world / "m", src)
+  tensors = load_file(src / "model.safetensors")
+  tensors["model.layers.1.mlp.up_proj.weight"][0, 0] = np.nan
+  save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+  with pytest.warns(UserWarning, match="tensor 'model.layers.1.mlp.up_proj.weight' holds NaN"):
+    ej.from_pretrained(src, dtype="float32", show_progress=False)
+
+
+def test_stale_partials_are_removed_and_overwriting_a_file_leaves_nothing(world, tmp_path):
+  m = ej.from_pretrained(world / "m", dtype="float32", show_progress=False)
+  dead = tmp_path / ".out.partial-999999999-abcdef01"      # a run that was killed
+  old_layout = tmp_path / ".out.partial-1a2b3c4d"          # left by an older version
+  alive = tmp_path / f".out.partial-{os.getpid()}-00000000"  # a live writer: kept
+  for d in (dead, old_layout, alive):
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(b"x" * 100)
+  ej.save_pretrained(m, tmp_path / "out")
+  assert not dead.exists() and not old_layout.exists() and alive.exists()
+  (tmp_path / "file_target").write_text("a file")
+  ej.save_pretrained(m, tmp_path / "file_target", overwrite=True)
+  assert (tmp_path / "file_target" / "config.json").exists()
+  assert sorted(p.name for p in tmp_path.iterdir()
+                if p.name.startswith(".file_target")) == []
+
+
+def test_run_directory_lock(tmp_path, capsys):
+  """A second train.py on a run_dir in use is refused naming the holder; a lock left by a
+  process that died is taken over."""
+  from elastic_jax.utils import DirectoryLock
+  run = tmp_path / "run"
+  with DirectoryLock(str(run)):
+    code = run_cli(lambda: _module("train").main(["--config", TINY, f"run_dir={run}"]))
+    err = capsys.readouterr().err
+    assert code == 2 and f"{run}: this run directory is in use by process {os.getpid()}" in err
+  # A killed run leaves the file with its pid, but the kernel dropped its lock.
+  (run / ".lock").write_text(json.dumps({"pid": 999999999, "started": "2026-01-01 00:00:00"}))
+  with DirectoryLock(str(run)) as lock:
+    assert lock.taken_over == "process 999999999 (started 2026-01-01 00:00:00)"
+
+
+def test_torn_predictions_line_is_dropped_once(tmp_path):
+  from elastic_jax.eval.runner import read_predictions
+  from elastic_jax.utils import repair_jsonl_tail
+  path = tmp_path / "predictions.jsonl"
+  good = json.dumps({"setting": "full", "key": "a", "prediction": "x"})
+  path.write_text(good + "\n" + '{"setting": "full", "ke')
+  assert repair_jsonl_tail(str(path))
+  assert path.read_text() == good + "\n"
+  with open(path, "a") as f:            # the next run appends after it: still readable
+    f.write(json.dumps({"setting": "full", "key": "b", "prediction": "y"}) + "\n")
+  assert set(read_predictions(str(path))) == {("full", "a"), ("full", "b")}
+  path.write_text(good)                 # complete but no newline: one is added
+  assert repair_jsonl_tail(str(path)) and path.read_text() == good + "\n"
+  assert not repair_jsonl_tail(str(path))
+
+
+def _train_in_process(argv):
+  return run_cli(lambda: _module("train").main(["--config", TINY, "train.steps=4",
+                                                "data.seq_len=64", "log.every_steps=1",
+                                                *argv]))
+
+
+@contextlib.contextmanager
+def _full_disk(tmp_path, monkeypatch):
+  """A folder on a 200 KB tmpfs (a checkpoint does not fit); where mounting is not allowed,
+  orbax's save raises the error a full disk gives instead."""
+  mount = tmp_path / "tiny"
+  mount.mkdir()
+  mounted = os.system(f"mount -t tmpfs -o size=200k tmpfs {mount} 2>/dev/null") == 0
+  if not mounted:
+    import orbax.checkpoint as ocp
+
+    def full(*args, **kwargs):
+      raise OSError(28, "No space left on device")
+    monkeypatch.setattr(ocp.CheckpointManager, "save", full)
+  try:
+    yield mount
+  finally:
+    if mounted:
+      os.system(f"umount {mount}")
+
+
+def test_full_disk_during_a_checkpoint_is_one_sentence(tmp_path, capsys, monkeypatch):
+  with _full_disk(tmp_path, monkeypatch) as disk:
+    code = _train_in_process(["checkpoint.every_steps=2", f"checkpoint.dir={disk}/ck",
+                              f"run_dir={tmp_path}/run"])
+  err = capsys.readouterr().err
+  assert code == 2, err
+  assert err.strip().splitlines() == [
+      f"error: {disk}/ck: checkpoint step 2 could not be written (No space left on device); "
+      "earlier checkpoints are intact"]
+  assert not (tmp_path / "run" / "export").exists()
+
+
+def test_non_finite_loss_stops_and_saves_nothing(world, tmp_path, capsys):
+  """A backbone that holds NaN: the run stops at step 1 naming it; no checkpoint, no export."""
+  from safetensors.numpy import load_file
+  import shutil
+  src = tmp_path / "nan_model"
+  shutil.copytree(world / "m", src)
+  tensors = load_file(src / "model.safetensors")
+  tensors["model.norm.weight"][:] = np.nan
+  save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+  with pytest.warns(UserWarning, match="holds NaN"):
+    code = _train_in_process([f"model.path={src}", "checkpoint.every_steps=2",
+                              f"run_dir={tmp_path}/run"])
+  captured = capsys.readouterr()
+  assert code == 2
+  assert "error: step 1: the loss or a router gradient is not finite" in captured.err
+  assert "loss nan" not in captured.out
+  assert not (tmp_path / "run" / "export").exists()
+  assert not [p for p in (tmp_path / "run" / "checkpoints").glob("*") if p.name[0].isdigit()]
+
+
+def test_ruler_length_search_is_bounded():
+  """A tokenizer that encodes everything to nothing cannot make the haystack grow without
+  bound: the search stops with one sentence."""
+  from elastic_jax.eval import ruler
+
+  def empty(text, add_special_tokens=False, verbose=False):
+    return {"input_ids": []}
+  with pytest.raises(ej.ElasticJaxError, match="does not grow in tokens"):
+    ruler.generate("niah_single_1", empty, 4096, 1)
