@@ -195,9 +195,7 @@ def attend(q_bnh, k_bkh, v_bkh, pos_b, cache: HeadCache, layer, streaming: Strea
   ring_k = cache.ring_k.at[layer, slots, ring_at].set(k_new, mode="drop")
   ring_v = cache.ring_v.at[layer, slots, ring_at].set(v_new, mode="drop")
   ring_pos = spos[:, None] - jnp.mod(spos[:, None] - jnp.arange(ring)[None], ring)
-  block = streaming.block
-  ring_ok = ((ring_pos >= sink_len)
-             & (spos[:, None] // block - ring_pos // block < streaming.local_blocks))
+  ring_ok = (ring_pos >= sink_len) & streaming.allows(spos[:, None], ring_pos)
   sink_ok = jnp.arange(sink_len)[None] <= spos[:, None]
   out_st = softmax_out(pick(q_bkgh, sb, sh),
                        jnp.concatenate([sink_k[layer], ring_k[layer]], 1),

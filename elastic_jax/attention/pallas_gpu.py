@@ -40,9 +40,8 @@ from elastic_jax.attention.common import (MODE_FULL, MODE_MIX, MODE_SPARSE,
                                           with_fused_backward, xa_operands)
 
 assert (MODE_SPARSE, MODE_FULL, MODE_MIX) == (0, 1, 2)  # the order of lax.switch below
-from elastic_jax.attention.reference import Streaming, setting_patterns
+from elastic_jax.attention.reference import MASK_VALUE, Streaming, setting_patterns
 
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = math.log2(math.e)
 
 
@@ -60,7 +59,6 @@ def _kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, num_kv
   d = q.shape[-1]
   q_start = qi * block_q
   q_idx = q_start + jnp.arange(block_q)
-  q_blk = q_idx // streaming.block
   qk_scale = scale * _LOG2E
 
   def scores(j):
@@ -68,15 +66,12 @@ def _kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, num_kv
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * qk_scale
     k_idx = j * block_k + jnp.arange(block_k)
     causal = (k_idx[None, :] <= q_idx[:, None]) & (k_idx[None, :] < seq_len)
-    k_blk = k_idx // streaming.block
-    window = (k_blk[None, :] < streaming.sink_blocks) | (
-        q_blk[:, None] - k_blk[None, :] < streaming.local_blocks)
-    return s, causal, causal & window
+    return s, causal, causal & streaming.allows(q_idx[:, None], k_idx[None, :])
 
   def update(carry, s, ok, v):
     acc, m, l = carry
     if ok is not None:
-      s = jnp.where(ok, s, _MASK_VALUE)
+      s = jnp.where(ok, s, MASK_VALUE)
     m_new = jnp.maximum(m, s.max(axis=-1))
     p = jnp.exp2(s - m_new[:, None])
     if ok is not None:
@@ -88,7 +83,7 @@ def _kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, num_kv
 
   def init():
     return (jnp.zeros((block_q, d), jnp.float32),
-            jnp.full((block_q,), _MASK_VALUE, jnp.float32), jnp.zeros((block_q,), jnp.float32))
+            jnp.full((block_q,), MASK_VALUE, jnp.float32), jnp.zeros((block_q,), jnp.float32))
 
   def finish(carry):
     acc, _, l = carry
@@ -344,10 +339,7 @@ def _dkv_kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, nu
 def _masks(q_idx, k_idx, seq_len, streaming: Streaming):
   """(causal, causal and SSA) for a tile of query rows x key columns."""
   causal = (k_idx[None, :] <= q_idx[:, None]) & (k_idx[None, :] < seq_len)
-  q_blk, k_blk = q_idx // streaming.block, k_idx // streaming.block
-  window = (k_blk[None, :] < streaming.sink_blocks) | (
-      q_blk[:, None] - k_blk[None, :] < streaming.local_blocks)
-  return causal, causal & window
+  return causal, causal & streaming.allows(q_idx[:, None], k_idx[None, :])
 
 
 def _xa_masks(causal, window, kept, patterns):

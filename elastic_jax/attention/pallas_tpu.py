@@ -42,9 +42,8 @@ from elastic_jax.attention.common import (MODE_FULL, MODE_MIX, MODE_SPARSE,
                                           kernel_or_reference, modes_from_gate, pad_to,
                                           q_tile_range, row_deltas, tile_ranges,
                                           with_fused_backward, xa_operands)
-from elastic_jax.attention.reference import Streaming, setting_patterns
+from elastic_jax.attention.reference import MASK_VALUE, Streaming, setting_patterns
 
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b
@@ -199,7 +198,7 @@ def _forward_kernel(modes_ref, *refs, scale, block_q, block_k, seq_len, num_kv_h
   @pl.when(j == 0)
   def _init():
     for m, l, acc in ((m_fa, l_fa, acc_fa), (m_sa, l_sa, acc_sa)):
-      m[...] = jnp.full(m.shape, _MASK_VALUE, jnp.float32)
+      m[...] = jnp.full(m.shape, MASK_VALUE, jnp.float32)
       l[...] = jnp.zeros(l.shape, jnp.float32)
       acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
@@ -215,7 +214,7 @@ def _forward_kernel(modes_ref, *refs, scale, block_q, block_k, seq_len, num_kv_h
                                 block_k=block_k, seq_len=seq_len, streaming=streaming)
 
     def update(m_ref, l_ref, acc_ref, ok):
-      sm = jnp.where(ok, s, _MASK_VALUE)
+      sm = jnp.where(ok, s, MASK_VALUE)
       m_prev = m_ref[...]                      # [block_q, 1]
       m_new = jnp.maximum(m_prev, sm.max(axis=-1, keepdims=True))
       p = jnp.where(ok, jnp.exp(sm - m_new), 0.0)
@@ -258,7 +257,7 @@ def _forward_kernel(modes_ref, *refs, scale, block_q, block_k, seq_len, num_kv_h
       o_sa_ref[...] = sa.astype(o_sa_ref.dtype)
       # Rows with no visible key (padding only) get a huge log-sum-exp: exp(s - lse) = 0.
       for i, (m, l) in enumerate(((m_fa, l_fa), (m_sa, l_sa))):
-        lse_ref[i] = jnp.where(l[...] == 0.0, -_MASK_VALUE, m[...] + jnp.log(l[...]))
+        lse_ref[i] = jnp.where(l[...] == 0.0, -MASK_VALUE, m[...] + jnp.log(l[...]))
 
 
 def _forward_call(q, k, v, gate_bk, streaming: Streaming, block_q: int, block_k: int,

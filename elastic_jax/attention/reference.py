@@ -26,8 +26,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-# Finite stand-in for -inf so that fully masked tiles give exp(...) = 0, never NaN.
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# Finite stand-in for -inf so that fully masked tiles give exp(...) = 0, never NaN. Every
+# kernel uses this one value.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +44,8 @@ class Streaming:
                        "local_blocks >= 1")
 
   def allows(self, q_pos, k_pos):
-    """Block rule of SSA for token positions (broadcasting); causality is checked apart."""
+    """The block rule of SSA for token positions (broadcasting): the one place it is written;
+    every kernel and the decoding cache call it. Causality is checked apart."""
     qb, kb = q_pos // self.block, k_pos // self.block
     return (kb < self.sink_blocks) | (qb - kb < self.local_blocks)
 
@@ -134,7 +136,7 @@ def _attend(q_btnh, k_btkh, v_btkh, segment_ids_bt, positions_bt, streaming: Str
           rows = jnp.take(xa_keep, jnp.minimum(q_idx // xa_block, xa_keep.shape[2] - 1), 2)
           tile = jnp.take(rows, jnp.minimum(k_idx // xa_block, xa_keep.shape[3] - 1), 3)
           ok = ok & tile[:, :, None]
-        sm = jnp.where(ok, s, _MASK_VALUE)
+        sm = jnp.where(ok, s, MASK_VALUE)
         m_new = jnp.maximum(m_bkgq, sm.max(-1))
         p = jnp.where(ok, jnp.exp(sm - m_new[..., None]), 0.0)
         corr = jnp.exp(m_bkgq - m_new)
@@ -148,7 +150,7 @@ def _attend(q_btnh, k_btkh, v_btkh, segment_ids_bt, positions_bt, streaming: Str
       needed = j * ck <= (i + 1) * cq - 1
       return jax.lax.cond(needed, visit, lambda c, _: c, carry, j), None
 
-    init = tuple((jnp.full((b, k, g, cq), _MASK_VALUE, jnp.float32),
+    init = tuple((jnp.full((b, k, g, cq), MASK_VALUE, jnp.float32),
                   jnp.zeros((b, k, g, cq), jnp.float32),
                   jnp.zeros((b, k, g, cq, h), jnp.float32)) for _ in masks)
     final, _ = jax.lax.scan(step, init, jnp.arange(nk))
@@ -216,7 +218,7 @@ def dense_causal_attention(q_btnh, k_btkh, v_btkh, segment_ids_bt=None, *, scale
   ok = jnp.tril(jnp.ones((t, t), bool))[None]
   if segment_ids_bt is not None:
     ok = ok & (segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :])
-  s = jnp.where(ok[:, None, None], s, _MASK_VALUE)
+  s = jnp.where(ok[:, None, None], s, MASK_VALUE)
   p = jax.nn.softmax(s, axis=-1).astype(v_btkh.dtype)
   o = jnp.einsum("bkgqs,bskh->bqkgh", p, v_btkh, preferred_element_type=jnp.float32)
   return o.reshape(b, t, n, h).astype(q_btnh.dtype)
@@ -241,7 +243,7 @@ def dense_hybrid_attention(q_btnh, k_btkh, v_btkh, gate_bk, streaming: Streaming
     masks["xa"] = (causal[None, None] & xa_keep[:, :, blk][:, :, :, blk])[:, :, None]
 
   def attend(ok):
-    p = jax.nn.softmax(jnp.where(ok, s, _MASK_VALUE), axis=-1)
+    p = jax.nn.softmax(jnp.where(ok, s, MASK_VALUE), axis=-1)
     return jnp.einsum("bkgqs,bskh->bqkgh", p, up(v_btkh))
 
   hi, lo = setting_patterns(setting)

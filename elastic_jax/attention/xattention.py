@@ -29,7 +29,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+from elastic_jax.attention.reference import MASK_VALUE
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +91,7 @@ def block_mass(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention,
     ok = ((cols[None, None, :] <= rows[None, :, None]) & (cols < real)[None, None, :]
           & (seg_r[:, :, None] == seg_s[:, None, :]))                     # [B, R, C]
     ok = ok & (rows < real)[None, :, None]
-    scores = jnp.where(ok[:, None, None], scores, _MASK_VALUE)
+    scores = jnp.where(ok[:, None, None], scores, MASK_VALUE)
     p = jax.nn.softmax(scores, axis=-1) * ok[:, None, None]
     # [B, K, G, chunk, per_blk, nb', per_blk] -> sum the tile, mean over the group.
     p = p.reshape(b, kh, g, chunk, per_blk, ns // per_blk, per_blk)
@@ -215,7 +216,7 @@ def _mass_kernel(q_ref, k_ref, o_ref, *, stride, rows, cols, per_block, real, sc
     s = jax.lax.fori_loop(0, stride, antidiagonal, jnp.zeros((rows, cols), jnp.float32))
     j = c * cols + jnp.arange(cols)
     ok = (j[None, :] <= i[:, None]) & (j[None, :] < real) & (i[:, None] < real)
-    return jnp.where(ok, s * scale, _MASK_VALUE), ok
+    return jnp.where(ok, s * scale, MASK_VALUE), ok
 
   def stats(c, carry):
     m, l = carry
@@ -224,7 +225,7 @@ def _mass_kernel(q_ref, k_ref, o_ref, *, stride, rows, cols, per_block, real, sc
     p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
     return m_new, l * jnp.exp(m - m_new) + p.sum(axis=1)
 
-  m, l = jax.lax.fori_loop(0, n_tiles, stats, (jnp.full((rows,), _MASK_VALUE, jnp.float32),
+  m, l = jax.lax.fori_loop(0, n_tiles, stats, (jnp.full((rows,), MASK_VALUE, jnp.float32),
                                                jnp.zeros((rows,), jnp.float32)))
   inv_l = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
   # Indicators: stride row r -> its query block, stride column c -> its key block.
