@@ -9,7 +9,7 @@ sink 1 block + local 16 blocks of 128 tokens. MSR m sends round(m * 8) of the 8 
 last ones) to SSA and the others to full causal attention. In order:
 
 1. Check, at the smallest length: ours against the float32 reference
-   (`ops.hybrid_attention(impl="reference")`) on the same inputs, relative error
+   (`hybrid_attention(attn_impl="reference")`) on the same inputs, relative error
    ||out - ref|| / ||ref||, for the forward at every MSR timed and at mixed fractional gates,
    and for the gradients (dq, dk, dv, dgate) at the first --train-msr. A forward error over
    1e-2 stops the run. Also the (query, key) pair counts behind TFLOP/s against a brute-force
@@ -21,12 +21,12 @@ last ones) to SSA and the others to full causal attention. In order:
    with the reason.
 3. Forward at --lengths: cuDNN causal (`jax.nn.dot_product_attention(implementation="cudnn",
    is_causal=True)`); cuDNN sliding window of sink + local tokens (no sink: the window-only
-   cost of an all-streaming model); ours (`ops.hybrid_attention(impl=--impl)`, auto: on a
+   cost of an all-streaming model); ours (`hybrid_attention(attn_impl=--attn-impl)`, auto: on a
    Hopper GPU the Mosaic GPU forward) at each MSR and at 0 and 1, and any --also impls and
    --tiles / --mosaic-tiles kernel variants beside it; Flex hybrid; the ideal composition
    min(cuDNN causal, ours MSR 0) * (1 - MSR) + min(cuDNN window, ours MSR 1) * MSR.
 4. Training at --train-lengths: gradients of sum(out * cot) w.r.t. q, k, v (and the gate for
-   ours, `jax.grad` through `ops.hybrid_attention(impl=--impl)`) for cuDNN causal, cuDNN
+   ours, `jax.grad` through `hybrid_attention(attn_impl=--attn-impl)`) for cuDNN causal, cuDNN
    window, ours at each --train-msr and with every gate at 0.5 (all heads mixed, as under a
    relaxed router), and Flex hybrid.
 Then a table per length (printed as each finishes), where the kernel issue's targets stand,
@@ -59,7 +59,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from elastic_jax import ops
+from elastic_jax import hybrid_attention
 from elastic_jax.attention import HYBRID_IMPLS, Streaming, mosaic_gpu
 from elastic_jax.attention.pallas_gpu import Tiles, hybrid_forward, make_hybrid
 from elastic_jax.router import streaming_kept_fraction
@@ -88,7 +88,7 @@ class Bench:
   timing: tuple       # (reps, min_reps, seconds) for `timed`
   tiles: tuple        # extra kernel variants, (block_q, block_k, num_stages[, warps]) each
   train_tiles: tuple = ()  # extra training variants: "FWD/DQ/DKV", each BQxBKxS[xWARPS]
-  impl: str = "auto"       # ours: ops.hybrid_attention(impl=...)
+  impl: str = "auto"       # ours: hybrid_attention(attn_impl=...)
   also: tuple = ()         # other impls timed beside it (forward)
   mosaic_tiles: tuple = ()  # Mosaic GPU kernel variants, (block_q, block_kv, slots) each
 
@@ -130,12 +130,12 @@ class Bench:
         q, k, v, is_causal=True, implementation="xla" if self.dry_run else "cudnn",
         local_window_size=(self.window - 1, 0) if window else None)
 
-  def ours(self, q, k, v, gate, *, impl: str | None = None):
-    impl = impl or self.impl
-    extra = {"interpret": True} if self.dry_run and impl != "reference" else {}
-    return ops.hybrid_attention(q, k, v, gate, sink_blocks=self.st.sink_blocks,
-                                local_blocks=self.st.local_blocks, block=self.st.block,
-                                impl=impl, **extra)
+  def ours(self, q, k, v, gate, *, attn_impl: str | None = None):
+    attn_impl = attn_impl or self.impl
+    extra = {"interpret": True} if self.dry_run and attn_impl != "reference" else {}
+    return hybrid_attention(q, k, v, gate, sink_blocks=self.st.sink_blocks,
+                            local_blocks=self.st.local_blocks, block=self.st.block,
+                            attn_impl=attn_impl, **extra)
 
   def tiled(self, tiles):
     bq, bk, stages, *warps = tiles
@@ -150,7 +150,7 @@ class Bench:
 
   def variants(self) -> dict:
     """Forward variants timed beside ours: name -> (row key, fn(q, k, v, gate))."""
-    out = {f"ours, {impl}": (f"ours_{impl}", jax.jit(functools.partial(self.ours, impl=impl)))
+    out = {f"ours, {impl}": (f"ours_{impl}", jax.jit(functools.partial(self.ours, attn_impl=impl)))
            for impl in self.also}
     out.update({f"ours, tiles {'x'.join(map(str, tl))}": (f"ours[{'x'.join(map(str, tl))}]",
                                                            self.tiled(tl))
@@ -311,7 +311,7 @@ def check(b: Bench, t: int, streams, grad_streams: int):
         f"{kept}; closed form {closed:.0f}: {'agree' if ok else 'DISAGREE'}")
   q, k, v, cot = b.inputs(t, with_cot=True)
   up = [x.astype(jnp.float32) for x in (q, k, v)]
-  ref = jax.jit(functools.partial(b.ours, impl="reference"))
+  ref = jax.jit(functools.partial(b.ours, attn_impl="reference"))
   ours = {"ours": jax.jit(b.ours)}
   ours.update({name: fn for name, (_, fn) in b.variants().items()})
   mixed = jnp.asarray([[(1.0, 0.0, 0.5, 0.0, 1.0, 0.0, 0.2, 0.0)[i % 8]
@@ -340,7 +340,7 @@ def check(b: Bench, t: int, streams, grad_streams: int):
   gate = b.gate(grad_streams)
   try:
     got = fwd_bwd(b.ours, 4)(cot, q, k, v, gate)
-    want = fwd_bwd(functools.partial(b.ours, impl="reference"), 4)(cot, *up, gate)
+    want = fwd_bwd(functools.partial(b.ours, attn_impl="reference"), 4)(cot, *up, gate)
     out["grad"] = {name: rel_err(g, w) for name, g, w in zip(("dq", "dk", "dv", "dgate"),
                                                              got, want)}
     log(f"check T={t} gradients at msr {grad_streams / b.kh:g}: " + ", ".join(
@@ -506,8 +506,8 @@ def parse_args(argv=None):
   p.add_argument("--tiles", nargs="+", default=[], metavar="BQxBKxS[xW]",
                  help="also time the raw kernel (hybrid_forward) with these tiles, e.g. "
                       "128x64x3: block_q x block_k x num_stages [x num_warps]")
-  p.add_argument("--impl", default="auto",
-                 help="ours: ops.hybrid_attention(impl=...) (auto, pallas_gpu, mosaic_gpu)")
+  p.add_argument("--attn-impl", default="auto",
+                 help="ours: hybrid_attention(attn_impl=...) (auto, pallas_gpu, mosaic_gpu)")
   p.add_argument("--also", nargs="+", default=[], metavar="IMPL",
                  help="also time the forward of these impls, e.g. pallas_gpu")
   p.add_argument("--mosaic-tiles", nargs="+", default=[], metavar="BQxBKVxSLOTS",
@@ -544,9 +544,9 @@ def parse_args(argv=None):
     if len(parts) not in (3, 4) or not all(x.isdigit() and int(x) > 0 for x in parts):
       p.error(f"--tiles {spec}: expected BQxBKxSTAGES[xWARPS], e.g. 128x64x3")
   args.tiles = [tuple(int(x) for x in spec.split("x")) for spec in args.tiles]
-  for impl in [args.impl, *args.also]:
+  for impl in [args.attn_impl, *args.also]:
     if impl not in HYBRID_IMPLS:
-      p.error(f"--impl/--also {impl}: unknown (known: {', '.join(sorted(HYBRID_IMPLS))})")
+      p.error(f"--attn-impl/--also {impl}: unknown (known: {', '.join(sorted(HYBRID_IMPLS))})")
   for spec in args.mosaic_tiles:
     parts = spec.split("x")
     if len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts):
@@ -569,7 +569,7 @@ def main(argv=None):
   b = Bench(*args.heads, args.head_dim,
             Streaming(args.sink_blocks, args.local_blocks, args.block), args.dry_run,
             (args.reps, min(MIN_REPS, args.reps), args.seconds), tuple(args.tiles),
-            tuple(args.train_tiles), args.impl, tuple(args.also), tuple(args.mosaic_tiles))
+            tuple(args.train_tiles), args.attn_impl, tuple(args.also), tuple(args.mosaic_tiles))
   streams = sorted({round(m * b.kh) for m in args.msr} | {0, b.kh})
   train_streams = list(dict.fromkeys(round(m * b.kh) for m in args.train_msr))
   meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

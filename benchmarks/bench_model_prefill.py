@@ -1,5 +1,5 @@
 """Prefill of a whole (random) model with a fixed head routing: the fused kernels inside the
-model (impl="auto", on a Hopper GPU the Mosaic GPU forward; impl="pallas_gpu", the Triton one)
+model (attn_impl="auto", on a Hopper GPU the Mosaic GPU forward; attn_impl="pallas_gpu", the Triton one)
 against the plain-jnp reference, side by side in one run.
 
     python benchmarks/bench_model_prefill.py [--length 8192] [--msr 0.75]
@@ -45,8 +45,8 @@ def main():
   gates = gates.reshape(l, k)
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, T={args.length}, "
         f"MSR {n_sparse / (l * k):.2f}")
-  run = {impl: (lambda impl=impl: model.logits(ids, attention="forced", gates=gates,
-                                               impl=impl))
+  run = {impl: (lambda attn_impl=impl: model.logits(ids, attention="forced", gates=gates,
+                                               attn_impl=impl))
          for impl in ("auto", "pallas_gpu", "reference")}
   outs = {impl: fn() for impl, fn in run.items()}
   for impl in ("auto", "pallas_gpu"):

@@ -46,12 +46,12 @@ def main(argv=None):
   p.add_argument("--dry-run", action="store_true")
   args = p.parse_args(argv)
   hf = dict(SHAPES[args.model], max_position_embeddings=max(args.lengths) + 1024)
-  rcfg = rt.RouterConfig(max_segments=2)
+  rcfg = rt.RouterConfig()
   if args.dry_run:
     hf.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=512,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     args.lengths = [min(n, 300) for n in args.lengths]
-    rcfg = rt.RouterConfig(block=16, local_blocks=4, max_segments=2)
+    rcfg = rt.RouterConfig(block=16, local_blocks=4)
   cfg = config_from_hf_dict(hf, f"{args.model} shape")
   dtype = "float32" if args.dry_run else "bfloat16"
   params = init_params(cfg, jax.random.key(0), dtype)
@@ -103,8 +103,8 @@ def main(argv=None):
       return jax.vmap(one)(router, keys)
     return routers
 
-  for name, pool in (("boundary tokens", lambda x: rt.pool_prompt_prefix(x, seg, seg > 0, rcfg)),
-                     ("packed pooling", lambda x: rt.pool_prompt(x, seg, pos, seg > 0, rcfg))):
+  for name, pool in (("boundary tokens", lambda x: rt.pool_prompt_prefix(x, seg, seg > 0, rcfg, 2)),
+                     ("packed pooling", lambda x: rt.pool_prompt(x, seg, pos, seg > 0, rcfg, 2))):
     routers = routers_with(pool)
     jax.block_until_ready(routers(router, keys))
     times = []

@@ -3,7 +3,7 @@
     python benchmarks/memory_hybrid.py [--lengths 16384] [--heads 32 8] [--head-dim 128]
 
 For each length: the forward and the forward+backward temporaries of
-`ops.hybrid_attention(impl="reference")` in bf16, next to the size of one head's float32
+`hybrid_attention(attn_impl="reference")` in bf16, next to the size of one head's float32
 [T, T] score matrix, the thing a memory-safe implementation must never build.
 """
 
@@ -12,7 +12,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from elastic_jax import ops
+from elastic_jax import hybrid_attention
 
 
 def main():
@@ -30,9 +30,9 @@ def main():
     g = jax.ShapeDtypeStruct((1, k), jnp.float32)
 
     def loss(q, kk, v, gate):
-      return ops.hybrid_attention(q, kk, v, gate).astype(jnp.float32).sum()
+      return hybrid_attention(q, kk, v, gate).astype(jnp.float32).sum()
 
-    for name, fn in (("forward", ops.hybrid_attention),
+    for name, fn in (("forward", hybrid_attention),
                      ("forward+backward", jax.grad(loss, argnums=(0, 1, 2, 3)))):
       temp = jax.jit(fn).lower(q, kv, kv, g).compile().memory_analysis().temp_size_in_bytes
       print(f"T={t:>7} {name:<17} {temp / 2**20:9.0f} MiB   (one head's fp32 [T, T]: "

@@ -5,7 +5,7 @@
         [--micro-batch 4] [--compile] [--json plan.json] [--dry-run] [section.key=value ...]
 
 The mesh, the batch layout and the shardings are built by the functions train.py builds them
-with (elastic_jax/train/loop.py: `mesh_layout`, `backbone_shardings`, `abstract_train_state`,
+with (elastic_jax/train/setup.py: `mesh_layout`, `backbone_shardings`, `abstract_train_state`,
 `batch_sharding`, `BATCH_DTYPES`), but on abstract arrays: nothing is
 allocated, so an 8B backbone's plan for 8 GPUs is made on a laptop. The backbone has the
 published shapes of --model (train_router.py's SHAPES; the config's model.path is not read);
@@ -232,7 +232,7 @@ def plan(args, say: Callable[[str], None] = print) -> dict[str, Any]:
   """Builds the memory plan that `args` (parse_args) asks for; prints it through `say`."""
   import jax
   from elastic_jax.errors import ElasticJaxError
-  from elastic_jax.train.loop import (BATCH_DTYPES, abstract_train_state, backbone_shardings,
+  from elastic_jax.train.setup import (BATCH_DTYPES, abstract_train_state, backbone_shardings,
                                       batch_sharding, mesh_layout)
 
   cfg, overrides = load_config(args)
@@ -315,7 +315,7 @@ def plan(args, say: Callable[[str], None] = print) -> dict[str, Any]:
                 "pass_per_device_bytes": max(tree_device_bytes(per_pass, devices).values()),
                 "shapes": {k: list(v.shape) for k, v in batch.items()},
                 "specs": {k: str(v.sharding.spec) for k, v in batch.items()}},
-      "attn_impl": cfg.train.attn_impl, "packed": cfg.train.packed, "remat": cfg.train.remat,
+      "attn_impl": cfg.model.attn_impl, "packed": cfg.train.packed, "remat": cfg.model.remat,
       "per_device_bytes": per_device, "whole_bytes": whole,
       "roles": [{"devices": ids, "bytes": dict(zip(CATEGORIES, key))}
                 for key, ids in roles.items()],
@@ -331,7 +331,8 @@ def plan(args, say: Callable[[str], None] = print) -> dict[str, Any]:
         f"({mcfg.max_position_embeddings}); RoPE positions extrapolate")
 
   if args.compile:
-    step_kw = dict(cfg=mcfg, rcfg=cfg.router, ocfg=cfg.objective, tcfg=cfg.train, rules=rules)
+    step_kw = dict(cfg=mcfg, rcfg=cfg.router, ocfg=cfg.objective, tcfg=cfg.train,
+                   attn_impl=cfg.model.attn_impl, remat=cfg.model.remat, rules=rules)
     out["compiled"] = compile_step(state, backbone, batch, step_kw, mesh, say)
     report_compiled(out, say)
   return out

@@ -73,14 +73,14 @@ def main(argv=None):
               num_attention_heads=4, num_key_value_heads=2, head_dim=32)
     args.seq_len, block, local = min(args.seq_len, 512), 16, 4
   cfg = config_from_hf_dict(hf, f"{args.model} shape")
-  rcfg = RouterConfig(block=block, local_blocks=local, max_segments=2)
-  tcfg = TrainConfig(steps=1000, attn_impl=args.attn_impl, remat=not args.no_remat,
-                     packed=args.packed)
+  rcfg = RouterConfig(block=block, local_blocks=local)
+  tcfg = TrainConfig(steps=1000, packed=args.packed)
+  remat = not args.no_remat
   ocfg = ObjectiveConfig()
   dev = jax.devices()[0]
   print(f"{args.model}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
         f"{cfg.num_heads}/{cfg.num_kv_heads} heads, vocab {cfg.vocab_size}; T={args.seq_len}, "
-        f"attn {args.attn_impl}, packed={args.packed}, remat={tcfg.remat}; "
+        f"attn {args.attn_impl}, packed={args.packed}, remat={remat}; "
         f"{dev.device_kind}, jax {jax.__version__}", flush=True)
 
   t0 = time.perf_counter()
@@ -93,7 +93,7 @@ def main(argv=None):
   t = args.seq_len
   batch = synthetic_batch(0, 1, t, cfg.vocab_size, prompt_frac=0.75, max_segments=2)
   batch = {k: jnp.asarray(v) for k, v in batch.items()}
-  kw = dict(cfg=cfg, rcfg=rcfg, ocfg=ocfg, tcfg=tcfg)
+  kw = dict(cfg=cfg, rcfg=rcfg, ocfg=ocfg, tcfg=tcfg, attn_impl=args.attn_impl, remat=remat)
 
   t0 = time.perf_counter()
   state, m = train_step(state, backbone, batch, **kw)

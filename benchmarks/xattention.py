@@ -15,7 +15,7 @@ Per length and sharpness, every head in the same mode:
   ours SSA             our fused kernel, every head streaming
   XA scoring (kernel)  the Pallas scoring kernel + selection (`xattention.select`, pallas_gpu)
   XA scoring (jnp)     the plain-jnp scoring + selection (the reference)
-  XA attention         our fused kernel in the FA-XA setting, every head XA, on the kept blocks
+  XA attention         our fused kernel with the FA-XA patterns, every head XA, on the kept blocks
   XA total             scoring (kernel) + attention, as a prefill runs them
 Times are medians of --reps calls after two warm-ups; a ratio is cuDNN's time over the row's
 (> 1: faster than dense). At the first length the XA kernel's output is checked against the
@@ -82,10 +82,10 @@ def main(argv=None):
   cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, is_causal=True, implementation="xla" if args.dry_run else "cudnn"))
   ssa = jax.jit(lambda q, k, v: hybrid_forward(q, k, v, zeros, st, interpret=interpret))
-  score_kernel = jax.jit(lambda q, k: select(q, k, xa, impl="pallas_gpu"))
-  score_jnp = jax.jit(lambda q, k: select(q, k, xa, impl="reference"))
+  score_kernel = jax.jit(lambda q, k: select(q, k, xa, attn_impl="pallas_gpu"))
+  score_jnp = jax.jit(lambda q, k: select(q, k, xa, attn_impl="reference"))
   xa_attn = jax.jit(lambda q, k, v, keep: xa_hybrid_forward(
-      q, k, v, zeros, keep, st, setting="fa-xa", xa_block=xa.block, interpret=interpret))
+      q, k, v, zeros, keep, st, patterns="fa-xa", xa_block=xa.block, interpret=interpret))
   checked = False
   for t in args.lengths:
     for sharp in args.sharpness:
@@ -102,10 +102,10 @@ def main(argv=None):
         same = float((keep == score_jnp(q, k)).mean())
         got = xa_attn(q, k, v, keep).astype(jnp.float32)
         if t <= 8192 or args.dry_run:
-          want = dense_hybrid_attention(q, k, v, zeros, st, setting="fa-xa", xa_keep=keep,
+          want = dense_hybrid_attention(q, k, v, zeros, st, patterns="fa-xa", xa_keep=keep,
                                         xa_block=xa.block)
         else:
-          want = hybrid_attention(q, k, v, jnp.zeros((1, t, kh)), st, setting="fa-xa",
+          want = hybrid_attention(q, k, v, jnp.zeros((1, t, kh)), st, patterns="fa-xa",
                                   xa_keep=keep, xa_block=xa.block)
         rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
         print(f"check at T={t}: block masses kernel vs jnp max |diff| "

@@ -1,10 +1,10 @@
 """How much of the dense attention XAttention heads compute on a model's own activations.
 
     python benchmarks/xattention_density.py --model DIR [--length 4096] [--threshold 0.9]
-        [--text FILE] [--stride 16] [--block 128] [--impl auto]
+        [--text FILE] [--stride 16] [--block 128] [--attn-impl auto]
 
 Loads a Hugging Face directory through the converter, runs one prefill of --length tokens with
-every head XAttention (setting fa-xa, all heads routed to the sparse side) and prints, per
+every head XAttention (patterns fa-xa, all heads routed to the sparse side) and prints, per
 layer and overall, the fraction of the causal (query, key) pairs the kept blocks cover: the
 fraction of dense attention FLOPs the XA heads computed. The input is --text tokenized with the
 model's tokenizer (repeated to the length), or uniformly random token ids without one.
@@ -35,7 +35,7 @@ def main(argv=None):
   p.add_argument("--block", type=int, default=128)
   p.add_argument("--text", help="UTF-8 text to tokenize (default: random token ids)")
   p.add_argument("--dtype", default="bfloat16")
-  p.add_argument("--impl", default="auto")
+  p.add_argument("--attn-impl", default="auto")
   args = p.parse_args(argv)
   model = ej.from_pretrained(args.model, dtype=args.dtype, show_progress=False)
   cfg = model.config
@@ -43,7 +43,7 @@ def main(argv=None):
     sys.exit(f"error: --length {args.length} exceeds the model's {cfg.max_position_embeddings}"
              " positions")
   if args.text:
-    from elastic_jax.train.data import load_tokenizer
+    from elastic_jax.tokenizer import load_tokenizer
     with open(args.text, encoding="utf-8") as f:
       ids = load_tokenizer(args.model)(f.read())["input_ids"]
     if not ids:
@@ -53,13 +53,13 @@ def main(argv=None):
   else:
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, args.length).astype(np.int32)
     source = "random token ids"
-  rcfg = RouterConfig(setting="fa-xa", xa_threshold=args.threshold, xa_stride=args.stride,
-                      xa_block=args.block, max_segments=2)
+  rcfg = RouterConfig(patterns="fa-xa", xa_threshold=args.threshold, xa_stride=args.stride,
+                      xa_block=args.block)
   ids = jnp.asarray(ids)[None]
   pos = jnp.arange(args.length, dtype=jnp.int32)[None]
   seg = jnp.ones_like(ids)
   _, stats = forward_routed_jit(model.params, ids, pos, seg, seg > 0, cfg=cfg, rcfg=rcfg,
-                                mode="sparse", attn_impl=args.impl, packed=False)
+                                attention="sparse", attn_impl=args.attn_impl, packed=False)
   kept = np.asarray(stats["xa_kept"])[:, 0]                                   # [L, K]
   print(f"{os.path.basename(os.path.normpath(args.model))}: {cfg.num_layers} layers, "
         f"{cfg.num_kv_heads} KV heads; {args.length} tokens of {source}; XA stride "

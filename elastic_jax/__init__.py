@@ -1,18 +1,24 @@
 """elastic_jax: Elastic Attention (test-time adaptive sparsity) for JAX/Flax.
 
     import elastic_jax as ej
-    model = ej.from_pretrained("path/to/hf_or_converted_dir", dtype="bfloat16")
-    logits = model.logits(input_ids)            # float32 [B, T, vocab]
-    ej.save_pretrained(model, "out_hf_dir")      # back to HF safetensors
+    model = ej.ElasticModel.from_pretrained("path/to/model", routers="runs/x/export/elastic_jax")
+    print(model.generate(["Where is the key?"]).texts[0])
+    model.save_pretrained("out")      # HF safetensors (the authors' layout when it has routers)
 """
 
-from elastic_jax import ops
-from elastic_jax.api import ElasticModel, from_pretrained, save_converted, save_pretrained
+from elastic_jax.attention.hybrid import hybrid_attention
 from elastic_jax.config import ModelConfig, config_from_hf_dict
+from elastic_jax.elastic_model import (ElasticModel, attach_routers, from_pretrained,
+                                       save_converted, save_pretrained)
 from elastic_jax.errors import ElasticJaxError
-from elastic_jax.generate import SamplingConfig
+from elastic_jax.generate import Generation, SamplingConfig
+from elastic_jax.heads import ATTENTION
+from elastic_jax.router import RouterConfig
+from elastic_jax.router_io import Routers, load_routers
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "ElasticModel", "ElasticJaxError", "ModelConfig", "SamplingConfig",
-           "config_from_hf_dict", "from_pretrained", "save_converted", "save_pretrained"]
+__all__ = ["ATTENTION", "ElasticJaxError", "ElasticModel", "Generation", "ModelConfig",
+           "RouterConfig", "Routers", "SamplingConfig", "attach_routers", "config_from_hf_dict",
+           "from_pretrained", "hybrid_attention", "load_routers", "save_converted",
+           "save_pretrained"]

@@ -30,7 +30,7 @@ AUTHORS_KEYS = {
     "enable_ada_sparsity": "routing: must be true (input-dependent routers); false means "
                            "static per-head masks, which their evaluation code does not run",
     "toggle_type": "routing: must be 'streaming' (sparse heads attend sink + local window)",
-    "retrieval_mode": "routing: 'full' -> setting fa-ssa, 'xattn' -> xa-ssa (full-routed heads "
+    "retrieval_mode": "routing: 'full' -> patterns fa-ssa, 'xattn' -> xa-ssa (full-routed heads "
                       "run XAttention)",
     "sink_size": "routing: sink tokens, a multiple of 128 -> router.sink_blocks",
     "local_window_size": "routing: window tokens, a multiple of 128 -> router.local_blocks",

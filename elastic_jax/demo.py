@@ -1,4 +1,4 @@
-"""python -m elastic_jax.demo [--out DIR] [--config configs/tiny_qwen3.json]
+"""python -m elastic_jax.demo [--out DIR] [--config tiny_qwen3.json]
 
 The conversion-and-logits walk-through on a tiny model made on the spot (no downloads):
   1. write a random Qwen3-architecture model as a Hugging Face directory (config.json +
@@ -18,15 +18,13 @@ import time
 import jax
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m elastic_jax.demo", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--out", default="runs/demo", help="working directory (replaced)")
-  p.add_argument("--config", default=os.path.join(ROOT, "configs", "tiny_qwen3.json"),
-                 help="HF config.json of the model to make")
+  from elastic_jax.resources import CONFIGS_DIR
+  p.add_argument("--config", default=os.path.join(CONFIGS_DIR, "tiny_qwen3.json"),
+                 help="HF config.json of the model to make (default: the shipped tiny one)")
   p.add_argument("--tokens", type=int, default=48, help="prompt length")
   args = p.parse_args(argv)
 

@@ -19,10 +19,10 @@ import numpy as np
 from elastic_jax import kv_cache
 from elastic_jax.config import ModelConfig
 from elastic_jax.errors import ElasticJaxError
+from elastic_jax.heads import FORWARD, check_attention
 from elastic_jax.model import Params, decode_step, forward_routed, output_head
 from elastic_jax.router import RouterConfig, esr, msr
 
-MODES = ("full", "elastic", "forced", "sparse")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,13 +65,13 @@ def _bucket(n: int, multiple: int = 128) -> int:
   return -(-n // multiple) * multiple
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "rcfg", "mode", "attn_impl"))
-def _prefill(params, ids_bt, seg_bt, lengths_b, router_params, forced, *, cfg, rcfg, mode,
+@functools.partial(jax.jit, static_argnames=("cfg", "rcfg", "attention", "attn_impl"))
+def _prefill(params, ids_bt, seg_bt, lengths_b, router_params, forced, *, cfg, rcfg, attention,
              attn_impl):
   positions = jnp.broadcast_to(jnp.arange(ids_bt.shape[1], dtype=jnp.int32), ids_bt.shape)
   hidden, stats = forward_routed(
       params, ids_bt, positions, seg_bt, seg_bt > 0, cfg=cfg, rcfg=rcfg,
-      mode=mode, router_params=router_params,
+      attention=attention, router_params=router_params,
       forced_gates=forced, attn_impl=attn_impl, packed=False, return_hidden=True,
       return_kv=True)
   last = jnp.take_along_axis(hidden, (lengths_b - 1)[:, None, None], axis=1)[:, 0]
@@ -80,6 +80,45 @@ def _prefill(params, ids_bt, seg_bt, lengths_b, router_params, forced, *, cfg, r
   gates = (stats["gate"][:, :, 1] if "gate" in stats
            else jnp.zeros((cfg.num_layers,) + ids_bt.shape[:1] + (cfg.num_kv_heads,)))
   return logits, gates, stats.get("xa_kept"), stats["k"], stats["v"]
+
+
+def _texts(tokens, finish, tokenizer, eos, stop) -> list[str]:
+  """The generated texts, without EOS, cut before the stop string that ended a row."""
+  texts = []
+  for toks, why in zip(tokens, finish):
+    text = tokenizer.decode([x for x in toks if x not in eos], skip_special_tokens=True)
+    if why == "stop":
+      text = text[:min(text.find(s) for s in stop if s in text)]
+    texts.append(text)
+  return texts
+
+
+def _prompt_rows(prompts, cfg: ModelConfig, max_new_tokens: int):
+  """(ids [B, T], segments [B, T], lengths [B]) of right-padded prompt rows, T a bucket of
+  128; every check of the prompts in one sentence each."""
+  if isinstance(prompts, (str, bytes)) or not prompts or any(
+      isinstance(p, (str, bytes)) or not hasattr(p, "__len__") for p in prompts):
+    raise ElasticJaxError("prompts must be a list of token-id lists (tokenize text first)")
+  if any(len(p) == 0 for p in prompts):
+    raise ElasticJaxError("every prompt needs at least one token")
+  for p in prompts:
+    arr = np.asarray(p)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+      raise ElasticJaxError(f"prompts must hold integer token ids, got {arr.dtype} "
+                            f"{list(arr.shape)}")
+  lengths = np.asarray([len(p) for p in prompts], np.int32)
+  if int(lengths.max()) + max_new_tokens > cfg.max_length:
+    raise ElasticJaxError(f"prompt ({int(lengths.max())} tokens) + max_new_tokens "
+                          f"({max_new_tokens}) exceeds the model's {cfg.max_length_text()}")
+  t = _bucket(int(lengths.max()))
+  ids = np.zeros((len(prompts), t), np.int32)
+  seg = np.zeros((len(prompts), t), np.int32)
+  for i, p in enumerate(prompts):
+    ids[i, :len(p)], seg[i, :len(p)] = p, 1
+  if ((ids < 0) | (ids >= cfg.vocab_size)).any():
+    raise ElasticJaxError(f"a prompt holds a token id outside the vocabulary [0, "
+                          f"{cfg.vocab_size})")
+  return ids, seg, lengths
 
 
 @functools.partial(jax.jit, static_argnames=("temperature", "top_p"))
@@ -113,41 +152,17 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   return_logits: also return the logits of every step (`Generation.logits`; one host copy of
   [B, V] per step).
   """
-  if attention not in MODES:
-    raise ElasticJaxError(f"attention='{attention}' is not one of {', '.join(MODES)}")
-  if isinstance(prompts, (str, bytes)) or not prompts or any(
-      isinstance(p, (str, bytes)) or not hasattr(p, "__len__") for p in prompts):
-    raise ElasticJaxError("prompts must be a list of token-id lists (tokenize text first)")
-  if any(len(p) == 0 for p in prompts):
-    raise ElasticJaxError("every prompt needs at least one token")
-  for p in prompts:
-    arr = np.asarray(p)
-    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-      raise ElasticJaxError(f"prompts must hold integer token ids, got {arr.dtype} "
-                            f"{list(arr.shape)}")
+  check_attention(attention, FORWARD)
   if sampling.stop and tokenizer is None:
     raise ElasticJaxError("stop strings need a tokenizer to decode the generated text")
   if attention == "elastic" and router_params is None:
     raise ElasticJaxError("attention='elastic' needs trained routers (router_params)")
-  rcfg = dataclasses.replace(rcfg or RouterConfig(), max_segments=2)
+  rcfg = rcfg or RouterConfig()
   b, n_layers, kh = len(prompts), cfg.num_layers, cfg.num_kv_heads
-  lengths = np.asarray([len(p) for p in prompts], np.int32)
+  ids, seg, lengths = _prompt_rows(prompts, cfg, sampling.max_new_tokens)
   capacity_needed = int(lengths.max()) + sampling.max_new_tokens
-  if capacity_needed > cfg.max_length:
-    raise ElasticJaxError(f"prompt ({int(lengths.max())} tokens) + max_new_tokens "
-                          f"({sampling.max_new_tokens}) exceeds the model's "
-                          f"{cfg.max_length_text()}")
-  t = _bucket(int(lengths.max()))
-  ids = np.zeros((b, t), np.int32)
-  seg = np.zeros((b, t), np.int32)
-  for i, p in enumerate(prompts):
-    ids[i, :len(p)], seg[i, :len(p)] = p, 1
-  if ((ids < 0) | (ids >= cfg.vocab_size)).any():
-    raise ElasticJaxError(f"a prompt holds a token id outside the vocabulary [0, "
-                          f"{cfg.vocab_size})")
 
   forced = None
-  mode = attention
   if attention == "forced":
     g = np.asarray(gates, np.float32)
     g = np.broadcast_to(g[:, None], (n_layers, b, kh)) if g.shape == (n_layers, kh) else g
@@ -159,7 +174,7 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   start = time.perf_counter()
   logits, gates_lbk, xa_kept, k, v = _prefill(params, jnp.asarray(ids), jnp.asarray(seg),
                                      jnp.asarray(lengths), router_params, forced, cfg=cfg,
-                                     rcfg=rcfg, mode=mode, attn_impl=attn_impl)
+                                     rcfg=rcfg, attention=attention, attn_impl=attn_impl)
   gates_np = np.asarray(jax.device_get(gates_lbk))
   if attention == "full":     # no routing: every head keeps every position
     gates_np = np.ones_like(gates_np)
@@ -167,7 +182,7 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
 
   capacity = _bucket(capacity_needed)
   # XAttention selects blocks at prefill only: its heads decode as full heads (whole cache).
-  cache_gates = np.ones_like(gates_np) if rcfg.setting == "fa-xa" else gates_np
+  cache_gates = np.ones_like(gates_np) if rcfg.patterns == "fa-xa" else gates_np
   cache = kv_cache.build(k, v, cache_gates, lengths, capacity, rcfg.streaming)
   del k, v
   dt = jax.tree.leaves(params)[0].dtype
@@ -203,20 +218,13 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   decode_s = time.perf_counter() - start
   finish = [f or "length" for f in finish]
 
-  texts = None
-  if tokenizer is not None:
-    texts = []
-    for toks, why in zip(out, finish):
-      text = tokenizer.decode([x for x in toks if x not in eos], skip_special_tokens=True)
-      if why == "stop":
-        text = text[:min(text.find(s) for s in sampling.stop if s in text)]
-      texts.append(text)
+  texts = None if tokenizer is None else _texts(out, finish, tokenizer, eos, sampling.stop)
   g = jnp.asarray(gates_np)
   return Generation(
       tokens=out, texts=texts, finish=finish, gates=gates_np,
       msr=np.asarray(msr(g[:, :, None]))[:, 0],
       esr=np.asarray(esr(g[-1][:, None], jnp.asarray(lengths)[:, None], rcfg.streaming,
-                         setting=rcfg.setting if attention != "full" else "fa-ssa",
+                         patterns=rcfg.patterns if attention != "full" else "fa-ssa",
                          xa_kept_bsk=None if xa_kept is None else xa_kept[-1][:, None]))[:, 0],
       cache_bytes=cache.nbytes, dense_cache_bytes=dense, prefill_seconds=prefill_s,
       decode_seconds=decode_s,

@@ -24,21 +24,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from elastic_jax import kv_cache, parallel
+from elastic_jax import kv_cache
+from elastic_jax.attention import sequence_parallel
 from elastic_jax import router as rt
 from elastic_jax.attention import get_attention, get_hybrid_attention, xattention
 from elastic_jax.config import (ModelConfig, dynamic_inv_freq, rope_attention_factor,
                                 rope_inv_freq)
 from elastic_jax.errors import ElasticJaxError
+from elastic_jax.heads import FORWARD, check_attention
 
 Params = dict[str, Any]
-
-# How the heads attend:
-#   full     every head causal (the unmodified backbone)
-#   elastic  the routers choose FA or SSA per (input, layer, KV head)
-#   forced   given gates [L, B, S, K] (baselines, benchmarks)
-#   sparse   every head SSA
-MODES = ("full", "elastic", "forced", "sparse")
 
 
 @flax.struct.dataclass
@@ -51,6 +46,7 @@ class Context:
   prompt_mask: jax.Array | None = None  # [B, T] bool, token is part of its segment's prompt
   tau: jax.Array | None = None    # Gumbel-softmax temperature (training)
   return_kv: bool = flax.struct.field(pytree_node=False, default=False)  # prefill for decoding
+  num_segments: int = flax.struct.field(pytree_node=False, default=2)    # S: segment slots
 
 _normal = nn.initializers.normal(0.02)
 
@@ -119,7 +115,7 @@ class Attention(nn.Module):
   dtype: Any
   attn_impl: str
 
-  mode: str = "full"
+  attention: str = "full"         # how heads attend (heads.FORWARD)
   rcfg: rt.RouterConfig | None = None
   packed: bool = True
 
@@ -152,18 +148,19 @@ class Attention(nn.Module):
                                    layer["cache"], layer["index"], self.rcfg.streaming,
                                    h ** -0.5)
       return self._out_proj(out[:, None]), {"cache": cache}
-    if self.mode == "elastic":
-      # The router reads the keys after k-norm and before RoPE (SPEC.md section 4).
+    if self.attention == "elastic":
+      # The router reads the keys after k-norm and before RoPE (docs/method.md §4).
       if self.packed or self.rcfg.pooling != "boundary":
         pooled = rt.pool_prompt(kk, segment_ids_bt, ctx.positions, ctx.prompt_mask,
-                                self.rcfg)
+                                self.rcfg, ctx.num_segments)
       else:   # one input per row, its prompt a prefix: read only the boundary tokens
-        pooled = rt.pool_prompt_prefix(kk, segment_ids_bt, ctx.prompt_mask, self.rcfg)
+        pooled = rt.pool_prompt_prefix(kk, segment_ids_bt, ctx.prompt_mask, self.rcfg,
+                                       ctx.num_segments)
       z_bskc = rt.router_logits(layer["router"], pooled)
       gate_bsk, soft_bsk = rt.gate_from_logits(z_bskc, self.rcfg, key=layer.get("key"),
                                                tau=ctx.tau)
       stats = {"gate": gate_bsk, "soft_gate": soft_bsk, "logits": z_bskc}
-    elif self.mode == "forced":
+    elif self.attention == "forced":
       gate_bsk = layer["gate"].astype(jnp.float32)
       stats = {"gate": gate_bsk}
     q = nn.with_logical_constraint(apply_rope(q, cos, sin), ("batch", "seq", "act_heads", None))
@@ -171,21 +168,22 @@ class Attention(nn.Module):
                                     ("batch", "seq", "act_kv_heads", None))
     if ctx.return_kv:
       stats = dict(stats, k=kk, v=v)
-    if self.mode == "full":
+    if self.attention == "full":
       # A mesh and rules that split "seq" make this sequence parallel (parallel.py).
       # One unpadded input per row (or right padding only): no segment ids, so the fused
       # causal kernel (cuDNN on a GPU) applies.
-      out = parallel.for_context(get_attention(self.attn_impl), hybrid=False)(
+      out = sequence_parallel.for_context(get_attention(self.attn_impl), hybrid=False)(
           q, kk, v, segment_ids_bt if self.packed else None)
     else:
-      gate_btk = None if self.mode == "sparse" else rt.gates_per_token(gate_bsk, segment_ids_bt)
+      gate_btk = (None if self.attention == "sparse"
+                  else rt.gates_per_token(gate_bsk, segment_ids_bt))
       # One unpadded input per row: the kernels need no segment ids or positions.
       seg, pos = (segment_ids_bt, ctx.positions) if self.packed else (None, None)
       hybrid = get_hybrid_attention(self.attn_impl)
-      wrapped = parallel.for_context(hybrid, hybrid=True)
+      wrapped = sequence_parallel.for_context(hybrid, hybrid=True)
       if self.rcfg.uses_xattention:
         if wrapped is not hybrid:
-          raise ElasticJaxError(f"setting '{self.rcfg.setting}' does not run sequence "
+          raise ElasticJaxError(f"patterns '{self.rcfg.patterns}' does not run sequence "
                                 "parallel yet; use fa-ssa or a mesh without a sequence axis")
         xa = self.rcfg.xattention
         keep = xattention.select(q, kk, xa, seg,
@@ -193,7 +191,7 @@ class Attention(nn.Module):
         # Real tokens per row (packed rows: all segments together).
         lengths = (segment_ids_bt > 0).sum(1)
         stats = dict(stats, xa_kept=xattention.kept_fraction(keep, lengths, xa.block))
-        wrapped = functools.partial(hybrid, setting=self.rcfg.setting, xa_keep=keep,
+        wrapped = functools.partial(hybrid, patterns=self.rcfg.patterns, xa_keep=keep,
                                     xa_block=xa.block)
       out = wrapped(q, kk, v, gate_btk, self.rcfg.streaming, seg, pos)
     return self._out_proj(out), stats
@@ -235,7 +233,7 @@ class DecoderLayer(nn.Module):
   cfg: ModelConfig
   dtype: Any
   attn_impl: str
-  mode: str = "full"
+  attention: str = "full"
   rcfg: rt.RouterConfig | None = None
   packed: bool = True
 
@@ -243,8 +241,8 @@ class DecoderLayer(nn.Module):
   def __call__(self, x_bte, ctx: Context, layer: dict):
     cfg = self.cfg
     h = RMSNorm("embed", cfg.rms_norm_eps, self.dtype, name="attn_norm")(x_bte)
-    y, stats = Attention(cfg, self.dtype, self.attn_impl, self.mode, self.rcfg, self.packed,
-                         name="attn")(h, ctx, layer)
+    y, stats = Attention(cfg, self.dtype, self.attn_impl, self.attention, self.rcfg,
+                         self.packed, name="attn")(h, ctx, layer)
     x_bte = x_bte + y
     h = RMSNorm("embed", cfg.rms_norm_eps, self.dtype, name="mlp_norm")(x_bte)
     x_bte = x_bte + MLP(cfg, self.dtype, name="mlp")(h)
@@ -257,9 +255,10 @@ class Transformer(nn.Module):
   dtype: Any = jnp.bfloat16
   attn_impl: str = "reference"
   remat: bool = False
-  mode: str = "full"
+  attention: str = "full"         # how heads attend (heads.FORWARD)
   rcfg: rt.RouterConfig | None = None
   packed: bool = True             # False: each row is one unpadded input (kernels apply)
+  num_segments: int = 2           # S: segment slots of the routing (segment ids below it)
 
   @nn.compact
   def __call__(self, input_ids_bt, positions_bt, segment_ids_bt, prompt_mask_bt=None,
@@ -270,12 +269,13 @@ class Transformer(nn.Module):
     x = jnp.take(embed, input_ids_bt, axis=0)
     x = nn.with_logical_constraint(x, ("batch", "seq", "act_embed"))
     cos, sin = rope_tables(cfg, positions_bt, dt, segment_ids_bt > 0)
-    ctx = Context(cos, sin, segment_ids_bt, positions_bt, prompt_mask_bt, tau, return_kv)
+    ctx = Context(cos, sin, segment_ids_bt, positions_bt, prompt_mask_bt, tau, return_kv,
+                  self.num_segments)
     layer_cls = nn.remat(DecoderLayer, prevent_cse=False) if self.remat else DecoderLayer
     stack = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
                     in_axes=(nn.broadcast, 0), length=cfg.num_layers,
                     metadata_params={nn.PARTITION_NAME: "layers"})
-    x, stats = stack(cfg, dt, self.attn_impl, self.mode, self.rcfg, self.packed,
+    x, stats = stack(cfg, dt, self.attn_impl, self.attention, self.rcfg, self.packed,
                      name="layers")(
         x, ctx, per_layer or {})
     x = RMSNorm("embed", cfg.rms_norm_eps, dt, name="final_norm")(x)
@@ -293,9 +293,12 @@ class Transformer(nn.Module):
     return logits, stats
 
 
-def _module(cfg: ModelConfig, dtype, attn_impl="reference", remat=False, mode="full",
-            rcfg=None, packed=True) -> Transformer:
-  return Transformer(cfg, jnp.dtype(dtype), attn_impl, remat, mode, rcfg, packed)
+def transformer(cfg: ModelConfig, dtype, attn_impl="reference", remat=False, attention="full",
+                rcfg=None, packed=True, num_segments=2) -> Transformer:
+  """The Flax module for `cfg` (apply it with {"params": params}); `forward` and
+  `forward_routed` are the usual ways to run it."""
+  return Transformer(cfg, jnp.dtype(dtype), attn_impl, remat, attention, rcfg, packed,
+                     num_segments)
 
 
 def abstract_params(cfg: ModelConfig, dtype="bfloat16") -> tuple[Params, Params]:
@@ -306,17 +309,31 @@ def abstract_params(cfg: ModelConfig, dtype="bfloat16") -> tuple[Params, Params]
   """
   ids = jnp.zeros((1, 1), jnp.int32)
   boxed = jax.eval_shape(
-      lambda: _module(cfg, dtype).init(jax.random.key(0), ids, ids, ids))["params"]
+      lambda: transformer(cfg, dtype).init(jax.random.key(0), ids, ids, ids))["params"]
   shapes = nn.meta.unbox(boxed)
   axes = jax.tree.map(lambda x: tuple(x.names), boxed,
                       is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
   return shapes, axes
 
 
+def check_shapes(have: dict[str, tuple], want: dict[str, tuple], what: str,
+                 suffix: str = "") -> None:
+  """Refuses a tree whose leaves (name -> shape) differ from `want` in a name or a shape,
+  naming the first: "{what} NAME is missing / is not part of this model / has shape ..."."""
+  for key in sorted(set(want) | set(have)):
+    if key not in have:
+      raise ElasticJaxError(f"{what} {key} is missing{suffix}")
+    if key not in want:
+      raise ElasticJaxError(f"{what} {key} is not part of this model{suffix}")
+    if tuple(have[key]) != tuple(want[key]):
+      raise ElasticJaxError(f"{what} {key} has shape {list(have[key])}, expected "
+                            f"{list(want[key])}{suffix}")
+
+
 def init_params(cfg: ModelConfig, key: jax.Array, dtype="bfloat16") -> Params:
   """Random parameters (N(0, 0.02) weights, unit norms, zero biases), e.g. for tests."""
   ids = jnp.zeros((1, 1), jnp.int32)
-  params = jax.jit(lambda k: _module(cfg, dtype).init(k, ids, ids, ids))(key)["params"]
+  params = jax.jit(lambda k: transformer(cfg, dtype).init(k, ids, ids, ids))(key)["params"]
   return nn.meta.unbox(params)
 
 
@@ -331,50 +348,52 @@ def forward(params: Params, input_ids_bt: jax.Array, positions_bt: jax.Array,
   """
   dtype = jax.tree.leaves(params)[0].dtype
   with nn.logical_axis_rules(rules or ()):
-    logits, _ = _module(cfg, dtype, attn_impl, remat).apply(
+    logits, _ = transformer(cfg, dtype, attn_impl, remat).apply(
         {"params": params}, input_ids_bt, positions_bt, segment_ids_bt)
   return logits
 
 
 def forward_routed(params: Params, input_ids_bt: jax.Array, positions_bt: jax.Array,
                    segment_ids_bt: jax.Array, prompt_mask_bt: jax.Array, *, cfg: ModelConfig,
-                   rcfg: rt.RouterConfig, mode: str = "elastic", router_params=None,
+                   rcfg: rt.RouterConfig, attention: str = "elastic", router_params=None,
                    forced_gates=None, key: jax.Array | None = None, tau=1.0,
                    attn_impl: str = "reference", remat: bool = False,
-                   rules: tuple | None = None, packed: bool = True,
+                   rules: tuple | None = None, packed: bool = True, num_segments: int = 2,
                    return_hidden: bool = False, return_kv: bool = False):
   """Forward pass with elastic (routed), forced or all-sparse attention. Not jitted itself:
   call it inside `jax.jit` (the train step does) or through `forward_routed_jit`.
 
-  router_params: stacked router pytree (mode "elastic"); forced_gates: [L, B, S, K] in [0, 1]
-  (mode "forced"); key: PRNG key for Gumbel noise, None for the noiseless inference decision.
-  Returns (logits [B, T, V] float32, stats) with stats["gate"] [L, B, S, K] (1 = full) for the
-  modes that have gates. packed=False promises one unpadded input per row (segment 1, positions
+  attention: how heads attend, one of heads.FORWARD ("full" here is the same pass with every
+  gate 1; `forward` is the plain backbone). router_params: stacked router pytree
+  ("elastic"); forced_gates: [L, B, S, K] in [0, 1] ("forced"); key: PRNG key for Gumbel
+  noise, None for the noiseless inference decision. num_segments: S, the segment slots of the
+  routing (segment ids must be below it; 2 for one input per row and its padding).
+  Returns (logits [B, T, V] float32, stats) with stats["gate"] [L, B, S, K] (1 = full) where
+  there are gates. packed=False promises one unpadded input per row (segment 1, positions
   0..T-1), which lets the fused kernels run; packed or padded batches need True.
   return_hidden: return the final-normed hidden states [B, T, E] instead of the logits (apply
   `output_head` where they are needed, e.g. `objective.chunked_answer_cross_entropy`).
   return_kv: also return every layer's keys (after RoPE) and values, stats["k"], stats["v"]
   [L, B, T, K, H], to fill a decoding cache (`kv_cache.build`).
   """
-  if mode not in MODES:
-    raise ValueError(f"mode '{mode}' is not one of {MODES}")
+  check_attention(attention, FORWARD)
   per_layer: dict[str, Any] = {}
-  if mode == "elastic":
+  if attention == "elastic":
     per_layer["router"] = router_params
     if key is not None:
       per_layer["key"] = jax.random.split(key, cfg.num_layers)
-  elif mode == "forced":
+  elif attention == "forced":
     per_layer["gate"] = forced_gates
   dtype = jax.tree.leaves(params)[0].dtype
   with nn.logical_axis_rules(rules or ()):
-    return _module(cfg, dtype, attn_impl, remat, mode, rcfg, packed).apply(
+    return transformer(cfg, dtype, attn_impl, remat, attention, rcfg, packed, num_segments).apply(
         {"params": params}, input_ids_bt, positions_bt, segment_ids_bt, prompt_mask_bt,
         per_layer, jnp.asarray(tau, jnp.float32), return_hidden, return_kv)
 
 
 forward_routed_jit = jax.jit(forward_routed, static_argnames=(
-    "cfg", "rcfg", "mode", "attn_impl", "remat", "rules", "packed", "return_hidden",
-    "return_kv"))
+    "cfg", "rcfg", "attention", "attn_impl", "remat", "rules", "packed", "num_segments",
+    "return_hidden", "return_kv"))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "rcfg", "unroll"),

@@ -1,4 +1,4 @@
-"""The Attention Router (SPEC.md section 4) and the sparsity ratios (section 5).
+"""The Attention Router (docs/method.md §4) and the sparsity ratios (§6).
 
 One router per layer reads that layer's key states (after k-norm, before RoPE), pools them over
 the prompt of each packed segment, and scores every KV head with two logits (index 1 = full
@@ -22,7 +22,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from elastic_jax.attention.reference import SETTINGS, Streaming, setting_patterns
+from elastic_jax.attention.reference import PATTERN_PAIRS, Streaming, split_patterns
 from elastic_jax.attention.xattention import XAttention
 from elastic_jax.config import ModelConfig
 
@@ -37,15 +37,15 @@ class RouterConfig:
   boundary: int = 100             # tokens at each end of the prompt for boundary pooling
   relaxation: str = "softmax"     # softmax: two logits + Gumbel-softmax; sigmoid: one logit
   hidden_mult: int = 4            # MLP width = hidden_mult * head_dim
-  max_segments: int = 8           # segment slots per row; segment ids must be < this
-  sink_blocks: int = 1            # SSA pattern (SPEC.md section 3)
-  local_blocks: int = 16
-  block: int = 128
-  setting: str = "fa-ssa"         # fa-ssa, fa-xa (sparse heads XAttention), xa-ssa (full heads
-                                  # XAttention): what r = 1 and r = 0 mean (SPEC.md section 3)
-  xa_threshold: float = 0.9       # XAttention (settings with "xa")
-  xa_stride: int = 16
-  xa_block: int = 128
+  sink_blocks: int = 1            # the streaming pattern (docs/method.md §3)
+  local_blocks: int = 16          # local window, in blocks (the query's own included)
+  block: int = 128                # block size in tokens
+  patterns: str = "fa-ssa"        # the pattern pair: what heads routed full (r = 1) and sparse
+                                  # (r = 0) run: fa-ssa, fa-xa (sparse heads XAttention),
+                                  # xa-ssa (full heads XAttention); docs/method.md §3
+  xa_threshold: float = 0.9       # XAttention (pattern pairs with "xa")
+  xa_stride: int = 16             # XAttention's antidiagonal stride
+  xa_block: int = 128             # XAttention's block size in tokens
   static: bool = False            # no input dependence: one learned gate per (layer, KV head),
                                   # the same for every input (a DuoAttention-style baseline)
   head_norm: bool = False         # sigmoid only: layer-normalise the logit across the layer's
@@ -58,12 +58,12 @@ class RouterConfig:
     if self.relaxation not in RELAXATIONS:
       raise ValueError(f"router relaxation '{self.relaxation}' is unknown "
                        f"(known: {RELAXATIONS})")
-    if self.boundary < 1 or self.hidden_mult < 1 or self.max_segments < 1:
-      raise ValueError("router boundary, hidden_mult and max_segments must be positive")
+    if self.boundary < 1 or self.hidden_mult < 1:
+      raise ValueError("router boundary and hidden_mult must be positive")
     if self.head_norm and self.relaxation != "sigmoid":
       raise ValueError("router head_norm applies to the sigmoid relaxation only")
-    if self.setting not in SETTINGS:
-      raise ValueError(f"router setting '{self.setting}' is unknown (known: {SETTINGS})")
+    if self.patterns not in PATTERN_PAIRS:
+      raise ValueError(f"router patterns '{self.patterns}' is unknown (known: {PATTERN_PAIRS})")
     self.streaming  # validates the SSA numbers
     self.xattention  # and the XAttention ones
 
@@ -77,7 +77,7 @@ class RouterConfig:
 
   @property
   def uses_xattention(self) -> bool:
-    return "xa" in self.setting
+    return "xa" in self.patterns
 
   @property
   def num_logits(self) -> int:
@@ -101,16 +101,16 @@ def init_router_params(cfg: ModelConfig, rcfg: RouterConfig, key: jax.Array) -> 
 
 
 def pool_prompt(k_btkh: jax.Array, segment_ids_bt: jax.Array, positions_bt: jax.Array,
-                prompt_mask_bt: jax.Array, rcfg: RouterConfig) -> jax.Array:
-  """Pooled prompt keys per segment slot: [B, S, K, H] float32.
+                prompt_mask_bt: jax.Array, rcfg: RouterConfig, num_segments: int) -> jax.Array:
+  """Pooled prompt keys per segment slot: [B, S, K, H] float32, S = num_segments (segment
+  ids must be below it).
 
   Boundary pooling averages the first `boundary` and the last `boundary` prompt tokens of each
   segment, as the concatenation of the two spans (a short prompt counts its overlap twice, as
   the authors' `cat(k[:100], k[-100:]).mean()` does). A segment's prompt is its tokens with
   `prompt_mask` set; positions count from the segment's start. Slots with no prompt give 0.
   """
-  s = rcfg.max_segments
-  onehot_bts = jax.nn.one_hot(segment_ids_bt, s, dtype=jnp.float32)
+  onehot_bts = jax.nn.one_hot(segment_ids_bt, num_segments, dtype=jnp.float32)
   prompt = prompt_mask_bt.astype(jnp.float32)
   if rcfg.pooling == "prompt_mean":
     w_bts = onehot_bts * prompt[..., None]
@@ -127,7 +127,8 @@ def pool_prompt(k_btkh: jax.Array, segment_ids_bt: jax.Array, positions_bt: jax.
 
 
 def pool_prompt_prefix(k_btkh: jax.Array, segment_ids_bt: jax.Array,
-                       prompt_mask_bt: jax.Array, rcfg: RouterConfig) -> jax.Array:
+                       prompt_mask_bt: jax.Array, rcfg: RouterConfig,
+                       num_segments: int) -> jax.Array:
   """`pool_prompt` for rows that each hold one input whose prompt is a prefix (positions
   0 .. n-1, then the answer or right padding), as in unpacked batches: [B, S, K, H] float32.
 
@@ -147,7 +148,7 @@ def pool_prompt_prefix(k_btkh: jax.Array, segment_ids_bt: jax.Array,
   got = jnp.take_along_axis(k_btkh, jnp.clip(idx, 0, t - 1)[:, :, None, None], axis=1)
   pooled_bkh = (jnp.einsum("bn,bnkh->bkh", ok, got.astype(jnp.float32))
                 / jnp.maximum(ok.sum(1), 1.0)[:, None, None])
-  slot_bs = jax.nn.one_hot(segment_ids_bt[:, 0], rcfg.max_segments, dtype=jnp.float32)
+  slot_bs = jax.nn.one_hot(segment_ids_bt[:, 0], num_segments, dtype=jnp.float32)
   return slot_bs[:, :, None, None] * pooled_bkh[:, None]
 
 
@@ -217,14 +218,14 @@ def msr(gates_lbsk: jax.Array) -> jax.Array:
 
 
 def esr(last_layer_gates_bsk: jax.Array, lengths_bs: jax.Array, streaming: Streaming, *,
-        setting: str = "fa-ssa", xa_kept_bsk: jax.Array | None = None) -> jax.Array:
+        patterns: str = "fa-ssa", xa_kept_bsk: jax.Array | None = None) -> jax.Array:
   """Effective sparsity ratio per input, [B, S]: the mean over the last layer's KV heads of the
   pruned fraction of causal keys (0 for an FA head, 1 - kept/causal for an SA head). Under
   the XAttention settings an XA head's kept fraction is that of the blocks it really
   attended, `xa_kept_bsk` (`xattention.kept_fraction`)."""
-  hi_pattern, lo_pattern = setting_patterns(setting)
+  hi_pattern, lo_pattern = split_patterns(patterns)
   if "xa" in (hi_pattern, lo_pattern) and xa_kept_bsk is None:
-    raise ValueError(f"the ESR of setting '{setting}' needs the XA heads' kept fractions")
+    raise ValueError(f"the ESR of patterns '{patterns}' needs the XA heads' kept fractions")
   pruned = {"full": 0.0,
             "stream": (1.0 - streaming_kept_fraction(lengths_bs, streaming))[..., None],
             "xa": None if xa_kept_bsk is None else 1.0 - xa_kept_bsk}

@@ -73,7 +73,7 @@ def rope_report(python, root):
     diffs = [float(np.abs(np.asarray(model.logits(p))[0] - ref[str(i)]).max())
              for i, p in enumerate(rope.PROMPTS)]
     greedy = np.load(f"{root}/{name}_greedy.npz")
-    gen = model.generate([rope.DECODE_PROMPT], attention="full", impl="reference",
+    gen = model.generate([rope.DECODE_PROMPT], attention="full", attn_impl="reference",
                          sampling=SamplingConfig(max_new_tokens=rope.DECODE_STEPS),
                          return_logits=True)
     dec = float(np.abs(gen.logits[:, 0] - greedy["0"]).max())

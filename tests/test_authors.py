@@ -116,7 +116,7 @@ def test_routing_decisions_are_the_authors(paw, name):
   spec = MODELS[name]
   model = ej.from_pretrained(paw / name, dtype="float32", show_progress=False)
   rcfg = model.router_config
-  assert (rcfg.setting, rcfg.sink_blocks, rcfg.local_blocks, rcfg.block) == (
+  assert (rcfg.patterns, rcfg.sink_blocks, rcfg.local_blocks, rcfg.block) == (
       ("fa-ssa", 1, 2, 128) if spec["paw"]["retrieval_mode"] == "full" else ("xa-ssa", 2, 4, 128))
   assert rcfg.relaxation == ("softmax" if spec["paw"]["use_softmax"] else "sigmoid")
   if rcfg.uses_xattention:
@@ -162,7 +162,7 @@ def test_round_trip_is_bit_exact_and_loads_in_transformers(paw, tmp_path, torch_
     proc = subprocess.run([sys.executable, "-m", "elastic_jax.convert", *map(str, args),
                            "--quiet"], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
-    assert "routers: 3 layers x 4 KV heads, setting fa-ssa" in proc.stdout
+    assert "routers: 3 layers x 4 KV heads, patterns fa-ssa" in proc.stdout
   _same_directory_tensors(src, back)
   original = json.loads((src / "config.json").read_text())
   for directory in (out, back):
@@ -187,19 +187,16 @@ def test_round_trip_is_bit_exact_and_loads_in_transformers(paw, tmp_path, torch_
 def test_routers_trained_here_export_in_the_authors_layout(paw, tmp_path):
   """A backbone with routers attached from a train.py export writes the authors' layout;
   reading it back gives the same routers, and the backbone alone drops them."""
-  import types
   import jax
   from elastic_jax.router import RouterConfig, init_router_params
-  from elastic_jax.train.export import export_routers
-  from elastic_jax.train.objective import ObjectiveConfig, init_lambdas
+  from elastic_jax.router_io import Routers, save_routers
+  from elastic_jax.train.objective import init_lambdas
   plain = ej.from_pretrained(paw / "qwen3_yarn", dtype="float32", show_progress=False)
   rcfg = RouterConfig(sink_blocks=2, local_blocks=3)
   trainable = {"router": init_router_params(plain.config, rcfg, jax.random.key(3)),
                "lambdas": init_lambdas(jax.random.key(4))}
-  run = types.SimpleNamespace(router=rcfg, objective=ObjectiveConfig(),
-                              export=types.SimpleNamespace(ours=True, authors=False),
-                              export_dir=str(tmp_path / "export"))
-  export_routers(run, plain.config, trainable)
+  save_routers(str(tmp_path / "export" / "elastic_jax"),
+               Routers(trainable["router"], rcfg, trainable["lambdas"]), plain.config)
   merged = ej.from_pretrained(paw / "qwen3_yarn", dtype="float32", show_progress=False,
                               routers=tmp_path / "export" / "elastic_jax")
   ej.save_pretrained(merged, tmp_path / "merged")

@@ -18,7 +18,7 @@ from elastic_jax.errors import ElasticJaxError
 from elastic_jax.model import init_params
 from elastic_jax.train.authors_data import AUTHORS_TASKS
 from elastic_jax.train.data import TrainData
-from elastic_jax.train.export import load_routers
+from elastic_jax.router_io import load_routers
 from toktools import CHAT_TEMPLATE, make_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -183,8 +183,8 @@ def test_train_py_on_their_data_exports_the_full_model(tok_dir, tmp_path):
   assert config["architectures"] == ["PawQwen3ForCausalLM"]
   assert (config["sink_size"], config["local_window_size"]) == (128, 128)
   loaded = ej.from_pretrained(full, dtype="float32", show_progress=False)
-  trained, _ = load_routers(str(run / "export" / "elastic_jax"))
-  for key, value in trained["router"].items():
+  trained = load_routers(str(run / "export" / "elastic_jax"))
+  for key, value in trained.params.items():
     np.testing.assert_array_equal(np.asarray(loaded.router_params[key]), value)
   assert os.path.exists(full / "tokenizer.json")
   # The routers-only export in their layout is there too (block 128 fits it).

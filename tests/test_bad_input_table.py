@@ -199,7 +199,7 @@ def test_convert_refusals_keep_the_source(world):
 
 
 def test_python_api_bad_input(world):
-  from elastic_jax import ops
+  from elastic_jax import hybrid_attention
   from elastic_jax.generate import generate
   with pytest.raises(ej.ElasticJaxError, match="needs a directory path, got None"):
     ej.from_pretrained(None)
@@ -216,13 +216,13 @@ def test_python_api_bad_input(world):
       ((q, k[:, :4], k[:, :4], jax.numpy.ones((1, 1))), {}, "must share batch, length"),
       ((q, k, k, jax.numpy.full((1, 1), 1.5)), {}, "gate values must lie in [0, 1]"),
       ((q.astype(int), k, k, jax.numpy.ones((1, 1))), {}, "q must be a floating-point"),
-      ((q, k, k, jax.numpy.ones((1, 1))), dict(setting="fa-xa", xa_keep=jax.numpy.ones((1, 1))),
+      ((q, k, k, jax.numpy.ones((1, 1))), dict(patterns="fa-xa", xa_keep=jax.numpy.ones((1, 1))),
        "xa_keep is"),
-      ((q, k, k, jax.numpy.ones((1, 1))), dict(setting="xx"), "setting 'xx' is unknown"),
+      ((q, k, k, jax.numpy.ones((1, 1))), dict(patterns="xx"), "patterns 'xx' is unknown"),
       ((q, k, k, jax.numpy.ones((1, 1))), dict(segment_ids=jax.numpy.ones((1, 7), int)),
        "segment_ids must be integers [B, T]")):
     with pytest.raises(ej.ElasticJaxError) as err:
-      ops.hybrid_attention(*args, block=4, local_blocks=1, **kw)
+      hybrid_attention(*args, block=4, local_blocks=1, **kw)
     assert words in str(err.value)
 
 
@@ -258,7 +258,7 @@ def test_stale_partials_are_removed_and_overwriting_a_file_leaves_nothing(world,
 def test_run_directory_lock(tmp_path, capsys):
   """A second train.py on a run_dir in use is refused naming the holder; a lock left by a
   process that died is taken over."""
-  from elastic_jax.utils import DirectoryLock
+  from elastic_jax.files import DirectoryLock
   run = tmp_path / "run"
   with DirectoryLock(str(run)):
     code = run_cli(lambda: _module("train").main(["--config", TINY, f"run_dir={run}"]))
@@ -272,14 +272,14 @@ def test_run_directory_lock(tmp_path, capsys):
 
 def test_torn_predictions_line_is_dropped_once(tmp_path):
   from elastic_jax.eval.runner import read_predictions
-  from elastic_jax.utils import repair_jsonl_tail
+  from elastic_jax.files import repair_jsonl_tail
   path = tmp_path / "predictions.jsonl"
-  good = json.dumps({"setting": "full", "key": "a", "prediction": "x"})
-  path.write_text(good + "\n" + '{"setting": "full", "ke')
+  good = json.dumps({"attention": "full", "key": "a", "prediction": "x"})
+  path.write_text(good + "\n" + '{"attention": "full", "ke')
   assert repair_jsonl_tail(str(path))
   assert path.read_text() == good + "\n"
   with open(path, "a") as f:            # the next run appends after it: still readable
-    f.write(json.dumps({"setting": "full", "key": "b", "prediction": "y"}) + "\n")
+    f.write(json.dumps({"attention": "full", "key": "b", "prediction": "y"}) + "\n")
   assert set(read_predictions(str(path))) == {("full", "a"), ("full", "b")}
   path.write_text(good)                 # complete but no newline: one is added
   assert repair_jsonl_tail(str(path)) and path.read_text() == good + "\n"

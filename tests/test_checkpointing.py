@@ -23,7 +23,7 @@ from elastic_jax.train.step import TrainConfig, TrainState, init_train_state
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 with open(os.path.join(ROOT, "configs", "tiny_qwen3.json")) as f:
   CFG = config_from_hf_dict(json.load(f))
-RCFG = RouterConfig(block=8, sink_blocks=1, local_blocks=2, max_segments=3, boundary=8)
+RCFG = RouterConfig(block=8, sink_blocks=1, local_blocks=2, boundary=8)
 FINGERPRINT = ck.train_fingerprint(CFG, RCFG, ObjectiveConfig(), "data-fp-1")
 DATA_STATE = {"version": 1, "epoch": 2, "position": 17, "batches": 40, "fingerprint": "data-fp-1"}
 SYNC = CheckpointConfig(every_steps=2, keep=2, async_save=False)
@@ -162,7 +162,7 @@ def test_mismatched_state_names_the_item(tmp_path, change, item):
      "different objective (objective.targets"),
     (ck.train_fingerprint(CFG, RCFG, ObjectiveConfig(), "data-fp-2"), "different training data"),
     (ck.train_fingerprint(CFG, RouterConfig(block=8, sink_blocks=1, local_blocks=4,
-                                            max_segments=3, boundary=8), ObjectiveConfig(),
+                                            boundary=8), ObjectiveConfig(),
                           "data-fp-1"), "router.local_blocks: saved 2, now 4"),
 ])
 def test_fingerprint_mismatch(tmp_path, fingerprint, words):

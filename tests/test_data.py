@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from elastic_jax.errors import ElasticJaxError
-from elastic_jax.train.data import (AUTHOR_TASKS, TrainData, load_tokenizer, read_records,
-                                    task_id)
-from elastic_jax.train.objective import TASK_TYPES
+from elastic_jax.tasks import AUTHORS_TASKS as AUTHOR_TASKS, TASK_TYPES, task_id
+from elastic_jax.tokenizer import load_tokenizer
+from elastic_jax.train.data import TrainData, read_records
 from elastic_jax.train.synthetic import synthetic_batch
 from toktools import CHAT_TEMPLATE, make_tokenizer
 
@@ -313,9 +313,9 @@ def test_batches_feed_router_pooling_and_objective(tmp_path, tok):
   batch = next(data)
   assert (batch["segment_ids"].max(1) >= 2).any()            # really packed
   keys = np.random.default_rng(0).normal(size=(2, 64, 2, 8)).astype(np.float32)
-  rcfg = RouterConfig(pooling="prompt_mean", max_segments=4)
+  rcfg = RouterConfig(pooling="prompt_mean")
   pooled = np.asarray(pool_prompt(jnp.asarray(keys), batch["segment_ids"], batch["positions"],
-                                  batch["prompt_mask"], rcfg))
+                                  batch["prompt_mask"], rcfg, 4))
   for row in range(2):
     for s, idx in segments(batch, row):
       want = keys[row, idx[batch["prompt_mask"][row, idx]]].mean(0)

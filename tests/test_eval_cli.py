@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import types
 
 import jax
 import numpy as np
@@ -17,7 +16,7 @@ from elastic_jax.config import config_from_hf_dict
 from elastic_jax.generate import SamplingConfig
 from elastic_jax.model import init_params
 from elastic_jax.router import RouterConfig, init_router_params
-from elastic_jax.train.export import export_routers
+from elastic_jax.router_io import Routers, save_routers
 from elastic_jax.train.objective import ObjectiveConfig, init_lambdas
 from toktools import make_tokenizer
 
@@ -41,10 +40,9 @@ def model_dir(tmp_path_factory):
   rcfg = RouterConfig(block=16, local_blocks=4, boundary=8)
   trainable = {"router": init_router_params(cfg, rcfg, jax.random.key(1)),
                "lambdas": init_lambdas(jax.random.key(2))}
-  run_cfg = types.SimpleNamespace(router=rcfg, objective=ObjectiveConfig(),
-                                  export=types.SimpleNamespace(ours=True, authors=False),
-                                  export_dir=str(root / "export"))
-  export_routers(run_cfg, cfg, trainable)
+  save_routers(str(root / "export" / "elastic_jax"),
+               Routers(trainable["router"], rcfg, trainable["lambdas"]), cfg,
+               targets=ObjectiveConfig().targets)
   return root
 
 
@@ -58,20 +56,20 @@ def test_ruler_report_plots_and_resume(model_dir):
   out = model_dir / "ruler"
   args = ("ruler", "--model", model_dir / "m", "--routers", model_dir / "export/elastic_jax",
           "--lengths", "1024", "--tasks", "niah_single_1,vt", "--samples", "2",
-          "--dtype", "float32", "--impl", "reference", "--out", out)
+          "--dtype", "float32", "--attn-impl", "reference", "--out", out)
   proc = _eval(*args)
   assert proc.returncode == 0, proc.stderr[-3000:]
   lines = (out / "predictions.jsonl").read_text().splitlines()
   assert len(lines) == 2 * 2 * 3                       # tasks x samples x settings
   report = json.loads((out / "report.json").read_text())
-  assert set(report["settings"]) == {"full", "elastic", "static"}
-  for body in report["settings"].values():
+  assert set(report["attention"]) == {"full", "elastic", "static"}
+  for body in report["attention"].values():
     assert set(body["tasks"]) == {"niah_single_1@1024", "vt@1024"}
     for row in body["tasks"].values():
       assert 0 <= row["score"] <= 100 and 0 <= row["msr"] <= 1 and row["n"] == 2
-  assert report["settings"]["full"]["average"]["msr"] == 0
-  elastic_msr = report["settings"]["elastic"]["average"]["msr"]
-  assert abs(report["settings"]["static"]["average"]["msr"] - elastic_msr) <= 0.25 + 1e-6
+  assert report["attention"]["full"]["average"]["msr"] == 0
+  elastic_msr = report["attention"]["elastic"]["average"]["msr"]
+  assert abs(report["attention"]["static"]["average"]["msr"] - elastic_msr) <= 0.25 + 1e-6
   md = (out / "report.md").read_text()
   assert "| retrieval (NIAH) | niah_single_1@1024 |" in md
   for png in ("routing_map.png", "msr_per_task.png", "quality_vs_speedup.png"):
@@ -88,20 +86,20 @@ def test_ruler_under_the_xattention_settings(model_dir):
   recorded, and an output directory made under one setting is not reused under another."""
   base = ("ruler", "--model", model_dir / "m", "--routers", model_dir / "export/elastic_jax",
           "--lengths", "512", "--tasks", "niah_single_1", "--samples", "1", "--dtype",
-          "float32", "--impl", "reference", "--attention", "elastic,sparse")
+          "float32", "--attn-impl", "reference", "--attention", "elastic,sparse")
   out = model_dir / "ruler_fa-xa"
-  proc = _eval(*base, "--setting", "fa-xa", "--xa-threshold", "0.5", "--out", out)
+  proc = _eval(*base, "--patterns", "fa-xa", "--xa-threshold", "0.5", "--out", out)
   assert proc.returncode == 0, proc.stderr[-3000:]
   report = json.loads((out / "report.json").read_text())
-  assert report["setting"] == "fa-xa" and report["xa_threshold"] == 0.5
+  assert report["patterns"] == "fa-xa" and report["xa_threshold"] == 0.5
   # Every head XA: the ESR is the pruned fraction of the blocks the last layer skipped.
-  assert 0 < report["settings"]["sparse"]["average"]["esr"] < 1
-  other = _eval(*base, "--setting", "fa-ssa", "--out", model_dir / "ruler_fa-xa")
+  assert 0 < report["attention"]["sparse"]["average"]["esr"] < 1
+  other = _eval(*base, "--patterns", "fa-ssa", "--out", model_dir / "ruler_fa-xa")
   assert other.returncode != 0 and "another --out" in other.stderr
   broken = model_dir / "ruler_broken"
   broken.mkdir()
   (broken / "setting.json").write_text("{not json")
-  bad = _eval(*base, "--setting", "fa-xa", "--out", broken)
+  bad = _eval(*base, "--patterns", "fa-xa", "--out", broken)
   assert bad.returncode == 2 and "cannot be read" in bad.stderr
   assert not (broken / "predictions.jsonl").exists()
 
@@ -117,22 +115,22 @@ def test_longbench_from_local_files(model_dir):
       "\n".join(rec(i, "trec", "Number", ["Number", "Place"]) for i in range(2)))
   out = model_dir / "lb_out"
   proc = _eval("longbench", "--model", model_dir / "m", "--data", data, "--datasets",
-               "hotpotqa,trec", "--dtype", "float32", "--impl", "reference",
+               "hotpotqa,trec", "--dtype", "float32", "--attn-impl", "reference",
                "--attention", "full,sparse", "--max-length", "256", "--out", out)
   assert proc.returncode == 0, proc.stderr[-3000:]
   report = json.loads((out / "report.json").read_text())
-  tasks = report["settings"]["sparse"]["tasks"]
+  tasks = report["attention"]["sparse"]["tasks"]
   assert tasks["hotpotqa"]["category"] == "Multi-Doc QA" and tasks["trec"]["n"] == 2
-  assert report["settings"]["sparse"]["average"]["msr"] == 1
+  assert report["attention"]["sparse"]["average"]["msr"] == 1
   # LongBench-E: one row per dataset and length bucket.
   (data / "hotpotqa_e.jsonl").write_text("\n".join(
       json.dumps(dict(json.loads(rec(i, "hotpotqa", "green")), length=n))
       for i, n in enumerate((1000, 5000, 9000))))
   proc = _eval("longbench", "--model", model_dir / "m", "--data", data, "--datasets",
-               "hotpotqa", "--e", "--dtype", "float32", "--impl", "reference",
+               "hotpotqa", "--e", "--dtype", "float32", "--attn-impl", "reference",
                "--attention", "full", "--max-length", "256", "--out", model_dir / "lbe_out")
   assert proc.returncode == 0, proc.stderr[-3000:]
-  tasks = json.loads((model_dir / "lbe_out" / "report.json").read_text())["settings"]["full"]
+  tasks = json.loads((model_dir / "lbe_out" / "report.json").read_text())["attention"]["full"]
   assert set(tasks["tasks"]) == {"hotpotqa@0-4k", "hotpotqa@4-8k", "hotpotqa@8k+"}
   assert tasks["categories"].keys() == {"Multi-Doc QA"}
 
@@ -163,14 +161,14 @@ def test_authors_model_directory_evaluates_with_its_own_routers(model_dir):
       "PawQwen3ForCausalLM"]
   out = model_dir / "paw_ruler"
   proc = _eval("ruler", "--model", model_dir / "paw", "--lengths", "512", "--tasks",
-               "niah_single_1", "--samples", "1", "--dtype", "float32", "--impl", "reference",
+               "niah_single_1", "--samples", "1", "--dtype", "float32", "--attn-impl", "reference",
                "--attention", "full,elastic", "--out", out)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "routers: the model directory's own (fa-ssa" in proc.stdout
   report = json.loads((out / "report.json").read_text())
-  assert set(report["settings"]) == {"full", "elastic"}
+  assert set(report["attention"]) == {"full", "elastic"}
   gen = paw.generate([[5, 6, 7] * 50], sampling=SamplingConfig(max_new_tokens=3),
-                     impl="reference")
+                     attn_impl="reference")
   want = np.asarray(paw.logits([5, 6, 7] * 50, attention="elastic", return_routing=True)[1][
       "gates"])
   np.testing.assert_array_equal(gen.gates, want)
@@ -187,12 +185,12 @@ def test_longbench_v2_and_provenance_of_reused_predictions(model_dir):
               "answer": "A", "context": "the grass is green " * 20} for i in range(2)]
   (data / "data.json").write_text(json.dumps(records))
   out = model_dir / "lb2_out"
-  base = ("longbench-v2", "--model", model_dir / "m", "--data", data, "--impl", "reference",
+  base = ("longbench-v2", "--model", model_dir / "m", "--data", data, "--attn-impl", "reference",
           "--attention", "full", "--out", out)
   proc = _eval(*base, "--dtype", "float32")
   assert proc.returncode == 0, proc.stderr[-3000:]
   report = json.loads((out / "report.json").read_text())
-  assert report["settings"]["full"]["tasks"]["easy/short"]["n"] == 2
+  assert report["attention"]["full"]["tasks"]["easy/short"]["n"] == 2
   other = _eval(*base, "--dtype", "bfloat16")
   assert other.returncode == 2
   assert "holds predictions made with dtype 'float32', not 'bfloat16'" in other.stderr

@@ -19,7 +19,7 @@ from elastic_jax.model import forward_routed_jit, init_params
 from elastic_jax.router import RouterConfig, init_router_params
 
 # Small SSA blocks so that prompts of ~40 tokens already leave the local window.
-RCFG = RouterConfig(block=4, sink_blocks=1, local_blocks=2, boundary=4, max_segments=2)
+RCFG = RouterConfig(block=4, sink_blocks=1, local_blocks=2, boundary=4)
 CONFIGS = {
     "qwen3": dict(model_type="qwen3", vocab_size=97, hidden_size=32, intermediate_size=64,
                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -51,7 +51,7 @@ def _reference(params, cfg, prompts, gates_lbk, steps):
       ids = jnp.asarray([seq + [0] * (REF_LEN - len(seq))], jnp.int32)
       pos = jnp.arange(REF_LEN, dtype=jnp.int32)[None]
       logits, _ = forward_routed_jit(params, ids, pos, jnp.ones_like(ids), pos < len(prompt),
-                                     cfg=cfg, rcfg=RCFG, mode="forced", forced_gates=forced)
+                                     cfg=cfg, rcfg=RCFG, attention="forced", forced_gates=forced)
       row_logits.append(np.asarray(logits[0, len(seq) - 1]))
       seq.append(int(np.argmax(row_logits[-1])))
     out.append(seq[len(prompt):])

@@ -7,13 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from elastic_jax import ops
+from elastic_jax import hybrid_attention
 from elastic_jax.attention import Streaming
-from elastic_jax.attention.reference import hybrid_attention
+from elastic_jax.attention.reference import hybrid_attention as reference_hybrid
 
 
 def ssa_mask(t, sink, local, block, positions=None):
-  """The SPEC.md section 3 mask, token by token with Python loops."""
+  """The docs/method.md §3 mask, token by token with Python loops."""
   pos = np.arange(t) if positions is None else positions
   ok = np.zeros((t, t), bool)
   for qi in range(t):
@@ -51,7 +51,7 @@ def _qkv(b, t, n, k, h, seed=0, dtype=jnp.float32):
 
 @functools.partial(jax.jit, static_argnames=("sink", "local", "block", "chunk"))
 def _ours(q, k, v, gate, sink, local, block, chunk):
-  return ops.hybrid_attention(q, k, v, gate, sink_blocks=sink, local_blocks=local, block=block,
+  return hybrid_attention(q, k, v, gate, sink_blocks=sink, local_blocks=local, block=block,
                               q_chunk=chunk, kv_chunk=chunk)
 
 
@@ -103,7 +103,7 @@ def test_gradients_match_dense_autodiff():
     r = jnp.repeat(gate, 2, axis=1)[:, None, :, None]
     return r * o[0] + (1 - r) * o[1]
 
-  ours = lambda q, k, v, g: hybrid_attention(q, k, v, jnp.broadcast_to(g[:, None], (1, t, 2)),
+  ours = lambda q, k, v, g: reference_hybrid(q, k, v, jnp.broadcast_to(g[:, None], (1, t, 2)),
                                              Streaming(sink, local, block), q_chunk=8,
                                              kv_chunk=16)
   g_ours = jax.jit(jax.grad(lambda *a: jnp.sum(ours(*a) * cot), argnums=(0, 1, 2, 3)))(
@@ -122,7 +122,7 @@ def test_packed_segments_route_and_block_independently():
   pos = jnp.asarray(np.concatenate([np.arange(30), np.arange(20)])[None].astype(np.int32))
   g1, g2 = np.array([1.0, 0.0]), np.array([0.0, 0.4])
   gate_btk = jnp.asarray(np.concatenate([np.tile(g1, (30, 1)), np.tile(g2, (20, 1))])[None])
-  got = np.asarray(hybrid_attention(q, kk, v, gate_btk, Streaming(1, 1, 8), seg, pos,
+  got = np.asarray(reference_hybrid(q, kk, v, gate_btk, Streaming(1, 1, 8), seg, pos,
                                     q_chunk=16, kv_chunk=16))
   a = dense_hybrid(q[:, :30], kk[:, :30], v[:, :30], g1[None], 1, 1, 8)
   b = dense_hybrid(q[:, 30:], kk[:, 30:], v[:, 30:], g2[None], 1, 1, 8)
@@ -132,7 +132,7 @@ def test_packed_segments_route_and_block_independently():
 def test_bad_gate_shape_is_refused():
   q, kk, v = _qkv(1, 8, 4, 2, 8)
   with pytest.raises(ValueError, match="gate has shape"):
-    ops.hybrid_attention(q, kk, v, jnp.ones((1, 3)))
+    hybrid_attention(q, kk, v, jnp.ones((1, 3)))
 
 
 def test_memory_at_16k_is_bounded():
@@ -144,7 +144,7 @@ def test_memory_at_16k_is_bounded():
   one_head_scores = t * t * 4
 
   def out(q, k, v, gate):
-    return ops.hybrid_attention(q, k, v, gate).astype(jnp.float32).sum()
+    return hybrid_attention(q, k, v, gate).astype(jnp.float32).sum()
 
   def temp_bytes(fn):
     return jax.jit(fn).lower(q, kv, kv, g).compile().memory_analysis().temp_size_in_bytes

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from elastic_jax import ops
+from elastic_jax import hybrid_attention
 from elastic_jax.attention import Streaming, mosaic_gpu
 from elastic_jax.attention.common import MODE_FULL, MODE_SPARSE
 from elastic_jax.attention.reference import dense_hybrid_attention
@@ -70,12 +70,12 @@ def test_forward_matches_reference(b, t, n, k, d, gates, st, dtype):
 
 
 def test_op_takes_fractional_gates_and_gradients_through_the_triton_kernels():
-  """impl="mosaic_gpu": a fractional gate runs the Triton forward (chosen at run time), and
+  """attn_impl="mosaic_gpu": a fractional gate runs the Triton forward (chosen at run time), and
   gradients (the Triton training kernels) match the reference's."""
   st = dict(sink_blocks=1, local_blocks=1, block=128)
   q, k, v = _inputs(1, 384, 4, 2, 64, jnp.bfloat16, seed=1)
   gate = jnp.asarray([[0.5, 0.0]], jnp.float32)
-  run = lambda impl, *x: ops.hybrid_attention(*x, **st, impl=impl,
+  run = lambda impl, *x: hybrid_attention(*x, **st, attn_impl=impl,
                                               **({} if impl == "reference" else
                                                  {"interpret": INTERPRET}))
   up = [x.astype(jnp.float32) for x in (q, k, v)]

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from elastic_jax import ops
+from elastic_jax import hybrid_attention
 from elastic_jax.attention import Streaming
 from elastic_jax.attention.common import modes_from_gate, q_tile_range, tile_ranges
 from elastic_jax.attention.pallas_gpu import Tiles, make_hybrid
@@ -131,13 +131,13 @@ def test_forward_training_forward_and_gradients_match_reference(b, t, n, k, d, b
 
 
 def test_op_routes_to_the_kernel_and_packed_inputs_to_the_reference():
-  """`ops.hybrid_attention(impl="pallas_gpu")`: the kernel's values (default tiles), and with
+  """`hybrid_attention(attn_impl="pallas_gpu")`: the kernel's values (default tiles), and with
   segment ids (which the kernel does not take) the reference's."""
   st = dict(sink_blocks=1, local_blocks=2, block=16)
   q, kk, v = _inputs(1, 70, 4, 2, 64, jnp.float32, seed=3)
   gate = jnp.asarray([[0.0, 0.7]])
-  ours = functools.partial(ops.hybrid_attention, impl="pallas_gpu", interpret=INTERPRET, **st)
-  ref = functools.partial(ops.hybrid_attention, impl="reference", **st)
+  ours = functools.partial(hybrid_attention, attn_impl="pallas_gpu", interpret=INTERPRET, **st)
+  ref = functools.partial(hybrid_attention, attn_impl="reference", **st)
   np.testing.assert_allclose(np.asarray(ours(q, kk, v, gate)),
                              np.asarray(ref(q, kk, v, gate)), atol=F32_TOL)
   seg = jnp.asarray([[0] * 30 + [1] * 40])
@@ -162,14 +162,14 @@ def test_xattention_mode_matches_the_reference(setting, t, g, d, tiles):
   gate = jnp.asarray([[0.0, 1.0], [1.0, 0.25]])            # every mode in one launch
   fn = make_xa_hybrid(Tiles(*tiles, 1, 4))
   got = _jit(fn, static_argnums=(5, 6, 7, 8))(q, k, v, gate, keep, st, setting, 32, INTERPRET)
-  want = dense_hybrid_attention(q, k, v, gate, st, setting=setting, xa_keep=keep, xa_block=32)
+  want = dense_hybrid_attention(q, k, v, gate, st, patterns=setting, xa_keep=keep, xa_block=32)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=F32_TOL)
   cot = jax.random.normal(jax.random.key(9), q.shape)
   grads = jax.grad(lambda q, k, v, gate: jnp.sum(
       fn(q, k, v, gate, keep, st, setting, 32, INTERPRET) * cot), argnums=(0, 1, 2, 3))(
           q, k, v, gate)
   want_g = jax.grad(lambda q, k, v, gate: jnp.sum(dense_hybrid_attention(
-      q, k, v, gate, st, setting=setting, xa_keep=keep, xa_block=32) * cot),
+      q, k, v, gate, st, patterns=setting, xa_keep=keep, xa_block=32) * cot),
       argnums=(0, 1, 2, 3))(q, k, v, gate)
   for a, w in zip(grads, want_g):
     np.testing.assert_allclose(np.asarray(a), np.asarray(w),

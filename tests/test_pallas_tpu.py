@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from jax import export
 
-from elastic_jax import ops
+from elastic_jax import hybrid_attention
 from elastic_jax.attention import HYBRID_IMPLS, Streaming
 from elastic_jax.attention.common import MODE_FULL, MODE_MIX, MODE_SPARSE, kernel_or_reference
 from elastic_jax.attention.pallas_tpu import (fused_hybrid, hybrid_forward, kv_schedule,
@@ -124,9 +124,9 @@ def test_gradients_match_reference(b, t, n, k, d, tiles, st, gates, dtype, monke
     monkeypatch.setitem(HYBRID_IMPLS, "pallas_tpu",
                         functools.partial(kernel_or_reference, fused_hybrid(tiles, tiles)))
   pattern = dict(sink_blocks=st.sink_blocks, local_blocks=st.local_blocks, block=st.block)
-  ours = functools.partial(ops.hybrid_attention, impl="pallas_tpu", interpret=INTERPRET,
+  ours = functools.partial(hybrid_attention, attn_impl="pallas_tpu", interpret=INTERPRET,
                            **pattern)
-  ref = functools.partial(ops.hybrid_attention, impl="reference", **pattern)
+  ref = functools.partial(hybrid_attention, attn_impl="reference", **pattern)
   keys = jax.random.split(jax.random.key(t), 4)
   q, kk, v, d_out = (jax.random.normal(key, (b, t, h, d)).astype(dtype)
                      for key, h in zip(keys, (n, k, k, n)))
@@ -177,8 +177,8 @@ def test_auto_is_the_reference_on_cpu():
   kk = jax.random.normal(keys[1], (1, 40, 1, 16))
   gate = jnp.asarray([[0.0]])
   np.testing.assert_array_equal(
-      np.asarray(ops.hybrid_attention(q, kk, kk, gate, block=8, local_blocks=2, impl="auto")),
-      np.asarray(ops.hybrid_attention(q, kk, kk, gate, block=8, local_blocks=2)))
+      np.asarray(hybrid_attention(q, kk, kk, gate, block=8, local_blocks=2, attn_impl="auto")),
+      np.asarray(hybrid_attention(q, kk, kk, gate, block=8, local_blocks=2)))
 
 
 def test_xa_schedule_fetches_exactly_the_kept_tiles_then_repeats():
@@ -221,7 +221,7 @@ def test_xattention_mode_matches_the_reference(setting):
   gate = jnp.asarray([[0.0, 1.0, 0.25]])
   got = _jit(_xa_hybrid, static_argnums=(5, 6, 7, 8))(q, k, v, gate, keep, st, setting, 16,
                                                       INTERPRET)
-  want = dense_hybrid_attention(q, k, v, gate, st, setting=setting, xa_keep=keep, xa_block=16)
+  want = dense_hybrid_attention(q, k, v, gate, st, patterns=setting, xa_keep=keep, xa_block=16)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
   cot = jax.random.normal(jax.random.key(9), q.shape)
   args = (0, 1, 2, 3)
@@ -229,7 +229,7 @@ def test_xattention_mode_matches_the_reference(setting):
       _xa_hybrid(q, k, v, g, keep, st, setting, 16, INTERPRET) * cot), argnums=args))(
           q, k, v, gate)
   want_g = jax.grad(lambda q, k, v, g: jnp.sum(dense_hybrid_attention(
-      q, k, v, g, st, setting=setting, xa_keep=keep, xa_block=16) * cot), argnums=args)(
+      q, k, v, g, st, patterns=setting, xa_keep=keep, xa_block=16) * cot), argnums=args)(
           q, k, v, gate)
   for name, a, w in zip("dq dk dv dgate".split(), got_g, want_g):
     err = float(jnp.abs(a - w).max())

@@ -110,7 +110,7 @@ def test_small_attention_chunks_change_nothing(hf_models, monkeypatch):
                       functools.partial(causal_attention, q_chunk=16, kv_chunk=24))
   model = ej.from_pretrained(hf_models / "qwen3", dtype="float32", show_progress=False)
   ref = _reference_logits(hf_models, "qwen3")[-1]
-  ours = np.asarray(model.logits(PROMPTS[-1], impl="reference_tiny_tiles"))[0]
+  ours = np.asarray(model.logits(PROMPTS[-1], attn_impl="reference_tiny_tiles"))[0]
   assert np.abs(ours - ref).max() <= 1e-4
 
 

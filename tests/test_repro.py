@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from elastic_jax.repro import mixture
+from elastic_jax.eval import mixture
 from elastic_jax.repro.pretrain import make_rows, row_lengths
 
 WINDOW = 64

@@ -22,16 +22,19 @@ def _run(script, *args):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
   root = tmp_path_factory.mktemp("repro")
-  proc = _run(["train.py", "--config", "configs/mixture_cpu.yaml"], f"run_dir={root / 'run'}",
-              "train.steps=3", "data.mixture.per_task=4", "data.mixture.eval_per_task=1",
-              "data.seq_len=512", "data.mixture.min_len=128", "data.mixture.max_len=256",
+  proc = _run(["-m", "elastic_jax.eval.mixture", root / "data", "--per-task", "4",
+               "--eval-per-task", "1", "--min-len", "128", "--max-len", "256"])
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  proc = _run(["train.py", "--config", "mixture_cpu.yaml"], f"run_dir={root / 'run'}",
+              "train.steps=3", f"data.train_path={root / 'data' / 'train.jsonl'}",
+              f"data.eval_path={root / 'data' / 'eval.jsonl'}",
               "checkpoint.every_steps=0", "log.every_steps=1")
   assert proc.returncode == 0, proc.stderr[-3000:]
   return root
 
 
-def test_train_writes_the_mixture_and_exports_routers(run):
-  lines = open(run / "run" / "data" / "train.jsonl", encoding="utf-8").read().splitlines()
+def test_the_mixture_writes_jsonl_that_train_py_reads(run):
+  lines = open(run / "data" / "train.jsonl", encoding="utf-8").read().splitlines()
   assert len(lines) == 20
   assert {json.loads(x)["template"] for x in lines} <= {0, 1}
   with open(run / "run" / "eval.json") as f:
@@ -44,12 +47,12 @@ def test_train_writes_the_mixture_and_exports_routers(run):
 def test_eval_mixture_and_the_results_table(run):
   out = run / "eval"
   proc = _run(["eval.py", "mixture"], "--model", BACKBONE, "--routers",
-              run / "run" / "export" / "elastic_jax", "--dtype", "float32", "--impl",
+              run / "run" / "export" / "elastic_jax", "--dtype", "float32", "--attn-impl",
               "reference", "--attention", "full,elastic,sparse", "--lengths", "384",
               "--heldout-lengths", "512", "--samples", "3", "--batch-size", "3", "--out", out)
   assert proc.returncode == 0, proc.stderr[-3000:]
   rep = json.load(open(out / "report.json"))
-  full, sparse = rep["settings"]["full"]["tasks"], rep["settings"]["sparse"]["tasks"]
+  full, sparse = rep["attention"]["full"]["tasks"], rep["attention"]["sparse"]["tasks"]
   assert set(full) == {f"{t}@{v}" for t in ("kv", "hop", "summary", "pattern", "fewshot")
                        for v in ("seen", "held-out")}
   # The local tasks' answers lie inside the streaming heads' window: the backbone answers
@@ -70,7 +73,7 @@ def test_eval_mixture_and_the_results_table(run):
 
 
 def test_mixture_refuses_another_tokenizer(tmp_path):
-  from elastic_jax.repro import mixture
+  from elastic_jax.eval import mixture
   # A model directory whose tokenizer is a different word list.
   import shutil
   shutil.copytree(BACKBONE, tmp_path / "m")
@@ -83,6 +86,11 @@ def test_mixture_refuses_another_tokenizer(tmp_path):
               "--samples", "1", "--out", tmp_path / "out")
   assert proc.returncode == 2 and "not the task mixture's" in proc.stderr
   assert not (tmp_path / "out" / "report.json").exists()
-  proc = _run(["train.py"], f"data.tokenizer={tmp_path / 'm'}", f"run_dir={tmp_path / 'run'}")
-  assert proc.returncode == 2 and "not the task mixture's" in proc.stderr
-  assert not (tmp_path / "run" / "data" / "train.jsonl").exists()
+  # Training data in words the tokenizer does not know: refused, not trained on <unk>s.
+  (tmp_path / "foreign.jsonl").write_text("\n".join(json.dumps(
+      {"context": "zebra quantum marmalade " * 20, "question": "why xylophone ?",
+       "answer": "because", "task": "code"}) for _ in range(8)) + "\n")
+  proc = _run(["train.py"], f"data.train_path={tmp_path / 'foreign.jsonl'}", "data.eval_path=null",
+              f"run_dir={tmp_path / 'run'}")
+  assert proc.returncode == 2 and "are the tokenizer's unknown token" in proc.stderr
+  assert not (tmp_path / "run" / "checkpoints").exists()

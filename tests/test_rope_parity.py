@@ -82,7 +82,7 @@ def test_decode_logits_match_transformers(rope_models, name):
   """Greedy decoding through the cache: the same tokens, each step's logits within 1e-4."""
   model = ej.from_pretrained(rope_models / name, dtype="float32", show_progress=False)
   ref = np.load(rope_models / f"{name}_greedy.npz")
-  gen = model.generate([DECODE_PROMPT], attention="full", impl="reference",
+  gen = model.generate([DECODE_PROMPT], attention="full", attn_impl="reference",
                        sampling=SamplingConfig(max_new_tokens=DECODE_STEPS),
                        return_logits=True)
   assert gen.tokens[0] == ref["tokens_0"].tolist()

@@ -20,7 +20,7 @@ def test_router_parameters_shapes_and_init():
   p = init_router_params(CFG, RouterConfig(), jax.random.key(0))
   assert p["task_w1"].shape == (3, 128, 512) and p["route_w3"].shape == (3, 128, 2)
   per_layer = sum(x[0].size for x in jax.tree.leaves(p))
-  assert 0.25e6 < per_layer < 0.28e6  # SPEC.md: about 0.27 M per layer at head_dim 128
+  assert 0.25e6 < per_layer < 0.28e6  # the paper: about 0.27 M per layer at head_dim 128
   weights = np.concatenate([np.ravel(v) for k, v in p.items() if "_w" in k])
   assert abs(weights.std() - 0.02) < 1e-3 and abs(weights.mean()) < 1e-3
   assert all(np.all(v == 0) for k, v in p.items() if "_b" in k)
@@ -55,9 +55,9 @@ def test_pooling_per_packed_segment(mode):
   seg = np.array([[1] * 8 + [2] * 10 + [0] * 2, [1] * 20])
   pos = np.array([list(range(8)) + list(range(10)) + [0, 0], list(range(20))])
   prompt = np.array([[1] * 6 + [0] * 2 + [1] * 9 + [0] + [0] * 2, [1] * 15 + [0] * 5], bool)
-  rcfg = RouterConfig(pooling=mode, boundary=4, max_segments=3)
+  rcfg = RouterConfig(pooling=mode, boundary=4)
   got = pool_prompt(jnp.asarray(k), jnp.asarray(seg), jnp.asarray(pos), jnp.asarray(prompt),
-                    rcfg)
+                    rcfg, 3)
   want = _numpy_pool(k, seg, pos, prompt & (seg > 0), 3, 4, mode)
   np.testing.assert_allclose(np.asarray(got)[:, 1:], want[:, 1:], atol=1e-6)
 
@@ -72,8 +72,8 @@ def test_prefix_pooling_reads_only_the_boundaries():
   seg = (np.arange(24)[None] < total[:, None]).astype(np.int32)
   pos = np.broadcast_to(np.arange(24), (3, 24))
   prompt = np.arange(24)[None] < plen[:, None]
-  rcfg = RouterConfig(boundary=5, max_segments=2)
-  got = pool_prompt_prefix(jnp.asarray(k), jnp.asarray(seg), jnp.asarray(prompt), rcfg)
+  rcfg = RouterConfig(boundary=5)
+  got = pool_prompt_prefix(jnp.asarray(k), jnp.asarray(seg), jnp.asarray(prompt), rcfg, 2)
   want = _numpy_pool(k, seg, pos, prompt, 2, 5, "boundary")
   np.testing.assert_allclose(np.asarray(got), want, atol=1e-6)
 

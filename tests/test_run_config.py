@@ -11,7 +11,7 @@ import pytest
 from elastic_jax import attention
 from elastic_jax.errors import ElasticJaxError
 from elastic_jax.sharding import MESH_AXES, make_mesh
-from elastic_jax.train.run_config import (AttnImpl, DataConfig, MeshConfig, ModelSource,
+from elastic_jax.train.run_config import (AttnImpl, MeshConfig, ModelSource,
                                           RunConfig, check_batch_layout, dump_run_config,
                                           load_run_config, resolve_mesh_shape,
                                           resolve_model_path, run_config_to_dict)
@@ -37,19 +37,17 @@ def fails(match, path, overrides=()):
 @pytest.mark.parametrize("path", SHIPPED, ids=os.path.basename)
 def test_shipped_configs_load(path):
   cfg = load_run_config(path, [])
-  assert cfg.router.max_segments == cfg.data.max_segments
-  assert (cfg.train.attn_impl, cfg.train.remat) == (cfg.model.attn_impl, cfg.model.remat)
   name = os.path.basename(path)
   # The CPU default runs on one device; the others are laid out for 8.
   shape = resolve_mesh_shape(cfg.mesh, 1 if name == "mixture_cpu.yaml" else 8)
   check_batch_layout(cfg, shape)
   if name.startswith("mixture"):                 # the reproduction (docs/results.md)
-    assert cfg.data.mixture.per_task > 0 and cfg.data.train_path is None
-    assert cfg.data.mixture.templates == (0, 1)
+    assert os.path.isdir(resolve_model_path(cfg.model))          # the shipped backbone
+    if name == "mixture_cpu.yaml":                               # and its shipped data
+      assert os.path.isfile(cfg.data.train_path) and os.path.isfile(cfg.data.eval_path)
     assert cfg.objective.targets == (0.7, 0.7, 1.0, 1.0, 1.0)
     assert cfg.router.streaming.block * cfg.router.local_blocks == 64
-    assert cfg.data.mixture.max_len + 64 <= cfg.data.seq_len
-  elif name != "tiny.yaml":                      # the recipe: SPEC.md section 7, 8 GPUs
+  elif name != "tiny.yaml":                      # the recipe: docs/method.md §7, 8 GPUs
     assert shape == {"data": 1, "fsdp": 4, "sequence": 2, "tensor": 1}
     assert (cfg.data.seq_len, cfg.data.global_batch, cfg.train.steps) == (65536, 48, 300)
     assert (cfg.train.lr, cfg.train.lambda_lr) == (5e-4, 1e-3)
@@ -63,7 +61,7 @@ def test_tiny_is_the_cpu_smoke_run():
   assert cfg.model.random_init and cfg.data.train_path is None
   assert resolve_model_path(cfg.model) == os.path.join(ROOT, "configs", "tiny_qwen3.json")
   assert cfg.tokenizer_dir is None
-  assert (cfg.data.seq_len, cfg.data.global_batch, cfg.router.max_segments) == (128, 8, 2)
+  assert (cfg.data.seq_len, cfg.data.global_batch, cfg.data.max_segments) == (128, 8, 2)
   assert cfg.checkpoint_dir == os.path.join("runs/tiny", "checkpoints")
 
 
@@ -80,10 +78,10 @@ def test_overrides_apply():
   assert cfg.log.tensorboard is True and cfg.data.train_path is None
   assert cfg.data.synthetic.prompt_frac == 0.5 and cfg.data.synthetic.eval_batches == 4
   assert cfg.data.use_chat_template is True and cfg.data.micro_batch == 4 and cfg.seed == 3
-  assert cfg.train.attn_impl == "dense" and cfg.router.max_segments == 4
+  assert cfg.model.attn_impl == "dense" and cfg.data.max_segments == 4
   assert cfg.router.block == 8                   # untouched keys keep the file's values
   defaults = load_run_config(None, ["model.path=m"])
-  assert defaults == RunConfig(ModelSource("m"))
+  assert defaults == RunConfig(ModelSource(os.path.abspath("m")))   # inputs made absolute
   assert defaults.train.lr == TrainConfig().lr
 
 
@@ -96,10 +94,15 @@ def test_unknown_keys(tmp_path):
   msg = fails(r"^override 'data\.synthetic\.zzz=1': unknown key 'data\.synthetic\.zzz' "
               r"\(valid keys in 'data\.synthetic': prompt_frac, eval_batches\)", None,
               ["model.path=m", "data.synthetic.zzz=1"])
-  fails(r"key 'train\.remat' is not set directly: it follows 'model\.remat'", None,
+  # Keys of earlier versions say where their setting went.
+  fails(r"key 'train\.remat' is no longer read \(set model\.remat\)", None,
         ["model.path=m", "train.remat=false"])
-  fails(r"'router\.max_segments'.*'data\.max_segments'", None,
+  fails(r"'router\.max_segments' is no longer read \(set data\.max_segments\)", None,
         ["model.path=m", "router.max_segments=3"])
+  fails(r"'router\.setting' is no longer read \(renamed router\.patterns\)", None,
+        ["model.path=m", "router.setting=fa-xa"])
+  fails(r"'data\.mixture' is no longer read \(removed: write the task mixture", None,
+        ["model.path=m", "data.mixture.per_task=3"])
   fails(r"required key 'model\.path' is missing", None)
 
 
@@ -163,7 +166,7 @@ def test_dump_load_round_trip(tmp_path, path):
   assert load_run_config(str(out), []) == cfg
   assert os.listdir(out.parent) == ["config.yaml"]
   plain = run_config_to_dict(cfg)
-  assert "attn_impl" not in plain["train"] and "max_segments" not in plain["router"]
+  assert "attn_impl" in plain["model"] and "max_segments" in plain["data"]
   assert plain["objective"]["targets"] == list(cfg.objective.targets)
 
 
@@ -191,11 +194,21 @@ def test_batch_layout():
     check_batch_layout(cfg, {"sequence": 8})
 
 
-def test_derived_fields_programmatically():
-  cfg = RunConfig(ModelSource("m", attn_impl="dense", remat=False), data=DataConfig(max_segments=3))
-  assert (cfg.train.attn_impl, cfg.train.remat, cfg.router.max_segments) == ("dense", False, 3)
-  with pytest.raises(ValueError, match=r"train\.attn_impl is 'pallas_gpu'.*model\.attn_impl"):
-    RunConfig(ModelSource("m"), train=TrainConfig(attn_impl="pallas_gpu"))
+def test_input_paths_are_relative_to_the_config_file(tmp_path, monkeypatch):
+  """In a file, input paths are relative to the file (or package:); on the command line, to
+  the working directory; outputs stay relative to the working directory."""
+  sub = tmp_path / "cfgs"
+  sub.mkdir()
+  path = write(sub, "model: {path: ../models/m}\ndata: {train_path: d/train.jsonl}\n"
+                    "run_dir: runs/x\n")
+  monkeypatch.chdir(tmp_path)
+  cfg = load_run_config(path, [])
+  assert cfg.model.path == str(tmp_path / "models" / "m")
+  assert cfg.data.train_path == str(sub / "d" / "train.jsonl")
+  assert cfg.run_dir == "runs/x"
+  cfg = load_run_config(path, ["data.train_path=here.jsonl", "model.path=package:repro/backbone"])
+  assert cfg.data.train_path == str(tmp_path / "here.jsonl")
+  assert cfg.model.path == os.path.join(ROOT, "elastic_jax", "repro", "backbone")
 
 
 def test_model_paths(tmp_path):

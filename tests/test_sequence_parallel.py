@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism (parallel.py) equals unsharded attention, alone and in the model."""
+"""Ulysses sequence parallelism (sequence_parallel.py) equals unsharded attention, alone and in the model."""
 
 import functools
 
@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from elastic_jax import parallel, sharding
+from elastic_jax import sharding
+from elastic_jax.attention import sequence_parallel
 from elastic_jax.attention import (Streaming, causal_attention, dense_causal_attention,
                                    hybrid_attention)
 from elastic_jax.attention import pallas_gpu
@@ -90,7 +91,7 @@ def _assert_close(got, want, atol=2e-5):
 def _check_hybrid(local_fn, mesh_shape, n, k, atol=2e-5):
   q, kk, v, gate, cot = _inputs(n, k)
   seg, pos = _packed()
-  sp = parallel.sequence_parallel_hybrid(local_fn, _mesh(mesh_shape), head_axis="tensor")
+  sp = sequence_parallel.sequence_parallel_hybrid(local_fn, _mesh(mesh_shape), head_axis="tensor")
   want = _value_and_grads(lambda *a: dense_hybrid(*a, STREAM, seg, pos), q, kk, v, gate, cot)
   got = _value_and_grads(lambda *a: sp(*a, STREAM, seg, pos), q, kk, v, gate, cot)
   assert np.abs(np.asarray(want[1][3])).max() > 1e-3  # the gate gradient is really tested
@@ -117,7 +118,7 @@ def test_hybrid_gate_per_row_and_none():
   """A [B, K] gate is broadcast over tokens; None (all streaming) passes through."""
   q, kk, v, _, _ = _inputs(8, 4)
   gate_bk = jnp.asarray([[0.0, 1.0, 0.5, 1.0], [1.0, 0.0, 0.0, 0.2]])
-  sp = parallel.sequence_parallel_hybrid(dense_hybrid, _mesh({"sequence": 4}))
+  sp = sequence_parallel.sequence_parallel_hybrid(dense_hybrid, _mesh({"sequence": 4}))
   want = dense_hybrid(q, kk, v, jnp.broadcast_to(gate_bk[:, None], (B, T, 4)), STREAM)
   got = jax.jit(lambda *a: (sp(*a, gate_bk, STREAM), sp(*a, None, STREAM)))(q, kk, v)
   _assert_close(got, (want, dense_hybrid(q, kk, v, None, STREAM)))
@@ -131,7 +132,7 @@ def test_kernel_runs_inside():
   q, kk, v, gate, _ = _inputs(8, 4)
   gate = jnp.broadcast_to(gate[:, :1], gate.shape)  # one gate per (row, KV head)
   kernel = functools.partial(pallas_gpu.hybrid_attention, interpret=True)
-  sp = parallel.sequence_parallel_hybrid(kernel, _mesh({"data": 2, "sequence": 4}))
+  sp = sequence_parallel.sequence_parallel_hybrid(kernel, _mesh({"data": 2, "sequence": 4}))
   got = jax.jit(sp, static_argnums=4)(q, kk, v, gate, STREAM)
   _assert_close(got, dense_hybrid(q, kk, v, gate, STREAM), atol=1e-4)
 
@@ -139,7 +140,7 @@ def test_kernel_runs_inside():
 def test_causal_matches_unsharded():
   q, kk, v, _, cot = _inputs(8, 2)
   seg, _ = _packed()
-  sp = parallel.sequence_parallel(dense_causal_attention, _mesh({"data": 2, "sequence": 4}))
+  sp = sequence_parallel.sequence_parallel(dense_causal_attention, _mesh({"data": 2, "sequence": 4}))
   want = _value_and_grads(lambda q, k, v, _: dense_causal_attention(q, k, v, seg), q, kk, v,
                           None, cot)
   got = _value_and_grads(lambda q, k, v, _: sp(q, k, v, seg), q, kk, v, None, cot)
@@ -149,26 +150,26 @@ def test_causal_matches_unsharded():
 def test_indivisible_sizes_are_refused():
   mesh = _mesh({"sequence": 4})
   q, kk, v, gate, _ = _inputs(6, 2)
-  sp = parallel.sequence_parallel_hybrid(hybrid_attention, mesh)
+  sp = sequence_parallel.sequence_parallel_hybrid(hybrid_attention, mesh)
   with pytest.raises(ElasticJaxError, match="6 query heads per device do not split over the 4"):
     sp(q, kk, v, gate, STREAM)
   q, kk, v, gate, _ = _inputs(8, 4)
   with pytest.raises(ElasticJaxError, match="30 tokens do not split over the 4"):
     sp(q[:, :30], kk[:, :30], v[:, :30], gate[:, :30], STREAM)
   with pytest.raises(ElasticJaxError, match="needs a mesh"):
-    parallel.sequence_parallel(causal_attention)(q, kk, v)
+    sequence_parallel.sequence_parallel(causal_attention)(q, kk, v)
 
 
 def test_for_context_only_wraps_under_a_sequence_mesh():
-  assert parallel.for_context(causal_attention, hybrid=False) is causal_attention
+  assert sequence_parallel.for_context(causal_attention, hybrid=False) is causal_attention
   mesh = _mesh({"data": 8})
   with jax.set_mesh(mesh):
-    assert parallel.for_context(causal_attention, hybrid=False) is causal_attention
+    assert sequence_parallel.for_context(causal_attention, hybrid=False) is causal_attention
   mesh = _mesh({"data": 2, "sequence": 4})
   with jax.set_mesh(mesh):
     with nn.logical_axis_rules(sharding.rules_for(mesh)):
-      assert parallel.for_context(causal_attention, hybrid=False) is not causal_attention
-    assert parallel.for_context(causal_attention, hybrid=False) is causal_attention  # no rules
+      assert sequence_parallel.for_context(causal_attention, hybrid=False) is not causal_attention
+    assert sequence_parallel.for_context(causal_attention, hybrid=False) is causal_attention  # no rules
 
 
 # The model: GQA 8 query / 4 KV heads, so sequence=4 leaves one KV head per device.
@@ -176,7 +177,7 @@ CFG = config_from_hf_dict(dict(model_type="qwen3", vocab_size=64, hidden_size=32
                                intermediate_size=64, num_hidden_layers=2,
                                num_attention_heads=8, num_key_value_heads=4, head_dim=8,
                                max_position_embeddings=128))
-RCFG = RouterConfig(block=4, sink_blocks=1, local_blocks=2, max_segments=3, boundary=4)
+RCFG = RouterConfig(block=4, sink_blocks=1, local_blocks=2, boundary=4)
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +206,7 @@ def test_model_logits_match_unsharded(model_inputs):
   forced = jnp.asarray(np.random.default_rng(3).choice(
       np.asarray([0.0, 1.0, 0.6], np.float32), (CFG.num_layers, B, 3, CFG.num_kv_heads)))
   routed = jax.jit(lambda p, rules: forward_routed(
-      p, ids, pos, seg, prompt, cfg=CFG, rcfg=RCFG, mode="forced", forced_gates=forced,
+      p, ids, pos, seg, prompt, cfg=CFG, rcfg=RCFG, attention="forced", forced_gates=forced,
       rules=rules)[0], static_argnums=1)
   full = lambda p, rules: forward(p, ids, pos, seg, cfg=CFG, attn_impl="dense", rules=rules)
   want = (routed(params, None), full(params, None))

@@ -17,8 +17,8 @@ import time
 import numpy as np
 import pytest
 
-from elastic_jax.train import export
-from elastic_jax.train.objective import TASK_TYPES
+from elastic_jax import router_io
+from elastic_jax.tasks import TASK_TYPES
 from elastic_jax.train.run_config import load_run_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,8 +107,10 @@ def _wait_for_checkpoint(proc, run_dir, timeout=TIMEOUT):
 
 
 def _ours(run_dir):
-  trainable, meta = export.load_routers(os.path.join(run_dir, "export", "elastic_jax"))
-  return {f"{g}.{k}": v for g, d in trainable.items() for k, v in d.items()}, meta
+  routers = router_io.load_routers(os.path.join(run_dir, "export", "elastic_jax"))
+  tensors = {f"router.{k}": v for k, v in routers.params.items()}
+  tensors.update({f"lambdas.{k}": v for k, v in (routers.lambdas or {}).items()})
+  return tensors, routers.meta
 
 
 def _assert_same_export(run_dir, ref_dir):
@@ -192,17 +194,17 @@ def test_cli_run_writes_everything(reference):
   assert "its SSA block is 128 tokens, this router's is 8" in proc.stdout
 
 
-def test_cli_trains_under_an_xattention_setting(cache_dir, tmp_path):
-  """train.py with router.setting: the routers train and export with the setting recorded
-  (both XA settings' gradients: test_train_step.py)."""
+def test_cli_trains_under_an_xattention_pattern_pair(cache_dir, tmp_path):
+  """train.py with router.patterns: the routers train and export with the pair recorded
+  (both XA pairs' gradients: test_train_step.py)."""
   setting = "fa-xa"
   run_dir = str(tmp_path / setting)
-  _ok(_train(cache_dir, run_dir, f"router.setting={setting}", "router.xa_block=16",
+  _ok(_train(cache_dir, run_dir, f"router.patterns={setting}", "router.xa_block=16",
              "router.xa_stride=4", "train.steps=3", *NO_EVAL))
   records = _metrics(run_dir)
   assert len(records) == 3 and all(np.isfinite(r["loss"]) for r in records)
   with open(os.path.join(run_dir, "export", "elastic_jax", "routers.json")) as f:
-    assert json.load(f)["router"]["setting"] == setting
+    assert json.load(f)["router"]["patterns"] == setting
 
 
 # ----------------------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ CFG = config_from_hf_dict(dict(model_type="qwen3", vocab_size=64, hidden_size=32
                                intermediate_size=64, num_hidden_layers=2,
                                num_attention_heads=8, num_key_value_heads=4, head_dim=16,
                                max_position_embeddings=256))
-RCFG = RouterConfig(block=8, sink_blocks=1, local_blocks=2, max_segments=3, boundary=8)
+RCFG = RouterConfig(block=8, sink_blocks=1, local_blocks=2, boundary=8)
+S = 3                                      # segment slots of the batches here
 SINGLE_QA, CODE = TASK_TYPES.index("single_qa"), TASK_TYPES.index("code")
 
 
@@ -32,7 +33,7 @@ def _batch(b=4, t=64, prompt=48):
   """Rows alternate between a 'code' input (tokens 0-31) and a 'single_qa' one (32-63)."""
   rng = np.random.default_rng(0)
   ids = np.zeros((b, t), np.int32)
-  task = np.full((b, RCFG.max_segments), -1, np.int32)
+  task = np.full((b, S), -1, np.int32)
   for i in range(b):
     lo = 0 if i % 2 == 0 else 32
     ids[i] = rng.integers(lo, lo + 32, t)
@@ -47,7 +48,7 @@ def _batch(b=4, t=64, prompt=48):
 def _inference_msr(backbone, router, batch):
   _, stats = forward_routed_jit(backbone, batch["input_ids"], batch["positions"],
                                 batch["segment_ids"], batch["prompt_mask"], cfg=CFG, rcfg=RCFG,
-                                router_params=router)
+                                router_params=router, num_segments=S)
   return np.asarray(msr(stats["gate"]))[:, 1]
 
 
@@ -55,22 +56,23 @@ def test_routed_model_modes(backbone):
   b = _batch()
   ids, pos, seg, pm = b["input_ids"], b["positions"], b["segment_ids"], b["prompt_mask"]
   full = forward(backbone, ids, pos, seg, cfg=CFG)
-  run = lambda **kw: forward_routed_jit(backbone, ids, pos, seg, pm, cfg=CFG, rcfg=RCFG, **kw)
+  run = lambda **kw: forward_routed_jit(backbone, ids, pos, seg, pm, cfg=CFG, rcfg=RCFG,
+                                       num_segments=S, **kw)
   ones = jnp.ones((2, 4, 3, 4))
-  forced_full, stats = run(mode="forced", forced_gates=ones)
+  forced_full, stats = run(attention="forced", forced_gates=ones)
   np.testing.assert_allclose(np.asarray(forced_full), np.asarray(full), atol=1e-5)
   assert np.all(np.asarray(msr(stats["gate"])) == 0)
-  sparse, _ = run(mode="sparse")
-  forced_sparse, _ = run(mode="forced", forced_gates=jnp.zeros_like(ones))
+  sparse, _ = run(attention="sparse")
+  forced_sparse, _ = run(attention="forced", forced_gates=jnp.zeros_like(ones))
   np.testing.assert_allclose(np.asarray(forced_sparse), np.asarray(sparse), atol=1e-5)
   assert np.abs(np.asarray(sparse) - np.asarray(full)).max() > 1e-3  # T spans > sink + local
   router = init_router_params(CFG, RCFG, jax.random.key(1))
-  elastic, stats = run(mode="elastic", router_params=router)
+  elastic, stats = run(attention="elastic", router_params=router)
   assert stats["gate"].shape == (2, 4, 3, 4) and stats["logits"].shape == (2, 4, 3, 4, 2)
   gate = np.asarray(stats["gate"])
   assert set(np.unique(gate)) <= {0.0, 1.0}
   # The elastic output is the forced output under the gates the routers chose.
-  again, _ = run(mode="forced", forced_gates=stats["gate"])
+  again, _ = run(attention="forced", forced_gates=stats["gate"])
   np.testing.assert_allclose(np.asarray(elastic), np.asarray(again), atol=1e-6)
 
 
@@ -80,7 +82,7 @@ def test_unpacked_rows_skip_segments_and_match(backbone):
   router = init_router_params(CFG, RCFG, jax.random.key(1))
   run = lambda packed, impl: forward_routed_jit(
       backbone, b["input_ids"], b["positions"], b["segment_ids"], b["prompt_mask"], cfg=CFG,
-      rcfg=RCFG, router_params=router, packed=packed, attn_impl=impl)
+      rcfg=RCFG, router_params=router, packed=packed, attn_impl=impl, num_segments=S)
   want, _ = run(True, "reference")
   for impl in ("reference", "auto"):
     got, _ = run(False, impl)
@@ -99,26 +101,27 @@ def test_xattention_settings(backbone):
   full = forward(backbone, ids, pos, seg, cfg=CFG)
 
   def run(setting, threshold=0.9, **kw):
-    rcfg = dataclasses.replace(RCFG, setting=setting, xa_stride=4, xa_block=16,
+    rcfg = dataclasses.replace(RCFG, patterns=setting, xa_stride=4, xa_block=16,
                                xa_threshold=threshold)
-    return forward_routed_jit(backbone, ids, pos, seg, pm, cfg=CFG, rcfg=rcfg, **kw)
+    return forward_routed_jit(backbone, ids, pos, seg, pm, cfg=CFG, rcfg=rcfg, num_segments=S,
+                              **kw)
 
   zeros = jnp.zeros((2, 4, 3, 4))
   close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
   # FA heads are untouched by fa-xa; XA heads that keep every block are full attention.
-  close(run("fa-xa", mode="forced", forced_gates=jnp.ones_like(zeros))[0], full)
-  close(run("fa-xa", 1.0, mode="sparse")[0], full)
-  xa_only, stats = run("fa-xa", 0.5, mode="sparse")
+  close(run("fa-xa", attention="forced", forced_gates=jnp.ones_like(zeros))[0], full)
+  close(run("fa-xa", 1.0, attention="sparse")[0], full)
+  xa_only, stats = run("fa-xa", 0.5, attention="sparse")
   assert np.abs(np.asarray(xa_only - full)).max() > 1e-4
   kept = np.asarray(stats["xa_kept"])
   assert kept.shape == (2, 4, 4) and (kept > 0).all() and (kept < 1).any()
   # xa-ssa's sparse heads are fa-ssa's.
-  close(run("xa-ssa", mode="sparse")[0], run("fa-ssa", mode="sparse")[0])
+  close(run("xa-ssa", attention="sparse")[0], run("fa-ssa", attention="sparse")[0])
   # The routers get gradients through the XA heads (fa-xa trains in test_train_loop.py).
   router = init_router_params(CFG, RCFG, jax.random.key(1))
 
   def loss(router):
-    logits, st = run("xa-ssa", 0.5, mode="elastic", router_params=router,
+    logits, st = run("xa-ssa", 0.5, attention="elastic", router_params=router,
                      key=jax.random.key(4))
     return logits[:, -1, 0].sum() + st["gate"].sum()
 
@@ -238,7 +241,7 @@ def test_micro_batches_accumulate(backbone):
   """A leading micro-batch axis: one micro-batch is the plain step; two micro-batches of
   a task-sorted batch (each holding one task) report each task's MSR, not NaN, and the mean
   LM loss of the halves."""
-  tcfg = TrainConfig(steps=10, remat=False)
+  tcfg = TrainConfig(steps=10)
   ocfg = ObjectiveConfig()
   kw = dict(cfg=CFG, rcfg=RCFG, ocfg=ocfg, tcfg=tcfg)
   b = _batch()

@@ -1,6 +1,6 @@
 """XAttention's block selection and the attention over the kept blocks.
 
-The oracle is an independent NumPy transcription of SPEC.md section 3's steps (explicit loops
+The oracle is an independent NumPy transcription of docs/method.md §3's steps (explicit loops
 over stride rows and blocks); attention over the kept blocks is checked against the dense
 [T, T] softmax under the same token mask.
 """
@@ -179,9 +179,9 @@ def _attention_over_kept_blocks(setting):
     return jnp.sum(fn(q, k, v, gate) * cot)
 
   ref = lambda q, k, v, g: hybrid_attention(
-      q, k, v, jnp.broadcast_to(g[:, None], (2, t, 2)), streaming, setting=setting,
+      q, k, v, jnp.broadcast_to(g[:, None], (2, t, 2)), streaming, patterns=setting,
       xa_keep=keep, xa_block=blk, q_chunk=32, kv_chunk=16)
-  dense = lambda q, k, v, g: dense_hybrid_attention(q, k, v, g, streaming, setting=setting,
+  dense = lambda q, k, v, g: dense_hybrid_attention(q, k, v, g, streaming, patterns=setting,
                                                     xa_keep=keep, xa_block=blk)
   np.testing.assert_allclose(ref(q, k, v, gate), dense(q, k, v, gate), atol=2e-5)
   got = jax.grad(lambda *a: loss(ref, *a), argnums=(0, 1, 2, 3))(q, k, v, gate)

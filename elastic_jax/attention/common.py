@@ -120,19 +120,19 @@ def kernel_or_reference(kernel: Callable, q_btnh, k_btkh, v_btkh, gate_btk,
   """`reference.hybrid_attention`'s signature, on `kernel` where it applies.
 
   The kernels take one gate per (batch, KV head) over unpacked rows; packed segments or custom
-  positions go to the reference. The XAttention settings ("setting" and "xa_keep" in the
+  positions go to the reference. The XAttention settings ("patterns" and "xa_keep" in the
   keyword arguments) run on `xa_kernel` where the backend has one and `xa_kernel_applies` to
   the block size, else on the reference.
   """
   if gate_btk is None:
     gate_btk = jnp.zeros(k_btkh.shape[:3], jnp.float32)
-  setting = reference_kwargs.get("setting", "fa-ssa")
+  patterns = reference_kwargs.get("patterns", "fa-ssa")
   xa_block = reference_kwargs.get("xa_block", 128)
   if (segment_ids_bt is not None or positions_bt is not None
-      or (setting != "fa-ssa" and (xa_kernel is None or not xa_kernel_applies(xa_block)))):
+      or (patterns != "fa-ssa" and (xa_kernel is None or not xa_kernel_applies(xa_block)))):
     return reference_hybrid(q_btnh, k_btkh, v_btkh, gate_btk, streaming, segment_ids_bt,
                             positions_bt, **reference_kwargs)
-  if setting != "fa-ssa":
+  if patterns != "fa-ssa":
     return xa_kernel(q_btnh, k_btkh, v_btkh, gate_btk[:, 0, :], reference_kwargs["xa_keep"],
-                     streaming, setting, xa_block, interpret)
+                     streaming, patterns, xa_block, interpret)
   return kernel(q_btnh, k_btkh, v_btkh, gate_btk[:, 0, :], streaming, interpret)

@@ -40,14 +40,14 @@ from elastic_jax.attention.common import (MODE_FULL, MODE_MIX, MODE_SPARSE,
                                           with_fused_backward, xa_operands)
 
 assert (MODE_SPARSE, MODE_FULL, MODE_MIX) == (0, 1, 2)  # the order of lax.switch below
-from elastic_jax.attention.reference import MASK_VALUE, Streaming, setting_patterns
+from elastic_jax.attention.reference import MASK_VALUE, Streaming, split_patterns
 
 _LOG2E = math.log2(math.e)
 
 
 def _kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, num_kv_heads, groups,
-            streaming: Streaming, train: bool, patterns=("full", "stream"), xa_block=0):
-  if "xa" in patterns:
+            streaming: Streaming, train: bool, pair=("full", "stream"), xa_block=0):
+  if "xa" in pair:
     xa_index_ref, xa_count_ref, xa_keep_ref, q_ref, k_ref, v_ref, *out_refs = refs
   else:
     q_ref, k_ref, v_ref, *out_refs = refs
@@ -130,7 +130,7 @@ def _kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, num_kv
     full_c, sparse_c = lax.fori_loop(0, causal_end, both, (init(), init()))
     return r * finish(full_c) + (1.0 - r) * finish(sparse_c)
 
-  if "xa" in patterns:
+  if "xa" in pair:
     # XAttention heads visit the kept blocks of this query block (a compact ascending list
     # whose last entry is the diagonal block): earlier blocks whole, the diagonal masked.
     per_block = xa_block // block_k
@@ -152,20 +152,20 @@ def _kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, num_kv
       return finish(visit(q_block * per_block, causal_end, carry, sparse=False))
 
     def xa_both(j, c):
-      # Mixed gate: both patterns over every causal tile; XA's tile mask from the kept row.
+      # Mixed gate: both pair over every causal tile; XA's tile mask from the kept row.
       hi_c, lo_c = c
       s, causal, window = scores(j)
       v = v_ref[pl.ds(j * block_k, block_k), :]
       hi_ok, lo_ok = _xa_masks(causal, window, xa_keep_ref[(j * block_k) // xa_block] != 0,
-                               patterns)
+                               pair)
       return update(hi_c, s, hi_ok, v), update(lo_c, s, lo_ok, v)
 
     def run_xa_mix():
       hi_c, lo_c = lax.fori_loop(0, causal_end, xa_both, (init(), init()))
       return r * finish(hi_c) + (1.0 - r) * finish(lo_c)
 
-    branches = [run_sparse if patterns[1] == "stream" else run_xa,
-                run_full if patterns[0] == "full" else run_xa, run_xa_mix]
+    branches = [run_sparse if pair[1] == "stream" else run_xa,
+                run_full if pair[0] == "full" else run_xa, run_xa_mix]
   else:
     branches = [run_sparse, run_full, run_mix]
 
@@ -185,7 +185,7 @@ def _kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, num_kv
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * qk_scale
     return update(c[0], s, None, v_ref[pl.ds(j * block_k, block_k), :]), c[1]
 
-  if "xa" in patterns:   # the FA state holds the r = 1 pattern, the SSA state the r = 0 one
+  if "xa" in pair:   # the FA state holds the r = 1 pattern, the SSA state the r = 0 one
     full_c, sparse_c = lax.fori_loop(0, causal_end, xa_both, (init(), init()))
   else:
     c = lax.fori_loop(0, sink_end, both, (init(), init()))
@@ -200,11 +200,11 @@ def _kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, num_kv
 
 
 def _dq_kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, num_kv_heads,
-               groups, streaming: Streaming, patterns=("full", "stream"), xa_block=0):
+               groups, streaming: Streaming, pair=("full", "stream"), xa_block=0):
   """dQ of one (query tile, batch, query head): the forward's tile walk, per the head's mode.
   Under the XAttention settings an XA head walks its causal tiles and skips those of blocks
   it did not keep (`keep_ref`: the kept row of this query tile's block)."""
-  xa = "xa" in patterns
+  xa = "xa" in pair
   if xa:
     keep_ref, *refs = refs
   (q_ref, k_ref, v_ref, do_ref, lse_fa_ref, lse_sa_ref, d_fa_ref, d_sa_ref, dq_ref) = refs
@@ -226,7 +226,7 @@ def _dq_kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, num
     dp = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
     causal, window = _masks(q_idx, j * block_k + jnp.arange(block_k), seq_len, streaming)
     if xa:
-      causal, window = _xa_masks(causal, window, kept(j), patterns)
+      causal, window = _xa_masks(causal, window, kept(j), pair)
     ds = _dscores(s, dp, r, causal, window, lse_fa[:, None], lse_sa[:, None], d_fa[:, None],
                   d_sa[:, None], fa, sa)[0]
     return acc + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
@@ -257,9 +257,9 @@ def _dq_kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, num
 
   branches = [run_sparse, run_full, run_mix]
   if xa:
-    branches = [run_sparse if patterns[1] == "stream"
+    branches = [run_sparse if pair[1] == "stream"
                 else lambda: walk_kept(causal_end, zero, False, True),
-                run_full if patterns[0] == "full"
+                run_full if pair[0] == "full"
                 else lambda: walk_kept(causal_end, zero, True, False),
                 lambda: walk(0, causal_end, zero, True, True)]
   acc = lax.switch(mode, branches)
@@ -267,13 +267,13 @@ def _dq_kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, num
 
 
 def _dkv_kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, num_q_tiles,
-                num_kv_heads, groups, streaming: Streaming, patterns=("full", "stream"),
+                num_kv_heads, groups, streaming: Streaming, pair=("full", "stream"),
                 xa_block=0):
   """dK and dV of one (key tile, batch, KV head), summed over the head's G query heads (GQA:
   the K/V tile is loaded once). Query tiles walk the transposed schedule of the head's mode;
   under the XAttention settings an XA head's query tiles skip the blocks that did not keep
   this key tile's block (`keep_ref`: the slot's kept-block matrix)."""
-  xa = "xa" in patterns
+  xa = "xa" in pair
   if xa:
     keep_ref, *refs = refs
   (q_ref, k_ref, v_ref, do_ref, lse_fa_ref, lse_sa_ref, d_fa_ref, d_sa_ref, dk_ref,
@@ -297,7 +297,7 @@ def _dkv_kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, nu
     dp_t = jnp.dot(v, do.T, preferred_element_type=jnp.float32)
     causal, window = _masks(i * block_q + jnp.arange(block_q), k_idx, seq_len, streaming)
     if xa:
-      causal, window = _xa_masks(causal, window, kept(i), patterns)
+      causal, window = _xa_masks(causal, window, kept(i), pair)
     row = lambda ref: ref[g, rows][None, :]
     ds_t, p_t = _dscores(s_t, dp_t, r, causal.T, window.T, row(lse_fa_ref), row(lse_sa_ref),
                          row(d_fa_ref), row(d_sa_ref), fa, sa)
@@ -326,9 +326,9 @@ def _dkv_kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, nu
       lambda: walk(hi_sparse, num_q_tiles, walk(lo, hi_sparse, zero, True, True), True, False),
   ]
   if xa:
-    if patterns[1] == "xa":
+    if pair[1] == "xa":
       branches[0] = lambda: walk_kept(zero, False, True)
-    if patterns[0] == "xa":
+    if pair[0] == "xa":
       branches[1] = lambda: walk_kept(zero, True, False)
     branches[2] = lambda: walk(lo, num_q_tiles, zero, True, True)
   dk, dv = lax.switch(mode, branches)
@@ -342,11 +342,11 @@ def _masks(q_idx, k_idx, seq_len, streaming: Streaming):
   return causal, causal & streaming.allows(q_idx[:, None], k_idx[None, :])
 
 
-def _xa_masks(causal, window, kept, patterns):
-  """(mask of the r = 1 pattern, mask of the r = 0 one) under an XAttention setting, from the
+def _xa_masks(causal, window, kept, pair):
+  """(mask of the r = 1 pattern, mask of the r = 0 one) under an XAttention pattern pair, from the
   causal and SSA masks of a tile and whether the tile's block was kept."""
   xa = causal & kept
-  return (causal if patterns[0] == "full" else xa), (window if patterns[1] == "stream" else xa)
+  return (causal if pair[0] == "full" else xa), (window if pair[1] == "stream" else xa)
 
 
 def _dscores(s, dp, r, causal, window, lse_fa, lse_sa, d_fa, d_sa, fa: bool, sa: bool):
@@ -408,10 +408,10 @@ def _pad_inputs(q, k, v, gate_bk, multiple: int):
 
 
 def _forward_call(q, k, v, gate, modes, *, seq_len, scale, streaming, tiles: Tiles,
-                  interpret, train, patterns=("full", "stream"), xa=None, xa_block=0):
+                  interpret, train, pair=("full", "stream"), xa=None, xa_block=0):
   """The forward kernel on padded inputs: O, or (O, O_FA, O_SSA, lse_FA, lse_SSA) in training.
   xa: (index [slots, nbp, nbp], count [slots, nbp], keep [slots, nbp, nbp]) int32 for the
-  XAttention settings (`patterns` holding "xa")."""
+  XAttention settings (`pair` holding "xa")."""
   b, tp, n, dp = q.shape
   kh = k.shape[2]
   bq, bk = tiles.block_q, tiles.block_k
@@ -434,7 +434,7 @@ def _forward_call(q, k, v, gate, modes, *, seq_len, scale, streaming, tiles: Til
     out_shape = [o_shape] * 3 + [lse_shape] * 2
   kernel = functools.partial(
       _kernel, scale=scale, block_q=bq, block_k=bk, seq_len=seq_len, num_kv_heads=kh,
-      groups=groups, streaming=streaming, train=train, patterns=patterns, xa_block=xa_block)
+      groups=groups, streaming=streaming, train=train, pair=pair, xa_block=xa_block)
   return pl.pallas_call(
       kernel,
       grid=(tp // bq, b, n),
@@ -469,10 +469,10 @@ def hybrid_forward(q, k, v, gate_bk, streaming: Streaming, *, block_q: int = 128
   return out[:, :t, :, :d]
 
 
-@functools.partial(jax.jit, static_argnames=("streaming", "setting", "xa_block", "block_q",
+@functools.partial(jax.jit, static_argnames=("streaming", "patterns", "xa_block", "block_q",
                                              "block_k", "num_warps", "num_stages",
                                              "interpret"))
-def xa_hybrid_forward(q, k, v, gate_bk, xa_keep, streaming: Streaming, *, setting: str,
+def xa_hybrid_forward(q, k, v, gate_bk, xa_keep, streaming: Streaming, *, patterns: str,
                       xa_block: int, block_q: int = 128, block_k: int = 64,
                       num_warps: int | None = None, num_stages: int = 3,
                       interpret: bool = False):
@@ -486,7 +486,7 @@ def xa_hybrid_forward(q, k, v, gate_bk, xa_keep, streaming: Streaming, *, settin
   xa = xa_operands(xa_keep, nbp, gate.shape[0])
   out = _forward_call(qp, kp, vp, gate, modes, seq_len=t, scale=d ** -0.5,
                       streaming=streaming, tiles=tiles, interpret=interpret, train=False,
-                      patterns=setting_patterns(setting), xa=xa, xa_block=xa_block)
+                      pair=split_patterns(patterns), xa=xa, xa_block=xa_block)
   return out[:, :t, :, :d]
 
 
@@ -498,10 +498,10 @@ def xa_kernel_applies(xa_block: int) -> bool:
 def make_xa_hybrid(forward_tiles: Tiles = FORWARD_TILES,
                    train_forward_tiles: Tiles = TRAIN_FORWARD_TILES,
                    dq_tiles: Tiles = DQ_TILES, dkv_tiles: Tiles = DKV_TILES):
-  """The differentiable kernel `fn(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block,
+  """The differentiable kernel `fn(q, k, v, gate_bk, xa_keep, streaming, patterns, xa_block,
   interpret)` for the XAttention settings. The inference forward skips per head (XA heads
   read their kept-block lists); under differentiation the training forward computes both
-  patterns' outputs of every head over its causal tiles, and the dQ and dK/dV kernels skip
+  pair' outputs of every head over its causal tiles, and the dQ and dK/dV kernels skip
   an XA head's tiles of blocks it did not keep. Tiles are clamped to the XA block."""
 
   def clamp(tiles: Tiles, xa_block: int) -> Tiles:
@@ -514,14 +514,14 @@ def make_xa_hybrid(forward_tiles: Tiles = FORWARD_TILES,
     return all_tiles, max(max(x.block_q, x.block_k) for x in all_tiles)
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-  def fn(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret):
+  def fn(q, k, v, gate_bk, xa_keep, streaming, patterns, xa_block, interpret):
     f = forward_tiles
-    return xa_hybrid_forward(q, k, v, gate_bk, xa_keep, streaming, setting=setting,
+    return xa_hybrid_forward(q, k, v, gate_bk, xa_keep, streaming, patterns=patterns,
                              xa_block=xa_block, block_q=f.block_q, block_k=f.block_k,
                              num_warps=f.num_warps, num_stages=f.num_stages,
                              interpret=interpret)
 
-  def forward_train(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret):
+  def forward_train(q, k, v, gate_bk, xa_keep, streaming, patterns, xa_block, interpret):
     t, d = q.shape[1], q.shape[3]
     (tiles, _, _), multiple = fit_all(t, xa_block)
     qp, kp, vp, gate, modes = _pad_inputs(q, k, v, gate_bk, multiple)
@@ -529,17 +529,17 @@ def make_xa_hybrid(forward_tiles: Tiles = FORWARD_TILES,
     xa = xa_operands(xa_keep, nbp, gate.shape[0])
     o, o_fa, o_sa, lse_fa, lse_sa = _forward_call(
         qp, kp, vp, gate, modes, seq_len=t, scale=d ** -0.5, streaming=streaming, tiles=tiles,
-        interpret=interpret, train=True, patterns=setting_patterns(setting), xa=xa,
+        interpret=interpret, train=True, pair=split_patterns(patterns), xa=xa,
         xa_block=xa_block)
     cut = lambda x: x[:, :t, :, :d]
     return cut(o), (qp, kp, vp, gate, modes, gate_bk, cut(o_fa), cut(o_sa), lse_fa, lse_sa,
                     xa[2])
 
-  def backward(streaming, setting, xa_block, interpret, res, d_out):
+  def backward(streaming, patterns, xa_block, interpret, res, d_out):
     *res, keep = res
     (_, dq_t, dkv_t), _ = fit_all(d_out.shape[1], xa_block)
     grads = _backward_call(tuple(res), d_out, streaming, interpret, dq_t, dkv_t,
-                           setting_patterns(setting), keep, xa_block)
+                           split_patterns(patterns), keep, xa_block)
     return (*grads, None)
 
   fn.defvjp(forward_train, backward)
@@ -547,7 +547,7 @@ def make_xa_hybrid(forward_tiles: Tiles = FORWARD_TILES,
 
 
 def _backward_call(res, d_out, streaming, interpret, dq_t: Tiles, dkv_t: Tiles,
-                   patterns=("full", "stream"), keep=None, xa_block: int = 0):
+                   pair=("full", "stream"), keep=None, xa_block: int = 0):
   """The dQ and dK/dV kernels on the training forward's residuals: (dq, dk, dv, d_gate).
   keep: the kept-block matrices [slots, nbp, nbp] int32 under the XAttention settings."""
   qp, kp, vp, gate, modes, gate_bk, o_fa, o_sa, lse_fa, lse_sa = res
@@ -559,7 +559,7 @@ def _backward_call(res, d_out, streaming, interpret, dq_t: Tiles, dkv_t: Tiles,
   do = pad_to(pad_to(d_out.astype(qp.dtype), 1, tp), 3, dp)
   slots = gate.shape[0]
   common = dict(scale=d ** -0.5, seq_len=t, num_kv_heads=kh, groups=groups,
-                streaming=streaming, patterns=patterns, xa_block=xa_block)
+                streaming=streaming, pair=pair, xa_block=xa_block)
   scalar = pl.BlockSpec((slots,), lambda i, j, h: (0,))
   operands = (modes, gate) + ((keep,) if keep is not None else ()) + (
       qp, kp, vp, do, lse_fa, lse_sa, d_fa, d_sa)

@@ -42,7 +42,7 @@ from elastic_jax.attention.common import (MODE_FULL, MODE_MIX, MODE_SPARSE,
                                           kernel_or_reference, modes_from_gate, pad_to,
                                           q_tile_range, row_deltas, tile_ranges,
                                           with_fused_backward, xa_operands)
-from elastic_jax.attention.reference import MASK_VALUE, Streaming, setting_patterns
+from elastic_jax.attention.reference import MASK_VALUE, Streaming, split_patterns
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
@@ -126,35 +126,35 @@ def xa_schedule(slot, qi, j, block_q: int, block_k: int, xa_block: int, num_bloc
 
 
 def _head_schedule(mode, slot, qi, j, xa_refs, *, block_q, block_k, streaming, train,
-                   patterns, xa_block, num_blocks):
+                   pair, xa_block, num_blocks):
   """The KV walk of one head: `kv_schedule`, or `xa_schedule` for an XAttention head."""
   tile, n_visit = kv_schedule(MODE_FULL if train else mode, qi, j, block_q, block_k,
                               streaming)
-  if "xa" not in patterns or train:
+  if "xa" not in pair or train:
     return tile, n_visit
-  is_xa = _is_xa_head(mode, patterns)
+  is_xa = _is_xa_head(mode, pair)
   xa_tile, xa_n = xa_schedule(slot, qi, j, block_q, block_k, xa_block, num_blocks,
                               *xa_refs[:2])
   return jnp.where(is_xa, xa_tile, tile), jnp.where(is_xa, xa_n, n_visit)
 
 
-def _is_xa_head(mode, patterns):
+def _is_xa_head(mode, pair):
   """Whether a head of this run-time mode reads XAttention's kept blocks alone."""
-  return (((mode == MODE_SPARSE) & (patterns[1] == "xa"))
-          | ((mode == MODE_FULL) & (patterns[0] == "xa")))
+  return (((mode == MODE_SPARSE) & (pair[1] == "xa"))
+          | ((mode == MODE_FULL) & (pair[0] == "xa")))
 
 
 def _pattern_masks(causal, window, lo_tile, xa_refs, slot, qi, kv_tile, *, block_q, block_k,
-                   patterns, xa_block, num_blocks):
+                   pair, xa_block, num_blocks):
   """(mask of the r = 1 pattern, mask of the r = 0 one, whether the tile belongs to the r = 0
-  pattern's set) of one (query tile, KV tile): FA and SSA, or under an XAttention setting the
+  pattern's set) of one (query tile, KV tile): FA and SSA, or under an XAttention pattern pair the
   kept blocks in place of either (`xa_refs[2]`: the flat kept-block matrices)."""
-  if "xa" not in patterns:
+  if "xa" not in pair:
     return causal, window, lo_tile
   kept = _kept(xa_refs, slot, qi, kv_tile, block_q=block_q, block_k=block_k,
                xa_block=xa_block, num_blocks=num_blocks)
-  hi = causal if patterns[0] == "full" else causal & kept
-  if patterns[1] == "xa":
+  hi = causal if pair[0] == "full" else causal & kept
+  if pair[1] == "xa":
     return hi, causal & kept, kept
   return hi, window, lo_tile
 
@@ -172,10 +172,10 @@ def _xa_prefetch(xa_keep, tp: int, xa_block: int, slots: int):
   return [x.reshape(-1) for x in xa_operands(xa_keep, num_blocks, slots)], num_blocks
 
 
-def _tile_sizes(t: int, block_q: int, block_k: int, patterns, xa_block: int):
-  """(block_q, block_k, padded length): `_tiles`, or under an XAttention setting tiles that
+def _tile_sizes(t: int, block_q: int, block_k: int, pair, xa_block: int):
+  """(block_q, block_k, padded length): `_tiles`, or under an XAttention pattern pair tiles that
   divide the XA block (no shrinking for short inputs: one block then)."""
-  if "xa" not in patterns:
+  if "xa" not in pair:
     return _tiles(t, block_q, block_k)
   block_q, block_k = min(block_q, xa_block), min(block_k, xa_block)
   if xa_block % block_q or xa_block % block_k:
@@ -185,9 +185,9 @@ def _tile_sizes(t: int, block_q: int, block_k: int, patterns, xa_block: int):
 
 
 def _forward_kernel(modes_ref, *refs, scale, block_q, block_k, seq_len, num_kv_heads, groups,
-                    kv_steps, streaming: Streaming, train: bool, patterns=("full", "stream"),
+                    kv_steps, streaming: Streaming, train: bool, pair=("full", "stream"),
                     xa_block=0, num_blocks=0):
-  n_xa = 3 if "xa" in patterns else 0
+  n_xa = 3 if "xa" in pair else 0
   xa_refs, (gate_ref, q_ref, k_ref, v_ref) = refs[:n_xa], refs[n_xa:n_xa + 4]
   refs = refs[n_xa + 4:]
   out_refs, (m_fa, l_fa, acc_fa, m_sa, l_sa, acc_sa) = refs[:-6], refs[-6:]
@@ -204,7 +204,7 @@ def _forward_kernel(modes_ref, *refs, scale, block_q, block_k, seq_len, num_kv_h
 
   # Training walks every head's causal tiles: all heads need both outputs.
   tile, n_visit = _head_schedule(mode, slot, qi, j, xa_refs, block_q=block_q, block_k=block_k,
-                                 streaming=streaming, train=train, patterns=patterns,
+                                 streaming=streaming, train=train, pair=pair,
                                  xa_block=xa_block, num_blocks=num_blocks)
 
   @pl.when(j < n_visit)
@@ -228,7 +228,7 @@ def _forward_kernel(modes_ref, *refs, scale, block_q, block_k, seq_len, num_kv_h
     # the r = 0 one; an XA pattern masks the tiles its head did not keep.
     hi_ok, lo_ok, lo_tile = _pattern_masks(
         causal, window, _streaming_tile(qi, tile, block_q, block_k, streaming), xa_refs, slot,
-        qi, tile, block_q=block_q, block_k=block_k, patterns=patterns, xa_block=xa_block,
+        qi, tile, block_q=block_q, block_k=block_k, pair=pair, xa_block=xa_block,
         num_blocks=num_blocks)
 
     @pl.when((mode != MODE_SPARSE) | train)
@@ -261,26 +261,26 @@ def _forward_kernel(modes_ref, *refs, scale, block_q, block_k, seq_len, num_kv_h
 
 
 def _forward_call(q, k, v, gate_bk, streaming: Streaming, block_q: int, block_k: int,
-                  interpret: bool, train: bool, patterns=("full", "stream"), xa_keep=None,
+                  interpret: bool, train: bool, pair=("full", "stream"), xa_keep=None,
                   xa_block: int = 0):
   """The forward kernel on [B, T, H, D] inputs; outputs in the padded [B, N, Tp, ...] layout.
-  Under the XAttention settings (`patterns` holding "xa"; inference only) the kept blocks
+  Under the XAttention settings (`pair` holding "xa"; inference only) the kept blocks
   xa_keep [B, K, nb, nb] are scalar-prefetched as compact lists that drive the K/V index maps
   of the XA heads, like the streaming heads' schedule."""
   b, t, n, d = q.shape
   kh = k.shape[2]
   groups = n // kh
-  block_q, block_k, tp = _tile_sizes(t, block_q, block_k, patterns, xa_block)
+  block_q, block_k, tp = _tile_sizes(t, block_q, block_k, pair, xa_block)
   qt, kt, vt = _heads_major(tp, q, k, v)
   gate = gate_bk.astype(jnp.float32).reshape(-1)
   modes = modes_from_gate(gate)
   nq, kv_steps = tp // block_q, tp // block_k
   num_blocks, prefetch = 0, [modes]
-  if "xa" in patterns:
+  if "xa" in pair:
     xa_ops, num_blocks = _xa_prefetch(xa_keep, tp, xa_block, b * kh)
     prefetch += xa_ops
   sched = dict(block_q=block_q, block_k=block_k, streaming=streaming, train=train,
-               patterns=patterns, xa_block=xa_block, num_blocks=num_blocks)
+               pair=pair, xa_block=xa_block, num_blocks=num_blocks)
 
   def kv_map(bi, hi, qi, j, modes_ref, *xa_refs):
     slot = bi * kh + hi // groups
@@ -291,7 +291,7 @@ def _forward_call(q, k, v, gate_bk, streaming: Streaming, block_q: int, block_k:
   kernel = functools.partial(
       _forward_kernel, scale=d ** -0.5, block_q=block_q, block_k=block_k, seq_len=t,
       num_kv_heads=kh, groups=groups, kv_steps=kv_steps, streaming=streaming, train=train,
-      patterns=patterns, xa_block=xa_block, num_blocks=num_blocks)
+      pair=pair, xa_block=xa_block, num_blocks=num_blocks)
   out_specs = [pl.BlockSpec((None, None, block_q, d), q_map)]
   out_shape = [jax.ShapeDtypeStruct((b, n, tp, d), q.dtype)]
   if train:  # O_FA, O_SSA, and their log-sum-exps [B, N, 2, Tp, 1]
@@ -333,15 +333,15 @@ def hybrid_forward(q, k, v, gate_bk, streaming: Streaming, *, block_q: int = 128
   return _unpad(out, q.shape[1])
 
 
-@functools.partial(jax.jit, static_argnames=("streaming", "setting", "xa_block", "block_q",
+@functools.partial(jax.jit, static_argnames=("streaming", "patterns", "xa_block", "block_q",
                                              "block_k", "interpret"))
-def xa_hybrid_forward(q, k, v, gate_bk, xa_keep, streaming: Streaming, *, setting: str,
+def xa_hybrid_forward(q, k, v, gate_bk, xa_keep, streaming: Streaming, *, patterns: str,
                       xa_block: int, block_q: int = 128, block_k: int = 128,
                       interpret: bool = False):
   """The inference kernel under the XAttention settings ("fa-xa", "xa-ssa"): XA heads fetch
   only the tiles of their kept blocks (xa_keep [B, K, nb, nb] bool, blocks of xa_block)."""
   out, = _forward_call(q, k, v, gate_bk, streaming, block_q, block_k, interpret, train=False,
-                       patterns=setting_patterns(setting), xa_keep=xa_keep,
+                       pair=split_patterns(patterns), xa_keep=xa_keep,
                        xa_block=xa_block)
   return _unpad(out, q.shape[1])
 
@@ -397,9 +397,9 @@ def _by_mode(mode, work, streaming_tile, body):
 
 
 def _dq_kernel(modes_ref, *refs, scale, block_q, block_k, seq_len, num_kv_heads, groups,
-               kv_steps, streaming: Streaming, patterns=("full", "stream"), xa_block=0,
+               kv_steps, streaming: Streaming, pair=("full", "stream"), xa_block=0,
                num_blocks=0):
-  n_xa = 3 if "xa" in patterns else 0
+  n_xa = 3 if "xa" in pair else 0
   xa_refs = refs[:n_xa]
   gate_ref, q_ref, k_ref, v_ref, do_ref, stats_ref, dq_ref, dq_acc = refs[n_xa:]
   b, h, qi, j = (pl.program_id(i) for i in range(4))
@@ -412,10 +412,10 @@ def _dq_kernel(modes_ref, *refs, scale, block_q, block_k, seq_len, num_kv_heads,
 
   # The forward's walk: an XA head's kept tiles, a streaming head's sink and window, ...
   tile, n_visit = _head_schedule(mode, slot, qi, j, xa_refs, block_q=block_q, block_k=block_k,
-                                 streaming=streaming, train=False, patterns=patterns,
+                                 streaming=streaming, train=False, pair=pair,
                                  xa_block=xa_block, num_blocks=num_blocks)
   masks = functools.partial(_pattern_masks, xa_refs=xa_refs, slot=slot, qi=qi, kv_tile=tile,
-                            block_q=block_q, block_k=block_k, patterns=patterns,
+                            block_q=block_q, block_k=block_k, pair=pair,
                             xa_block=xa_block, num_blocks=num_blocks)
 
   def body(use_fa, use_sa, mixed):
@@ -430,7 +430,7 @@ def _dq_kernel(modes_ref, *refs, scale, block_q, block_k, seq_len, num_kv_heads,
                                    preferred_element_type=jnp.float32)
 
   lo_tile = _streaming_tile(qi, tile, block_q, block_k, streaming)
-  if patterns[1] == "xa":
+  if pair[1] == "xa":
     lo_tile = _kept(xa_refs, slot, qi, tile, block_q=block_q, block_k=block_k,
                     xa_block=xa_block, num_blocks=num_blocks)
   _by_mode(mode, j < n_visit, lo_tile, body)
@@ -441,9 +441,9 @@ def _dq_kernel(modes_ref, *refs, scale, block_q, block_k, seq_len, num_kv_heads,
 
 
 def _dkv_kernel(modes_ref, *refs, scale, block_q, block_k, seq_len, num_kv_heads, groups,
-                num_q_tiles, streaming: Streaming, patterns=("full", "stream"), xa_block=0,
+                num_q_tiles, streaming: Streaming, pair=("full", "stream"), xa_block=0,
                 num_blocks=0):
-  n_xa = 3 if "xa" in patterns else 0
+  n_xa = 3 if "xa" in pair else 0
   xa_refs = refs[:n_xa]
   (gate_ref, q_ref, k_ref, v_ref, do_ref, stats_ref, dk_ref, dv_ref, dk_acc,
    dv_acc) = refs[n_xa:]
@@ -457,12 +457,12 @@ def _dkv_kernel(modes_ref, *refs, scale, block_q, block_k, seq_len, num_kv_heads
     dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
   # An XA head walks every causal query tile and works on those whose block kept this one.
-  is_xa = _is_xa_head(mode, patterns) if n_xa else False
+  is_xa = _is_xa_head(mode, pair) if n_xa else False
   _, qi, n_work = q_schedule(jnp.where(is_xa, MODE_FULL, mode), ki, step, block_q, block_k,
                              num_q_tiles, groups, streaming)
   _, hi_sparse = q_tile_range(ki, block_q, block_k, num_q_tiles, streaming)
   masks = functools.partial(_pattern_masks, xa_refs=xa_refs, slot=slot, qi=qi, kv_tile=ki,
-                            block_q=block_q, block_k=block_k, patterns=patterns,
+                            block_q=block_q, block_k=block_k, pair=pair,
                             xa_block=xa_block, num_blocks=num_blocks)
 
   def body(use_fa, use_sa, mixed):
@@ -483,7 +483,7 @@ def _dkv_kernel(modes_ref, *refs, scale, block_q, block_k, seq_len, num_kv_heads
     kept = _kept(xa_refs, slot, qi, ki, block_q=block_q, block_k=block_k, xa_block=xa_block,
                  num_blocks=num_blocks)
     work = work & (~is_xa | kept)
-    lo_tile = kept if patterns[1] == "xa" else lo_tile
+    lo_tile = kept if pair[1] == "xa" else lo_tile
   _by_mode(mode, work, lo_tile, body)
 
   @pl.when(step == groups * num_q_tiles - 1)
@@ -493,18 +493,18 @@ def _dkv_kernel(modes_ref, *refs, scale, block_q, block_k, seq_len, num_kv_heads
 
 
 @functools.partial(jax.jit, static_argnames=("streaming", "block_q", "block_k", "interpret",
-                                             "patterns", "xa_block"))
+                                             "pair", "xa_block"))
 def hybrid_backward(residuals, d_out, streaming: Streaming, *, block_q: int = 128,
-                    block_k: int = 128, interpret: bool = False, patterns=("full", "stream"),
+                    block_k: int = 128, interpret: bool = False, pair=("full", "stream"),
                     xa_keep=None, xa_block: int = 0):
   """(dq, dk, dv, d_gate) from `hybrid_forward_train`'s residuals and dO [B, T, N, D]; under
-  an XAttention setting (`patterns`, xa_keep [B, K, nb, nb]) XA heads visit their kept
+  an XAttention setting (`pair`, xa_keep [B, K, nb, nb]) XA heads visit their kept
   blocks."""
   q, k, v, gate_bk, o_fa, o_sa, lse = residuals
   b, t, n, d = q.shape
   kh = k.shape[2]
   groups = n // kh
-  block_q, block_k, tp = _tile_sizes(t, block_q, block_k, patterns, xa_block)
+  block_q, block_k, tp = _tile_sizes(t, block_q, block_k, pair, xa_block)
   nq, nk = tp // block_q, tp // block_k
   d_fa, d_sa, d_gate = row_deltas(d_out, o_fa, o_sa, gate_bk)
   # Padded query rows have dO = 0 and D = 0, so they add nothing to dK and dV.
@@ -514,14 +514,14 @@ def hybrid_backward(residuals, d_out, streaming: Streaming, *, block_q: int = 12
   gate = gate_bk.astype(jnp.float32).reshape(-1)
   modes = modes_from_gate(gate)
   num_blocks, prefetch = 0, [modes]
-  if "xa" in patterns:
+  if "xa" in pair:
     xa_ops, num_blocks = _xa_prefetch(xa_keep, tp, xa_block, b * kh)
     prefetch += xa_ops
   common = dict(scale=d ** -0.5, block_q=block_q, block_k=block_k, seq_len=t,
-                num_kv_heads=kh, groups=groups, streaming=streaming, patterns=patterns,
+                num_kv_heads=kh, groups=groups, streaming=streaming, pair=pair,
                 xa_block=xa_block, num_blocks=num_blocks)
   sched = dict(block_q=block_q, block_k=block_k, streaming=streaming, train=False,
-               patterns=patterns, xa_block=xa_block, num_blocks=num_blocks)
+               pair=pair, xa_block=xa_block, num_blocks=num_blocks)
   smem = pl.BlockSpec(memory_space=pltpu.SMEM)
   params = dict(compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS),
                 interpret=pltpu.InterpretParams() if interpret else False)
@@ -555,7 +555,7 @@ def hybrid_backward(residuals, d_out, streaming: Streaming, *, block_q: int = 12
   def q_side(bi, hi, kj, step, modes_ref, *xa_refs):
     mode = modes_ref[bi * kh + hi]
     if xa_refs:   # an XA head walks every causal query tile (its kernel skips the unkept)
-      mode = jnp.where(_is_xa_head(mode, patterns), MODE_FULL, mode)
+      mode = jnp.where(_is_xa_head(mode, pair), MODE_FULL, mode)
     g, qi, _ = q_schedule(mode, kj, step, block_q, block_k, nq, groups, streaming)
     return bi, hi * groups + g, qi
 
@@ -603,30 +603,30 @@ def fused_hybrid(block_q: int = 128, block_k: int = 128):
 
 @functools.cache
 def fused_xa_hybrid(block_q: int = 128, block_k: int = 128):
-  """`fn(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret)` for the
+  """`fn(q, k, v, gate_bk, xa_keep, streaming, patterns, xa_block, interpret)` for the
   XAttention settings: the inference forward, and under differentiation the training forward
-  (both patterns' outputs of every head) and the dQ / dK-dV kernels, XA heads reading their
+  (both pair' outputs of every head) and the dQ / dK-dV kernels, XA heads reading their
   kept blocks."""
   tiles = dict(block_q=block_q, block_k=block_k)
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-  def fn(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret):
-    return xa_hybrid_forward(q, k, v, gate_bk, xa_keep, streaming, setting=setting,
+  def fn(q, k, v, gate_bk, xa_keep, streaming, patterns, xa_block, interpret):
+    return xa_hybrid_forward(q, k, v, gate_bk, xa_keep, streaming, patterns=patterns,
                              xa_block=xa_block, interpret=interpret, **tiles)
 
-  def forward_train(q, k, v, gate_bk, xa_keep, streaming, setting, xa_block, interpret):
+  def forward_train(q, k, v, gate_bk, xa_keep, streaming, patterns, xa_block, interpret):
     t = q.shape[1]
     out, o_fa, o_sa, lse = _forward_call(q, k, v, gate_bk, streaming, block_q, block_k,
                                          interpret, train=True,
-                                         patterns=setting_patterns(setting), xa_keep=xa_keep,
+                                         pair=split_patterns(patterns), xa_keep=xa_keep,
                                          xa_block=xa_block)
     return _unpad(out, t), ((q, k, v, gate_bk, _unpad(o_fa, t), _unpad(o_sa, t), lse),
                             xa_keep)
 
-  def backward(streaming, setting, xa_block, interpret, res, d_out):
+  def backward(streaming, patterns, xa_block, interpret, res, d_out):
     residuals, xa_keep = res
     grads = hybrid_backward(residuals, d_out, streaming, interpret=interpret,
-                            patterns=setting_patterns(setting), xa_keep=xa_keep,
+                            pair=split_patterns(patterns), xa_keep=xa_keep,
                             xa_block=xa_block, **tiles)
     return (*grads, None)
 

@@ -9,7 +9,7 @@ gradients never hold a [T, T] matrix either: the backward keeps O(T * H) per hea
 
 Two masks are computed in the same pass over K/V:
   full (FA)       causal, within a segment;
-  streaming (SSA) block-granular sink + local window (SPEC.md section 3): a query in block i
+  streaming (SSA) block-granular sink + local window (docs/method.md §3): a query in block i
                   sees key blocks [0, sink_blocks) and [i - local_blocks + 1, i], token-causal.
                   Blocks count from each segment's start (token positions), so every packed
                   segment is treated as its own sequence.
@@ -54,27 +54,31 @@ def _chunk_size(requested: int, t: int) -> int:
   return max(1, min(requested, t))
 
 
-SETTINGS = ("fa-ssa", "fa-xa", "xa-ssa")
+# The pattern pairs (what a head routed full, r = 1, and one routed sparse, r = 0, run):
+# the `patterns` of a RouterConfig and of every attention function.
+PATTERN_PAIRS = ("fa-ssa", "fa-xa", "xa-ssa")
 
 
-def setting_patterns(setting: str) -> tuple[str, str]:
-  """(pattern of heads with r = 1, pattern of heads with r = 0) of a setting (SPEC.md 3)."""
-  if setting not in SETTINGS:
-    raise ValueError(f"setting '{setting}' is not one of {', '.join(SETTINGS)}")
-  hi, lo = setting.split("-")
+def split_patterns(patterns: str) -> tuple[str, str]:
+  """(pattern of heads with r = 1, pattern of heads with r = 0) of a pattern pair
+  (docs/method.md §3): "fa-ssa" -> ("full", "stream"), "fa-xa" -> ("full", "xa"),
+  "xa-ssa" -> ("xa", "stream")."""
+  if patterns not in PATTERN_PAIRS:
+    raise ValueError(f"patterns '{patterns}' is not one of {', '.join(PATTERN_PAIRS)}")
+  hi, lo = patterns.split("-")
   return {"fa": "full", "xa": "xa"}[hi], {"ssa": "stream", "xa": "xa"}[lo]
 
 
 def _attend(q_btnh, k_btkh, v_btkh, segment_ids_bt, positions_bt, streaming: Streaming | None,
-            gate_btk, scale, q_chunk, kv_chunk, setting="fa-ssa", xa_keep=None, xa_block=128):
+            gate_btk, scale, q_chunk, kv_chunk, patterns="fa-ssa", xa_keep=None, xa_block=128):
   """[B, T, N, H] in q's dtype: O_FA (streaming None), the r = 0 pattern alone (gate None), or
-  the gate mix of the setting's two patterns.
+  the gate mix of the pair's two patterns.
 
   The mix is formed per query chunk, so only one output array is ever materialised.
   """
-  hi, lo = setting_patterns(setting)
+  hi, lo = split_patterns(patterns)
   if "xa" in (hi, lo) and streaming is not None and xa_keep is None:
-    raise ValueError(f"setting '{setting}' needs the kept XAttention blocks (xa_keep)")
+    raise ValueError(f"patterns '{patterns}' needs the kept XAttention blocks (xa_keep)")
   b, t, n, h = q_btnh.shape
   k = k_btkh.shape[2]
   if n % k:
@@ -192,20 +196,20 @@ def hybrid_attention(q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array,
                      gate_btk: jax.Array | None, streaming: Streaming,
                      segment_ids_bt: jax.Array | None = None,
                      positions_bt: jax.Array | None = None, *, scale: float | None = None,
-                     q_chunk: int = 512, kv_chunk: int = 512, setting: str = "fa-ssa",
+                     q_chunk: int = 512, kv_chunk: int = 512, patterns: str = "fa-ssa",
                      xa_keep: jax.Array | None = None, xa_block: int = 128) -> jax.Array:
   """O = r * O_FA + (1 - r) * O_SSA per KV head (its G query heads share r).
 
   gate_btk: [B, T, K] in [0, 1], the full-attention weight r of each token's KV head (tokens
     of one packed segment share their segment's gate); None means every head streaming.
   positions_bt: token positions within their segment (default 0..T-1); they define SSA blocks.
-  setting: "fa-ssa" as above; "fa-xa" replaces SSA by XAttention's kept blocks; "xa-ssa"
+  patterns: "fa-ssa" as above; "fa-xa" replaces SSA by XAttention's kept blocks; "xa-ssa"
     replaces FA by them. xa_keep [B, K, nb, nb] bool: the kept blocks of `xa_block` row
     positions per KV head (`xattention.select`), token-causal within them.
   Differentiable in q, k, v and the gate: dO/dr = O_FA - O_SSA (the kept blocks are constant).
   """
   return _attend(q_btnh, k_btkh, v_btkh, segment_ids_bt, positions_bt, streaming, gate_btk,
-                 scale, q_chunk, kv_chunk, setting, xa_keep, xa_block)
+                 scale, q_chunk, kv_chunk, patterns, xa_keep, xa_block)
 
 
 def dense_causal_attention(q_btnh, k_btkh, v_btkh, segment_ids_bt=None, *, scale=None):
@@ -225,7 +229,7 @@ def dense_causal_attention(q_btnh, k_btkh, v_btkh, segment_ids_bt=None, *, scale
 
 
 def dense_hybrid_attention(q_btnh, k_btkh, v_btkh, gate_bk, streaming: Streaming, *,
-                           scale=None, setting="fa-ssa", xa_keep=None, xa_block=128):
+                           scale=None, patterns="fa-ssa", xa_keep=None, xa_block=128):
   """The textbook [T, T] form of `hybrid_attention` for unpacked rows and one gate per (batch,
   KV head), [B, K], in float32: the fast-compiling oracle of the kernel tests."""
   b, t, n, h = q_btnh.shape
@@ -246,7 +250,7 @@ def dense_hybrid_attention(q_btnh, k_btkh, v_btkh, gate_bk, streaming: Streaming
     p = jax.nn.softmax(jnp.where(ok, s, MASK_VALUE), axis=-1)
     return jnp.einsum("bkgqs,bskh->bqkgh", p, up(v_btkh))
 
-  hi, lo = setting_patterns(setting)
+  hi, lo = split_patterns(patterns)
   r = up(gate_bk)[:, None, :, None, None]
   o = r * attend(masks[hi]) + (1.0 - r) * attend(masks[lo])
   return o.reshape(b, t, n, h)

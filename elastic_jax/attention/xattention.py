@@ -1,4 +1,4 @@
-"""XAttention's block selection (Xu et al. 2025; SPEC.md section 3): which KV blocks a head reads.
+"""XAttention's block selection (Xu et al. 2025; docs/method.md §3): which KV blocks a head reads.
 
 For each KV head, every query block keeps the key blocks that carry most of its attention mass,
 estimated cheaply from antidiagonal sums:
@@ -144,19 +144,19 @@ def select_blocks(mass_bkij: jax.Array, threshold: float,
   return forced | taken
 
 
-def select(q_btnh, k_btkh, xa: XAttention, segment_ids_bt=None, impl: str = "reference"
+def select(q_btnh, k_btkh, xa: XAttention, segment_ids_bt=None, attn_impl: str = "reference"
            ) -> jax.Array:
   """Scoring then selection: kept blocks [B, K, nb, nb] bool (no gradient flows through).
 
-  impl: "reference" (plain jnp, `block_mass`), "pallas_gpu" (the scoring kernel; unpacked
+  attn_impl: "reference" (plain jnp, `block_mass`), "pallas_gpu" (the scoring kernel; unpacked
   rows only), "auto" (the plain-jnp scoring everywhere: on an H200 it took 2.1 ms at 32K
   tokens and 27 ms at 128K against the kernel's 3.5 and 47 ms, `benchmarks/xattention.py`,
   2026-12-03; XLA fuses the masked softmax and the tile sums well enough).
   """
-  if impl not in ("reference", "pallas_gpu", "auto"):
-    raise ValueError(f"XAttention scoring impl '{impl}' is unknown")
+  if attn_impl not in ("reference", "pallas_gpu", "auto"):
+    raise ValueError(f"XAttention scoring implementation '{attn_impl}' is unknown")
   q_btnh, k_btkh = jax.lax.stop_gradient(q_btnh), jax.lax.stop_gradient(k_btkh)
-  if segment_ids_bt is None and impl == "pallas_gpu":
+  if segment_ids_bt is None and attn_impl == "pallas_gpu":
     mass = block_mass_pallas(q_btnh, k_btkh, xa, interpret=jax.default_backend() != "gpu")
   else:
     mass = block_mass(q_btnh, k_btkh, xa, segment_ids_bt)

@@ -59,7 +59,7 @@ def main(argv=None) -> int:
   t0 = time.perf_counter()
   if args.routers and args.no_routers:
     raise ElasticJaxError("--routers and --no-routers exclude each other")
-  from elastic_jax.utils import check_apart
+  from elastic_jax.files import check_apart
   check_apart(args.out, [args.src, args.routers], "an input (SRC_DIR or --routers)")
   model = ej.from_pretrained(args.src, dtype=args.dtype, allow_pickle=args.allow_pickle,
                              show_progress=not args.quiet, routers=args.routers)
@@ -77,11 +77,16 @@ def main(argv=None) -> int:
   if model.router_params is not None and keep:
     r = model.router_config
     print(f"routers: {model.config.num_layers} layers x {model.config.num_kv_heads} KV heads, "
-          f"setting {r.setting}, sink {r.sink_blocks} + window {r.local_blocks} blocks of "
+          f"patterns {r.patterns}, sink {r.sink_blocks} + window {r.local_blocks} blocks of "
           f"{r.block}, {r.relaxation} relaxation"
           + (" (the authors' layout)" if args.to_hf else ""))
   return 0
 
 
-if __name__ == "__main__":
+def console() -> int:
+  """Entry point of the `elastic-jax-convert` command."""
   sys.exit(run_cli(main))
+
+
+if __name__ == "__main__":
+  console()

@@ -14,7 +14,7 @@ reads (the static masks `...self_attn.attn_mask_log_alphas` [K], the global mult
 verbatim so that writing the model back gives the same directory, tensor by tensor.
 
 Their config keys (`config.AUTHORS_KEYS` lists each with what we do with it) become a
-`RouterConfig`: sink and window sizes in blocks of 128 tokens, `retrieval_mode` the setting,
+`RouterConfig`: sink and window sizes in blocks of 128 tokens, `retrieval_mode` the pattern pair,
 `use_softmax` the relaxation, `pooling_mode` ctx_q the boundary pooling of their evaluation
 code. A directory whose keys or tensors we cannot run as they do is refused, naming the key
 or tensor.
@@ -36,7 +36,7 @@ from elastic_jax.router import RouterConfig
 BLOCK = 128                 # their kernels' block: sink and window are counted in these
 BOUNDARY = 100              # their evaluation code pools the first and last 100 prompt tokens
 NUM_TASKS = 5               # Single QA, MultiHop QA, Summarization, Code, In-Context Learning
-DEFAULT_XA_THRESHOLD = 0.8  # what their code runs (xattn_params); SPEC's 0.9 is ours
+DEFAULT_XA_THRESHOLD = 0.8  # what their code runs (xattn_params); our default is 0.9 (docs/method.md §10)
 DEFAULT_XA_STRIDE = 16
 
 # Our stacked router tensors -> (their module, Linear index) per layer.
@@ -132,7 +132,7 @@ def router_config_from_authors(raw: dict[str, Any], source: str = "config.json"
         relaxation="softmax" if softmax else "sigmoid", head_norm=not softmax,
         sink_blocks=_blocks(raw, "sink_size", 128, source),
         local_blocks=_blocks(raw, "local_window_size", 1024, source), block=BLOCK,
-        setting="fa-ssa" if retrieval == "full" else "xa-ssa", **xa)
+        patterns="fa-ssa" if retrieval == "full" else "xa-ssa", **xa)
   except ValueError as e:
     raise ElasticJaxError(f"{source}: {e}") from None
 
@@ -142,8 +142,8 @@ def authors_keys(rcfg: RouterConfig, *, lambdas: bool) -> dict[str, Any]:
   problems = []
   if rcfg.static:
     problems.append("a static router (one logit pair per head) has no place in it")
-  if rcfg.setting == "fa-xa":
-    problems.append("it has no FA-XA setting with toggle_type streaming")
+  if rcfg.patterns == "fa-xa":
+    problems.append("it has no FA-XA pattern pair with toggle_type streaming")
   if rcfg.block != BLOCK:
     problems.append(f"its SSA block is {BLOCK} tokens, this router's is {rcfg.block}")
   if rcfg.pooling == "boundary" and rcfg.boundary != BOUNDARY:
@@ -158,7 +158,7 @@ def authors_keys(rcfg: RouterConfig, *, lambdas: bool) -> dict[str, Any]:
     raise ElasticJaxError(f"these routers cannot be written in the authors' layout: "
                           f"{'; '.join(problems)}")
   keys = {"enable_ada_sparsity": True, "toggle_type": "streaming",
-          "retrieval_mode": "full" if rcfg.setting == "fa-ssa" else "xattn",
+          "retrieval_mode": "full" if rcfg.patterns == "fa-ssa" else "xattn",
           "sink_size": rcfg.sink_blocks * BLOCK,
           "local_window_size": rcfg.local_blocks * BLOCK,
           "pooling_mode": "ctx_q", "use_softmax": rcfg.relaxation == "softmax",

@@ -31,7 +31,7 @@ import numpy as np
 from elastic_jax.config import ModelConfig
 from elastic_jax.errors import ElasticJaxError
 from elastic_jax.model import Params, abstract_params
-from elastic_jax.utils import progress
+from elastic_jax.progress import progress
 
 SAFE_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"

@@ -55,8 +55,8 @@ from types import MappingProxyType
 
 from elastic_jax.errors import ElasticJaxError
 from elastic_jax.eval.metrics import LONGBENCH_DATASETS, LONGBENCH_E_DATASETS
-from elastic_jax.train.data import render_user_turn
-from elastic_jax.utils import text_lines
+from elastic_jax.tokenizer import render_user_turn
+from elastic_jax.files import text_lines
 
 _SPEC = json.loads(Path(__file__).with_name("longbench_prompts.json").read_text("utf-8"))
 _V1 = _SPEC["longbench"]

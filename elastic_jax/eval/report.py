@@ -1,8 +1,9 @@
 """Per-task reports (JSON and Markdown, the paper's Table 1 layout) and plots (PNG).
 
 Plots: the routing map (how often each (layer, KV head) pair went to full attention under the
-elastic setting, one panel per task; paper Fig. 6), MSR per task, and quality against
-prefill speed-up over full attention (paper Fig. 8).
+elastic attention, one panel per task; paper Fig. 6), MSR per task (with the routers' target
+per task where it is known), and quality against prefill speed-up over full attention (paper
+Fig. 8). Labels are legends, never text placed at the points, so they cannot collide.
 """
 
 from __future__ import annotations
@@ -13,20 +14,21 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from elastic_jax.eval.runner import SETTINGS
-from elastic_jax.utils import atomic_write_text
+from elastic_jax.eval.runner import ORDER
+from elastic_jax.files import atomic_file, atomic_write_text
 
 
 def summarize(records: Mapping[tuple[str, str], dict], items, score_task: Callable,
               category_of: Callable[[str], str]) -> dict:
-  """{"settings": {setting: {"tasks": {task: {score, msr, esr, n, prefill_seconds}},
-  "categories": {...}, "average": {...}}}} from the prediction records."""
+  """{"attention": {way: {"tasks": {task: {score, msr, esr, n, prefill_seconds}},
+  "categories": {...}, "average": {...}}}} from the prediction records (way: how heads
+  attended, heads.ATTENTION)."""
   by_task: dict[str, list] = {}
   for it in items:
     by_task.setdefault(it.task, []).append(it)
-  settings = [s for s in SETTINGS if any(k[0] == s for k in records)]
-  out: dict = {"settings": {}}
-  for s in settings:
+  ways = [s for s in ORDER if any(k[0] == s for k in records)]
+  out: dict = {"attention": {}}
+  for s in ways:
     tasks = {}
     for task, its in by_task.items():
       recs = [records[(s, it.key)] for it in its if (s, it.key) in records]
@@ -44,7 +46,7 @@ def summarize(records: Mapping[tuple[str, str], dict], items, score_task: Callab
     for t in tasks.values():
       cats.setdefault(t["category"], []).append(t)
     mean = lambda rows, key: float(np.mean([r[key] for r in rows])) if rows else float("nan")
-    out["settings"][s] = {
+    out["attention"][s] = {
         "tasks": tasks,
         "categories": {c: {"score": mean(rows, "score"), "msr": mean(rows, "msr"),
                            "esr": mean(rows, "esr")} for c, rows in cats.items()},
@@ -52,8 +54,8 @@ def summarize(records: Mapping[tuple[str, str], dict], items, score_task: Callab
                     "msr": mean(list(tasks.values()), "msr"),
                     "esr": mean(list(tasks.values()), "esr"),
                     "prefill_seconds": float(sum(t["prefill_seconds"] for t in tasks.values()))}}
-  full = out["settings"].get("full")
-  for s, body in out["settings"].items():
+  full = out["attention"].get("full")
+  for s, body in out["attention"].items():
     body["average"]["prefill_speedup_vs_full"] = (
         full["average"]["prefill_seconds"] / body["average"]["prefill_seconds"]
         if full and body["average"]["prefill_seconds"] > 0 else None)
@@ -61,14 +63,14 @@ def summarize(records: Mapping[tuple[str, str], dict], items, score_task: Callab
 
 
 def markdown(summary: dict, title: str) -> str:
-  """Tasks as rows grouped by category, one 'score (MSR)' column per setting."""
-  settings = list(summary["settings"])
-  if not settings:
+  """Tasks as rows grouped by category, one 'score (MSR, ESR)' column per way of attending."""
+  ways = list(summary["attention"])
+  if not ways:
     return f"# {title}\n\nNo finished tasks.\n"
   lines = [f"# {title}", "", "Each cell: score (MSR, ESR).", "",
-           "| category | task | " + " | ".join(settings) + " |",
-           "|---|---|" + "---|" * len(settings)]
-  first = summary["settings"][settings[0]]["tasks"]
+           "| category | task | " + " | ".join(ways) + " |",
+           "|---|---|" + "---|" * len(ways)]
+  first = summary["attention"][ways[0]]["tasks"]
   order = sorted(first, key=lambda t: (first[t]["category"], t))
 
   def cell(row):
@@ -79,21 +81,22 @@ def markdown(summary: dict, title: str) -> str:
   for task in order:
     cat = first[task]["category"]
     lines.append(f"| {cat} | {task} | " + " | ".join(
-        cell(summary["settings"][s]["tasks"].get(task)) for s in settings) + " |")
+        cell(summary["attention"][s]["tasks"].get(task)) for s in ways) + " |")
   for cat in sorted({first[t]["category"] for t in order}):
     lines.append(f"| **{cat}** | *mean* | " + " | ".join(
-        cell(summary["settings"][s]["categories"].get(cat)) for s in settings) + " |")
+        cell(summary["attention"][s]["categories"].get(cat)) for s in ways) + " |")
   lines.append("| **all** | *mean* | " + " | ".join(
-      cell(summary["settings"][s]["average"]) for s in settings) + " |")
-  speed = [summary["settings"][s]["average"].get("prefill_speedup_vs_full") for s in settings]
+      cell(summary["attention"][s]["average"]) for s in ways) + " |")
+  speed = [summary["attention"][s]["average"].get("prefill_speedup_vs_full") for s in ways]
   if any(x is not None for x in speed):
     lines.append("| | prefill speed-up vs full | " + " | ".join(
         "-" if x is None else f"{x:.2f}x" for x in speed) + " |")
   return "\n".join(lines) + "\n"
 
 
-def plots(summary: dict, records: Mapping[tuple[str, str], dict], out_dir: str) -> list[str]:
-  """Writes the PNG plots; returns their paths."""
+def plots(summary: dict, records: Mapping[tuple[str, str], dict], out_dir: str,
+          targets: Mapping[str, float] | None = None) -> list[str]:
+  """Writes the PNG plots; returns their paths. targets: target MSR per task, drawn."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -113,45 +116,51 @@ def plots(summary: dict, records: Mapping[tuple[str, str], dict], out_dir: str) 
       ax.set_xlabel("layer")
       ax.set_ylabel("KV head")
     fig.colorbar(im, ax=axes, shrink=0.8, label="share of inputs routed to full attention")
-    written.append(_save(fig, out_dir, "routing_map.png"))
+    written.append(save_figure(fig, out_dir, "routing_map.png"))
     plt.close(fig)
-  settings = summary["settings"]
-  if settings:
+  ways = summary["attention"]
+  if ways:
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    names = list(next(iter(settings.values()))["tasks"])
-    width = 0.8 / len(settings)
-    for i, (s, body) in enumerate(settings.items()):
+    names = list(next(iter(ways.values()))["tasks"])
+    width = 0.8 / len(ways)
+    for i, (s, body) in enumerate(ways.items()):
       ax.bar(np.arange(len(names)) + i * width,
              [body["tasks"].get(t, {}).get("msr", np.nan) for t in names], width, label=s)
     ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names, rotation=30, ha="right",
                   fontsize=8)
+    if targets:
+      x = np.arange(len(names))
+      ys = [targets.get(t, np.nan) for t in names]
+      ax.hlines(ys, x - width / 2, x + 0.8 - width / 2, colors="black", linestyles="--",
+                linewidth=1.2, label="target MSR")
     ax.set_ylabel("MSR")
     ax.set_ylim(0, 1.05)
-    ax.legend(fontsize=8)
-    written.append(_save(fig, out_dir, "msr_per_task.png"))
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    written.append(save_figure(fig, out_dir, "msr_per_task.png"))
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(4.5, 3.5))
-    for s, body in settings.items():
+    for s, body in ways.items():
       x = body["average"].get("prefill_speedup_vs_full")
       if x is not None:
         ax.scatter([x], [body["average"]["score"]], label=s)
-        ax.annotate(s, (x, body["average"]["score"]), fontsize=8)
     ax.set_xlabel("prefill speed-up over full attention")
     ax.set_ylabel("average score")
-    written.append(_save(fig, out_dir, "quality_vs_speedup.png"))
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    written.append(save_figure(fig, out_dir, "quality_vs_speedup.png"))
     plt.close(fig)
   return written
 
 
-def _save(fig, out_dir: str, name: str) -> str:
+def save_figure(fig, out_dir: str, name: str) -> str:
+  """A figure as a PNG in out_dir, written whole or not at all; returns its path."""
   path = os.path.join(out_dir, name)
-  tmp = path + ".partial.png"
-  fig.savefig(tmp, dpi=110, bbox_inches="tight")
-  os.replace(tmp, path)
+  with atomic_file(path) as tmp:
+    fig.savefig(tmp, dpi=110, bbox_inches="tight")
   return path
 
 
-def write(summary: dict, records, out_dir: str, title: str, meta: dict) -> list[str]:
+def write(summary: dict, records, out_dir: str, title: str, meta: dict,
+          targets: Mapping[str, float] | None = None) -> list[str]:
   """report.json, report.md and the plots, each written whole or not at all."""
   paths = []
   for name, text in (("report.json", json.dumps({**meta, **summary}, indent=2)),
@@ -159,5 +168,5 @@ def write(summary: dict, records, out_dir: str, title: str, meta: dict) -> list[
     path = os.path.join(out_dir, name)
     atomic_write_text(path, text)
     paths.append(path)
-  return paths + plots(summary, records, out_dir)
+  return paths + plots(summary, records, out_dir, targets)
 

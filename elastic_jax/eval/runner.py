@@ -1,12 +1,10 @@
-"""The evaluation loop: generate for every item under every attention setting, resumably.
+"""The evaluation loop: generate for every item under every way of attending, resumably.
 
-Settings:
-  full     the unmodified backbone (every head full attention, dense cache)
-  elastic  the trained routers decide per input (needs routers)
-  sparse   every head streaming (SSA)
-  static   one fixed head set for every input, at the average MSR that elastic reached on
-           the same items: the (layer, KV head) pairs elastic sent to full attention most
-           often stay full (a DuoAttention-style static baseline; runs after elastic)
+The ways (heads.ATTENTION): full (the unmodified backbone, dense cache), elastic (the routers
+decide per input; needs routers), sparse (every head on the sparse side), static (one fixed
+head set for every input, at the average MSR elastic reached on the same items: the (layer,
+KV head) pairs elastic sent to full attention most often stay full; a DuoAttention-style
+static baseline, run after elastic).
 
 Each finished item is appended to `predictions.jsonl` in the output directory at once, so an
 interrupted run resumes where it stopped: items already there are not generated again.
@@ -26,9 +24,9 @@ from tqdm.auto import tqdm
 
 from elastic_jax.errors import ElasticJaxError
 from elastic_jax.generate import SamplingConfig, generate
-from elastic_jax.utils import repair_jsonl_tail
+from elastic_jax.files import repair_jsonl_tail
 
-SETTINGS = ("full", "elastic", "sparse", "static")
+ORDER = ("full", "elastic", "sparse", "static")   # static is derived from elastic's choices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +41,7 @@ class Item:
 
 
 def read_predictions(path: str) -> dict[tuple[str, str], dict]:
-  """{(setting, key): line} of a predictions file; a torn last line (a run killed while
+  """{(attention, key): line} of a predictions file; a torn last line (a run killed while
   writing) is dropped, any other unreadable line is an error."""
   out: dict[tuple[str, str], dict] = {}
   if not os.path.exists(path):
@@ -55,7 +53,7 @@ def read_predictions(path: str) -> dict[tuple[str, str], dict]:
       continue
     try:
       rec = json.loads(line)
-      out[(rec["setting"], rec["key"])] = rec
+      out[(rec["attention"], rec["key"])] = rec
     except (json.JSONDecodeError, KeyError, TypeError):
       if i >= len(lines) - 1:          # the last line, cut short
         continue
@@ -74,19 +72,21 @@ def static_gates(elastic_records: Sequence[dict]) -> np.ndarray:
   return gates.reshape(freq.shape)
 
 
-def check_settings(settings: Sequence[str], router_params) -> None:
-  for s in settings:
-    if s not in SETTINGS:
-      raise ElasticJaxError(f"attention setting '{s}' is unknown (known: {', '.join(SETTINGS)})")
-  if ("elastic" in settings or "static" in settings) and router_params is None:
-    raise ElasticJaxError("the elastic and static settings need trained routers (--routers)")
+def check_attention_list(attention: Sequence[str], router_params) -> None:
+  for a in attention:
+    if a not in ORDER:
+      raise ElasticJaxError(f"attention '{a}' is not evaluated (known: {', '.join(ORDER)})")
+  if ("elastic" in attention or "static" in attention) and router_params is None:
+    raise ElasticJaxError("elastic and static attention need trained routers (--routers)")
 
 
-def run(model, tokenizer, items: Sequence[Item], settings: Sequence[str], out_dir: str, *,
-        router_params=None, batch_size: int = 1, attn_impl: str = "auto", log=print) -> dict:
-  """Generates every (setting, item) not yet in `out_dir/predictions.jsonl`; returns all
-  records of the file for these items, {(setting, key): record}."""
-  check_settings(settings, router_params)
+def run(model, tokenizer, items: Sequence[Item], attention: Sequence[str], out_dir: str, *,
+        batch_size: int = 1, attn_impl: str = "auto", log=print) -> dict:
+  """Generates every (attention, item) not yet in `out_dir/predictions.jsonl` with `model`
+  (and its routers); returns all records of the file for these items, {(attention, key):
+  record}."""
+  router_params = model.router_params
+  check_attention_list(attention, router_params)
   if batch_size < 1:
     raise ElasticJaxError(f"batch size must be >= 1, got {batch_size}")
   os.makedirs(out_dir, exist_ok=True)
@@ -96,34 +96,34 @@ def run(model, tokenizer, items: Sequence[Item], settings: Sequence[str], out_di
   done = read_predictions(path)
   eos = () if tokenizer.eos_token_id is None else tuple(
       int(x) for x in np.atleast_1d(tokenizer.eos_token_id))
-  order = [s for s in SETTINGS if s in settings]
+  order = [s for s in ORDER if s in attention]
   if "static" in order and "elastic" not in order:
     order.insert(order.index("static"), "elastic")   # static is derived from elastic's choices
   with open(path, "a", encoding="utf-8") as f:
-    for setting in order:
+    for way in order:
       gates = None
-      if setting == "static":
+      if way == "static":
         gates = static_gates([done[("elastic", it.key)] for it in items])
-      todo = [it for it in items if (setting, it.key) not in done]
+      todo = [it for it in items if (way, it.key) not in done]
       if not todo:
         continue
-      log(f"{setting}: {len(todo)} of {len(items)} items to generate")
+      log(f"{way}: {len(todo)} of {len(items)} items to generate")
       groups: dict[tuple, list[Item]] = {}
       for it in todo:
         groups.setdefault((it.max_new_tokens, it.stop_ids), []).append(it)
-      bar = tqdm(total=len(todo), desc=setting, unit="item", file=sys.stderr,
+      bar = tqdm(total=len(todo), desc=way, unit="item", file=sys.stderr,
                  dynamic_ncols=True)
       for (max_new, stop_ids), group in groups.items():
         for start in range(0, len(group), batch_size):
           batch = group[start:start + batch_size]
           gen = generate(model.params, model.config, [list(it.prompt_ids) for it in batch],
-                         attention="forced" if setting == "static" else setting,
+                         attention="forced" if way == "static" else way,
                          rcfg=model.router_config, router_params=router_params,
                          gates=gates, sampling=SamplingConfig(max_new_tokens=max_new),
                          eos_ids=eos + stop_ids, attn_impl=attn_impl)
           for i, it in enumerate(batch):
             toks = [t for t in gen.tokens[i] if t not in eos + stop_ids]
-            rec = {"setting": setting, "key": it.key, "task": it.task,
+            rec = {"attention": way, "key": it.key, "task": it.task,
                    "prediction": tokenizer.decode(toks, skip_special_tokens=True),
                    "msr": float(gen.msr[i]),
                    "esr": float(gen.esr[i]), "gates": gen.gates[:, i].astype(int).tolist(),
@@ -135,7 +135,7 @@ def run(model, tokenizer, items: Sequence[Item], settings: Sequence[str], out_di
                    "time": time.time()}
             f.write(json.dumps(rec) + "\n")
             f.flush()
-            done[(setting, it.key)] = rec
+            done[(way, it.key)] = rec
           bar.update(len(batch))
       bar.close()
   keys = {it.key for it in items}

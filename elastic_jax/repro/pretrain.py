@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from elastic_jax.repro import mixture
+from elastic_jax.eval import mixture
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "backbone_config.json")
 
@@ -155,18 +155,89 @@ class Prefetch:
 # Training
 
 
+def step_functions(cfg, compute, attn_impl: str, tx, lm_weight: float):
+  """(train_step(params, opt, batch, lr) -> (params, opt, metrics), predict(params, batch)),
+  jitted: the answer loss plus `lm_weight` times the loss on the other real tokens."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from elastic_jax.model import transformer
+  module = transformer(cfg, compute, attn_impl, False, packed=False)
+
+  def logits_fn(p, b):
+    pc = jax.tree.map(lambda x: x.astype(compute), p)
+    logits, _ = module.apply({"params": pc}, b["ids"], b["positions"], b["segment_ids"])
+    return logits
+
+  def loss_fn(p, b):
+    logp = jax.nn.log_softmax(logits_fn(p, b), axis=-1)
+    nll = -jnp.take_along_axis(logp, b["targets"][..., None], axis=-1)[..., 0]
+    ans = b["answer"].astype(jnp.float32)
+    rest = (b["valid"] & ~b["answer"]).astype(jnp.float32)
+    ans_loss = jnp.sum(nll * ans) / jnp.maximum(ans.sum(), 1.0)
+    rest_loss = jnp.sum(nll * rest) / jnp.maximum(rest.sum(), 1.0)
+    return ans_loss + lm_weight * rest_loss, (ans_loss, rest_loss)
+
+  @jax.jit
+  def train_step(params, opt, b, lr):
+    (loss, (ans_loss, rest_loss)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, b)
+    updates, opt = tx.update(grads, opt, params)
+    updates = jax.tree.map(lambda u: lr * u, updates)
+    return (optax.apply_updates(params, updates), opt,
+            {"loss": loss, "answer_loss": ans_loss, "lm_loss": rest_loss,
+             "grad_norm": optax.global_norm(grads)})
+
+  @jax.jit
+  def predict(params, b):
+    return jnp.argmax(logits_fn(params, b), axis=-1)
+  return train_step, predict
+
+
+def accuracy(predict, params, evals) -> dict[str, float]:
+  """Teacher-forced exact match of the answer tokens per task."""
+  import jax.numpy as jnp
+  acc = {}
+  for task, b in evals.items():
+    pred = np.asarray(predict(params, {k: jnp.asarray(v) for k, v in b.items()}))
+    acc[task] = float(np.where(b["answer"], pred == b["targets"], True).all(axis=1).mean())
+  return acc
+
+
+def learning_rate_at(step: int, elapsed: float, args) -> float:
+  """Linear warm-up, then cosine to 10% of the peak over the steps (or the time budget,
+  whichever runs out first)."""
+  if step < args.warmup:
+    return args.lr * (step + 1) / args.warmup
+  frac = (step - args.warmup) / max(1, args.steps - args.warmup)
+  if args.time_budget:
+    frac = max(frac, elapsed / args.time_budget)
+  frac = min(frac, 1.0)
+  return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def save_backbone(params, cfg, raw, out: str, info: dict) -> str:
+  """The backbone as a bf16 HF directory with the mixture's tokenizer and pretrain.json."""
+  import jax
+  import jax.numpy as jnp
+  import elastic_jax as ej
+  from elastic_jax.files import atomic_write_text
+  model = ej.ElasticModel(cfg, jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16),
+                                            jax.device_get(params)), raw)
+  target = os.path.join(out, "hf")
+  ej.save_pretrained(model, target, dtype="bfloat16", overwrite=True)
+  mixture.build_tokenizer(target)
+  atomic_write_text(os.path.join(target, "pretrain.json"), json.dumps(info, indent=1) + "\n")
+  return target
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
   import jax
   import jax.numpy as jnp
   import optax
-
-  import elastic_jax as ej
-  from elastic_jax.api import ElasticModel
   from elastic_jax.config import read_config_file
   from elastic_jax.errors import ElasticJaxError
-  from elastic_jax.model import _module, init_params
-  from elastic_jax.utils import atomic_write_text
+  from elastic_jax.model import init_params
 
   cfg, raw = read_config_file(args.config)
   if cfg.vocab_size < len(mixture.VOCAB):
@@ -176,8 +247,6 @@ def main(argv=None) -> int:
     raise ElasticJaxError(f"--seq-len must be a multiple of 128 in [128, "
                           f"{cfg.max_position_embeddings}], got {args.seq_len}")
   os.makedirs(args.out, exist_ok=True)
-  metrics_path = os.path.join(args.out, "metrics.jsonl")
-
   # AdamW with unit step size; the step is scaled by the schedule's value, an argument of the
   # jitted step, so that the decay can follow wall-clock time.
   tx = optax.chain(optax.clip_by_global_norm(1.0),
@@ -185,50 +254,8 @@ def main(argv=None) -> int:
   params = init_params(cfg, jax.random.key(args.seed), "float32")
   opt = tx.init(params)
   compute = jnp.dtype(args.compute_dtype)
-
-  def make_fns(attn_impl):
-    module = _module(cfg, compute, attn_impl, False, packed=False)
-
-    def logits_fn(p, b):
-      pc = jax.tree.map(lambda x: x.astype(compute), p)
-      logits, _ = module.apply({"params": pc}, b["ids"], b["positions"], b["segment_ids"])
-      return logits
-
-    def loss_fn(p, b):
-      logp = jax.nn.log_softmax(logits_fn(p, b), axis=-1)
-      nll = -jnp.take_along_axis(logp, b["targets"][..., None], axis=-1)[..., 0]
-      ans = b["answer"].astype(jnp.float32)
-      rest = (b["valid"] & ~b["answer"]).astype(jnp.float32)
-      ans_loss = jnp.sum(nll * ans) / jnp.maximum(ans.sum(), 1.0)
-      rest_loss = jnp.sum(nll * rest) / jnp.maximum(rest.sum(), 1.0)
-      return ans_loss + args.lm_weight * rest_loss, (ans_loss, rest_loss)
-
-    @jax.jit
-    def train_step(params, opt, b, lr):
-      (loss, (ans_loss, rest_loss)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params,
-                                                                                        b)
-      updates, opt = tx.update(grads, opt, params)
-      updates = jax.tree.map(lambda u: lr * u, updates)
-      return (optax.apply_updates(params, updates), opt,
-              {"loss": loss, "answer_loss": ans_loss, "lm_loss": rest_loss,
-               "grad_norm": optax.global_norm(grads)})
-
-    @jax.jit
-    def predict(params, b):
-      return jnp.argmax(logits_fn(params, b), axis=-1)
-    return train_step, predict
-
-  train_step, predict = make_fns(args.attn_impl)
+  train_step, predict = step_functions(cfg, compute, args.attn_impl, tx, args.lm_weight)
   evals = eval_batches(args.seed, (args.seq_len // 4, args.seq_len), 24)
-
-  def evaluate(params) -> dict[str, float]:
-    acc = {}
-    for task, b in evals.items():
-      pred = np.asarray(predict(params, {k: jnp.asarray(v) for k, v in b.items()}))
-      ok = np.where(b["answer"], pred == b["targets"], True).all(axis=1)
-      acc[task] = float(ok.mean())
-    return acc
-
   lengths, probs = row_lengths(args.seq_len)
 
   def make(step: int):
@@ -236,49 +263,35 @@ def main(argv=None) -> int:
     t = int(rng.choice(lengths, p=probs))
     return make_rows(rng, max(1, args.tokens // t), t)
 
-  def lr_at(step: int, elapsed: float) -> float:
-    if step < args.warmup:
-      return args.lr * (step + 1) / args.warmup
-    frac = (step - args.warmup) / max(1, args.steps - args.warmup)
-    if args.time_budget:
-      frac = max(frac, elapsed / args.time_budget)
-    frac = min(frac, 1.0)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-
   data = Prefetch(make)
   t0 = time.perf_counter()
   step, tokens = 0, 0
-  with open(metrics_path, "w", encoding="utf-8") as log:
+  with open(os.path.join(args.out, "metrics.jsonl"), "w", encoding="utf-8") as log:
     while step < args.steps:
       elapsed = time.perf_counter() - t0
       if args.time_budget is not None and elapsed > args.time_budget:
         break
       b = {k: jnp.asarray(v) for k, v in data.get().items()}
-      lr = lr_at(step, elapsed)
-      if step == 0:
-        try:
-          out = train_step(params, opt, b, lr)
-          jax.block_until_ready(out)
-        except Exception as e:  # a backend without a fused kernel for this shape
-          if args.attn_impl == "reference":
-            raise
-          print(f"attention '{args.attn_impl}' failed ({type(e).__name__}: "
-                f"{str(e).splitlines()[0][:200]}); using the reference", flush=True)
-          train_step, predict = make_fns("reference")
-          out = train_step(params, opt, b, lr)
-      else:
-        out = train_step(params, opt, b, lr)
-      params, opt, m = out
+      lr = learning_rate_at(step, elapsed, args)
+      try:
+        params, opt, m = jax.block_until_ready(train_step(params, opt, b, lr)) if step == 0 \
+            else train_step(params, opt, b, lr)
+      except Exception as e:  # a backend without a fused kernel for this shape
+        if step or args.attn_impl == "reference":
+          raise
+        print(f"attention '{args.attn_impl}' failed ({type(e).__name__}: "
+              f"{str(e).splitlines()[0][:200]}); using the reference", flush=True)
+        train_step, predict = step_functions(cfg, compute, "reference", tx, args.lm_weight)
+        params, opt, m = train_step(params, opt, b, lr)
       step += 1
       tokens += b["ids"].size
       if step % args.log_every == 0:
         m = {k: float(v) for k, v in jax.device_get(m).items()}
-        now = time.perf_counter()
-        el = now - t0
+        el = time.perf_counter() - t0
         rec = {"step": step, **m, "lr": lr, "tokens": tokens, "seconds": el,
                "tokens_per_s": tokens / el}
         if step % args.eval_every == 0:
-          rec["accuracy"] = evaluate(params)
+          rec["accuracy"] = accuracy(predict, params, evals)
         log.write(json.dumps(rec) + "\n")
         log.flush()
         left = (args.time_budget - el if args.time_budget else float("nan"))
@@ -287,18 +300,13 @@ def main(argv=None) -> int:
               f"lm {m['lm_loss']:.3f} lr {lr:.2e} | {step / el:.1f} steps/s "
               f"{tokens / el / 1e3:.0f}K tok/s, {left / 60:.1f} min left"
               f"{(' | acc ' + acc) if acc else ''}", flush=True)
-  acc = evaluate(params)
-  model = ElasticModel(cfg, jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16),
-                                         jax.device_get(params)), raw)
-  target = os.path.join(args.out, "hf")
-  ej.save_pretrained(model, target, dtype="bfloat16", overwrite=True)
-  mixture.build_tokenizer(target)
+  acc = accuracy(predict, params, evals)
   info = {"steps": step, "tokens": tokens, "seconds": round(time.perf_counter() - t0, 1),
           "args": {**{k: v for k, v in vars(args).items() if k != "out"},
                    "config": os.path.basename(args.config)},
           "final_accuracy_teacher_forced": acc, "device": jax.devices()[0].device_kind,
           "date": time.strftime("%Y-%m-%d")}
-  atomic_write_text(os.path.join(target, "pretrain.json"), json.dumps(info, indent=1) + "\n")
+  target = save_backbone(params, cfg, raw, args.out, info)
   print(f"wrote {target} after {step} steps: teacher-forced accuracy {json.dumps(acc)}",
         flush=True)
   return 0

@@ -5,9 +5,9 @@
       --out docs/results_table.md [--plots docs/]
 
 Each --run is LABEL=DIR, DIR an `eval.py mixture` output directory (report.json and
-predictions.jsonl). The methods are that directory's settings; LABEL names the routers behind
+predictions.jsonl). The methods are that directory's ways of attending; LABEL names the routers behind
 them: `full` and `sparse` rows come from the first run that has them, `elastic` and `static`
-rows are named after LABEL (e.g. the elastic setting of the static-trained routers is the
+rows are named after LABEL (e.g. the elastic attention of the static-trained routers is the
 trained static gate). Cells: accuracy % (MSR) per task type, seen and held-out variants.
 """
 
@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 
-from elastic_jax.repro import mixture
+from elastic_jax.eval import mixture
 
 METHOD_NAMES = {
     ("*", "full"): "Full attention",
@@ -44,14 +44,14 @@ def read_run(directory: str) -> dict:
 
 
 def rows_of(runs: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
-  """(method name, settings body) in table order, each method once."""
+  """(method name, body of one way of attending) in table order, each method once."""
   rows, seen = [], set()
   for label, rep in runs:
-    for setting, body in rep["settings"].items():
-      key = (label, setting)
-      name = METHOD_NAMES.get(key) or METHOD_NAMES.get(("*", setting)) or f"{label}: {setting}"
-      if ("*", setting) in METHOD_NAMES and label != "xa":
-        key = ("*", setting)
+    for way, body in rep["attention"].items():
+      key = (label, way)
+      name = METHOD_NAMES.get(key) or METHOD_NAMES.get(("*", way)) or f"{label}: {way}"
+      if ("*", way) in METHOD_NAMES and label != "xa":
+        key = ("*", way)
       if key in seen:
         continue
       seen.add(key)
@@ -86,6 +86,7 @@ def table(runs: list[tuple[str, dict]]) -> str:
 
 
 def plot(runs: list[tuple[str, dict]], elastic_dir: str | None, out_dir: str) -> list[str]:
+  from elastic_jax.eval.report import save_figure
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -96,30 +97,31 @@ def plot(runs: list[tuple[str, dict]], elastic_dir: str | None, out_dir: str) ->
                            (axes[1], tuple(t for t in mixture.TASKS
                                            if t not in mixture.SENSITIVE),
                             "robust tasks (summary, pattern, fewshot)")):
+    markers = iter("osD^v<>phX*")
     for name, body in rows_of(runs):
       pts = [body["tasks"].get(f"{t}@{v}") for t in group for v in VARIANTS]
       pts = [p for p in pts if p]
       if not pts:
         continue
       x, y = np.mean([p["esr"] for p in pts]), np.mean([p["score"] for p in pts])
-      ax.scatter([x], [y], s=40)
-      ax.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+      ax.scatter([x], [y], s=40, marker=next(markers, "o"), label=name)
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("ESR: share of causal attention pruned (last layer)")
     ax.set_xlim(-0.05, 1.05)
   axes[0].set_ylabel("accuracy %")
+  # One legend beside the panels: labels never sit on the points, so they cannot collide.
+  handles, labels = axes[0].get_legend_handles_labels()
+  fig.legend(handles, labels, fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
   fig.suptitle("quality against attention pruned", fontsize=11)
-  path = os.path.join(out_dir, "quality_vs_sparsity.png")
-  fig.savefig(path, dpi=110, bbox_inches="tight")
+  written.append(save_figure(fig, out_dir, "quality_vs_sparsity.png"))
   plt.close(fig)
-  written.append(path)
   if elastic_dir:
     recs = []
     with open(os.path.join(elastic_dir, "predictions.jsonl"), encoding="utf-8") as f:
       for line in f:
         if line.strip():
           r = json.loads(line)
-          if r["setting"] == "elastic":
+          if r["attention"] == "elastic":
             recs.append(r)
     fig, axes = plt.subplots(2, len(mixture.TASKS), figsize=(2.6 * len(mixture.TASKS), 5),
                              squeeze=False)
@@ -139,10 +141,8 @@ def plot(runs: list[tuple[str, dict]], elastic_dir: str | None, out_dir: str) ->
           ax.set_ylabel("KV head", fontsize=8)
     if im is not None:
       fig.colorbar(im, ax=axes, shrink=0.8, label="share of inputs sent to full attention")
-    path = os.path.join(out_dir, "routing_map.png")
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    written.append(save_figure(fig, out_dir, "routing_map.png"))
     plt.close(fig)
-    written.append(path)
   return written
 
 
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     dirs[label] = directory
   text = table(runs)
   if args.out:
-    from elastic_jax.utils import atomic_write_text
+    from elastic_jax.files import atomic_write_text
     atomic_write_text(args.out, text)
   print(text)
   if args.plots:

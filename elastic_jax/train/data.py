@@ -42,17 +42,15 @@ from typing import Any, Iterator
 import numpy as np
 
 from elastic_jax.errors import ElasticJaxError
-from elastic_jax.train.objective import TASK_TYPES
-from elastic_jax.utils import progress, text_lines
+from elastic_jax.files import text_lines
+from elastic_jax.progress import progress
+from elastic_jax.tasks import KNOWN_TASKS, TASK_IDS, TASK_TYPES
+from elastic_jax.tokenizer import load_tokenizer, render_user_turn
 
 log = logging.getLogger(__name__)
 
-# The authors' task names, in TASK_TYPES order.
-AUTHOR_TASKS = ("Single QA", "MultiHop QA", "Summarization", "Code", "In-Context Learning")
-TASK_IDS = {name.lower(): i for names in (AUTHOR_TASKS, TASK_TYPES)
-            for i, name in enumerate(names)}
-_KNOWN_TASKS = f"{', '.join(AUTHOR_TASKS)}, or {', '.join(TASK_TYPES)}"
 OVERLONG = ("truncate_middle", "skip")
+MAX_UNKNOWN_SHARE = 0.05          # more unknown tokens than this: the wrong tokenizer
 PLAIN_SEPARATOR = "\n\n"          # between context and question, and before the answer
 FIELDS = ("context", "question", "answer", "task")
 STATE_VERSION = 1
@@ -68,14 +66,7 @@ class Record:
   answer: str
   task_id: int                    # index into TASK_TYPES
   line: int                       # 1-based line in its file
-
-
-def task_id(name: str) -> int:
-  """Index into TASK_TYPES of an authors' task name or one of our ids (case-insensitive)."""
-  try:
-    return TASK_IDS[name.strip().lower()]
-  except KeyError:
-    raise ElasticJaxError(f"task '{name}' is unknown (known: {_KNOWN_TASKS})") from None
+  name: str | None = None         # the data's own name for the task (optional "name" field)
 
 
 _JSON_TYPES = {dict: "an object", list: "an array", int: "a number", float: "a number",
@@ -103,8 +94,9 @@ def _parse_line(text: str, line: int) -> Record | str:
     return "has an empty context and an empty question"
   tid = TASK_IDS.get(obj["task"].strip().lower())
   if tid is None:
-    return f"has an unknown task '{obj['task']}' (known: {_KNOWN_TASKS})"
-  return Record(context, question, answer, tid, line)
+    return f"has an unknown task '{obj['task']}' (known: {KNOWN_TASKS})"
+  name = obj.get("name") if isinstance(obj.get("name"), str) else None
+  return Record(context, question, answer, tid, line, name)
 
 
 def read_records(path: str | os.PathLike) -> list[Record]:
@@ -123,44 +115,6 @@ def read_records(path: str | os.PathLike) -> list[Record]:
   return records
 
 
-# Files a Hugging Face tokenizer is read from; a directory with none of them has no tokenizer.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "spiece.model", "tiktoken.model", "vocab.model")
-
-
-def load_tokenizer(path: str | os.PathLike):
-  """A Hugging Face tokenizer from a local directory (never remote code); must have an EOS."""
-  from transformers import AutoTokenizer
-  path = os.fspath(path)
-  if not os.path.isdir(path):
-    raise ElasticJaxError(f"{path}: no such tokenizer directory")
-  if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES) and not any(
-      f.endswith(".tiktoken") for f in os.listdir(path)):
-    raise ElasticJaxError(f"{path}: holds no tokenizer files ({', '.join(TOKENIZER_FILES[:4])}, "
-                          "...); copy the model's tokenizer there or name one with "
-                          "data.tokenizer")
-  try:
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-  except (OSError, ValueError, KeyError) as e:
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    raise ElasticJaxError(f"{path}: cannot load a tokenizer ({first})") from e
-  if len(tok) < 2 or not tok("a b c", add_special_tokens=False)["input_ids"]:
-    raise ElasticJaxError(f"{path}: the tokenizer is empty (it encodes text to no tokens)")
-  if tok.eos_token_id is None:
-    raise ElasticJaxError(f"{path}: the tokenizer defines no EOS token")
-  return tok
-
-
-def check_vocabulary(tokenizer, vocab_size: int, where: str) -> None:
-  """Refuses a tokenizer whose ids reach past the model's vocabulary."""
-  n = len(tokenizer)
-  if n > vocab_size:
-    example = tokenizer.convert_ids_to_tokens(n - 1)
-    raise ElasticJaxError(f"{where}: the tokenizer has {n} tokens but the model's vocabulary "
-                          f"has {vocab_size}: ids {vocab_size}..{n - 1} (e.g. {example!r}) would "
-                          "index past its embedding table")
-
-
 @dataclasses.dataclass(frozen=True)
 class PromptFormat:
   """Token ids around a prompt's pieces, and the text joining context and question."""
@@ -174,19 +128,6 @@ def _ids(tokenizer, texts: list[str]) -> list[list[int]]:
   if not texts:
     return []
   return tokenizer(texts, add_special_tokens=False)["input_ids"]
-
-
-def render_user_turn(tokenizer, content: str) -> str:
-  """The chat template applied to one user message, with the generation prompt, as text."""
-  try:
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": content}],
-                                             tokenize=False, add_generation_prompt=True)
-  except Exception as e:  # jinja2 missing, or the template raising on a lone user turn
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    raise ElasticJaxError(f"the tokenizer's chat template cannot be rendered ({first})") from e
-  if not isinstance(rendered, str):
-    raise ElasticJaxError("the tokenizer's chat template did not render to a string")
-  return rendered
 
 
 def prompt_format(tokenizer, use_chat_template: bool | str = "auto") -> PromptFormat:
@@ -356,6 +297,8 @@ class TrainData:
     self.tokenizer = tokenizer
     self.format = prompt_format(self.tokenizer, use_chat_template)
     from elastic_jax.train import authors_data
+    # The data's own names of its tasks ({task type: name}), for progress lines.
+    self.task_names: dict[str, str] = {}
     if authors_data.is_authors_data(path):
       if overlong not in OVERLONG:
         raise ElasticJaxError(f"overlong policy '{overlong}' is unknown (known: {OVERLONG})")
@@ -365,9 +308,19 @@ class TrainData:
       records = read_records(path)
       self.encoded, self._stats = encode_records(records, self.tokenizer, seq_len,
                                                  self.format, overlong, source=path)
+      for r in records:
+        if r.name:
+          self.task_names.setdefault(TASK_TYPES[r.task_id], r.name)
     if not len(self.encoded):
       raise ElasticJaxError(f"{path}: none of its {self._stats['records_read']} records fits "
                             f"seq_len {seq_len} (overlong policy '{overlong}')")
+    unk = getattr(self.tokenizer, "unk_token_id", None)
+    if unk is not None and len(self.encoded.tokens):
+      share = float(np.mean(self.encoded.tokens == unk))
+      if share > MAX_UNKNOWN_SHARE:
+        raise ElasticJaxError(
+            f"{path}: {share:.0%} of its tokens are the tokenizer's unknown token "
+            f"{self.tokenizer.unk_token!r}: the data and the tokenizer do not match")
     pad = self.tokenizer.pad_token_id
     self.pad_id = int(self.tokenizer.eos_token_id if pad is None else pad)
     self._lengths = self.encoded.lengths

@@ -1,4 +1,4 @@
-"""The min-max objective (SPEC.md section 6).
+"""The min-max objective (docs/method.md §7).
 
     L = CE(answer tokens)
         + mean over task types present in the batch of
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 # The authors' task types, in the order of their multiplier vectors.
 TASK_TYPES = ("single_qa", "multihop_qa", "summarization", "code", "icl")
-# Targets: sparsity-robust types 1.0, sensitive ones 0.7 (paper; SPEC.md section 6).
+# Targets: sparsity-robust types 1.0, sensitive ones 0.7 (paper; docs/method.md §7).
 DEFAULT_TARGETS = (0.7, 0.7, 1.0, 1.0, 1.0)
 
 

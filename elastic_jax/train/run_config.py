@@ -4,14 +4,15 @@
 
 The file has one mapping per section (model, router, objective, train, mesh, data, checkpoint,
 log, export) and the top-level keys seed and run_dir. Every key is optional except
-model.path; defaults come from the dataclasses (the paper's recipe, SPEC.md section 7).
+model.path; defaults come from the dataclasses (the paper's recipe, docs/method.md §7).
 Overrides are `section.key=value`, the value read as YAML (`objective.targets=[0.7,0.7,1,1,1]`,
 `data.train_path=null`). An unknown key, a value of the wrong type or a malformed file fails
 with one ElasticJaxError naming the file or override and the dotted key.
 
 Three fields of the reused dataclasses are not keys of their own, so they cannot disagree:
-train.attn_impl and train.remat follow model.attn_impl and model.remat, and
-router.max_segments follows data.max_segments.
+Each setting has one key: how the backbone runs is model.attn_impl and model.remat, the
+segment slots of a row are data.max_segments. Keys that moved or went away are named with
+where they went (`MOVED`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import difflib
 import functools
 import os
 import re
-import tempfile
 import types
 import typing
 from typing import Any, Literal, Mapping, Sequence
@@ -29,14 +29,18 @@ from typing import Any, Literal, Mapping, Sequence
 import yaml
 
 from elastic_jax.errors import ElasticJaxError
+from elastic_jax.files import atomic_write_text
+from elastic_jax.resources import CONFIGS_DIR, PACKAGE_DIR
 from elastic_jax.router import RouterConfig
 from elastic_jax.sharding import MESH_AXES
 from elastic_jax.train.objective import ObjectiveConfig
 from elastic_jax.train.step import TrainConfig
 
-# Where configs/ lives in a source checkout (named model configs are looked up there).
-CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "configs")
+# Path keys that name inputs. In a config file they are relative to the file's folder (or
+# "package:REL", inside the installed elastic_jax package); on the command line, to the
+# working directory. Outputs (run_dir, *.dir) are relative to the working directory.
+INPUT_PATHS = ("model.path", "data.train_path", "data.eval_path", "data.tokenizer")
+PACKAGE_PREFIX = "package:"
 
 # Must match the keys of `elastic_jax.attention.IMPLS | HYBRID_IMPLS` (a test checks).
 AttnImpl = Literal["auto", "reference", "dense", "pallas_gpu", "mosaic_gpu", "pallas_tpu"]
@@ -92,28 +96,6 @@ class SyntheticConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class MixtureConfig:
-  """The reproduction's synthetic task mixture (elastic_jax/repro/mixture.py): with per_task > 0
-  and data.train_path null, train.py writes RUN_DIR/data/{train,eval}.jsonl and trains on them
-  (the model's tokenizer must be the mixture's, as the shipped backbone's is)."""
-  per_task: int = 0                  # training samples per task; 0 = not used
-  eval_per_task: int = 8             # held-out samples per task for the final MSR report
-  min_len: int = 256                 # prompt tokens, drawn uniformly in [min_len, max_len]
-  max_len: int = 1024
-  templates: tuple[int, ...] = (0, 1)  # wordings used (2 is the held-out one)
-  seed: int = 0
-
-  def __post_init__(self):
-    if self.per_task < 0 or self.eval_per_task < 0:
-      raise ValueError("mixture per_task and eval_per_task must be >= 0")
-    if not 16 <= self.min_len <= self.max_len:
-      raise ValueError(f"mixture lengths need 16 <= min_len <= max_len, got {self.min_len} "
-                       f"and {self.max_len}")
-    if not self.templates or any(t not in (0, 1, 2) for t in self.templates):
-      raise ValueError(f"mixture templates must be among 0, 1, 2, got {self.templates}")
-
-
-@dataclasses.dataclass(frozen=True)
 class DataConfig:
   """Training and evaluation data, packed into rows of seq_len tokens."""
   train_path: str | None = None      # JSONL of task-tagged samples, or the authors' parquet
@@ -129,12 +111,9 @@ class DataConfig:
   overlong: Literal["truncate_middle", "skip"] = "truncate_middle"  # a sample > seq_len
   shuffle_seed: int = 0              # order of the samples
   use_chat_template: bool | Literal["auto"] = "auto"  # auto: if the tokenizer has one
-  synthetic: SyntheticConfig = dataclasses.field(default_factory=SyntheticConfig)
-  mixture: MixtureConfig = dataclasses.field(default_factory=MixtureConfig)
+  synthetic: SyntheticConfig = dataclasses.field(default_factory=SyntheticConfig)  # no data
 
   def __post_init__(self):
-    if self.mixture.per_task and self.train_path is not None:
-      raise ValueError("data.mixture.per_task and data.train_path exclude each other")
     if self.seq_len < 2:
       raise ValueError(f"seq_len must be >= 2, got {self.seq_len}")
     if self.global_batch < 1 or self.max_segments < 2:
@@ -170,22 +149,20 @@ class CheckpointConfig:
 class LogConfig:
   """Progress lines and metric files."""
   every_steps: int = 10              # print and record metrics every this many steps
-  eval_every_steps: int = 0          # evaluate on data.eval_path this often; 0 = at the end
   jsonl: bool = True                 # append metrics to LOG_DIR/metrics.jsonl
   tensorboard: bool = False          # also write TensorBoard event files
   dir: str | None = None             # null = RUN_DIR
 
   def __post_init__(self):
-    if self.every_steps < 1 or self.eval_every_steps < 0:
-      raise ValueError(f"log every_steps must be >= 1 and eval_every_steps >= 0, got "
-                       f"{self.every_steps} and {self.eval_every_steps}")
+    if self.every_steps < 1:
+      raise ValueError(f"log every_steps must be >= 1, got {self.every_steps}")
 
 
 @dataclasses.dataclass(frozen=True)
 class ExportConfig:
   """What is written at the end of training."""
   ours: bool = True                  # routers + multipliers + router config, our format
-  authors: bool = True               # the same under the authors' names (SPEC.md section 9),
+  authors: bool = True               # the same under the authors' names (docs/method.md §9),
                                      # when their layout can express the router
   full_model: bool = False           # also the backbone with the routers merged in, the
                                      # authors' full-model layout (EXPORT_DIR/full_model)
@@ -193,8 +170,13 @@ class ExportConfig:
 
 
 # Fields of the reused dataclasses that follow another key (dotted key -> the key it follows).
-DERIVED = {"train.attn_impl": "model.attn_impl", "train.remat": "model.remat",
-           "router.max_segments": "data.max_segments"}
+# Keys of earlier versions and where their setting lives now.
+MOVED = {"train.attn_impl": "set model.attn_impl", "train.remat": "set model.remat",
+         "router.max_segments": "set data.max_segments",
+         "router.setting": "renamed router.patterns",
+         "log.eval_every_steps": "removed: the held-out MSR is reported at the end of a run",
+         "data.mixture": "removed: write the task mixture with python -m elastic_jax.eval.mixture "
+                         "OUT_DIR and name OUT_DIR/train.jsonl in data.train_path"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +185,7 @@ class RunConfig:
   model: ModelSource                 # the frozen backbone
   router: RouterConfig = RouterConfig()          # routing and the SSA pattern
   objective: ObjectiveConfig = ObjectiveConfig()  # target MSR per task type
-  train: TrainConfig = TrainConfig()  # optimizer, schedules (attn_impl/remat follow model)
+  train: TrainConfig = TrainConfig()  # optimizer, schedules
   mesh: MeshConfig = MeshConfig()    # device mesh
   data: DataConfig = DataConfig()    # data and batch layout
   checkpoint: CheckpointConfig = CheckpointConfig()  # periodic checkpoints and resuming
@@ -211,22 +193,6 @@ class RunConfig:
   export: ExportConfig = ExportConfig()  # final router export
   seed: int = 0                      # router/multiplier init and Gumbel noise
   run_dir: str = "runs/train"        # everything the run writes, unless a section says else
-
-  def __post_init__(self):
-    # The derived fields take the value of the key they follow when left at their class
-    # default; any other disagreement is a mistake of the caller.
-    follow = {"train.attn_impl": self.model.attn_impl, "train.remat": self.model.remat,
-              "router.max_segments": self.data.max_segments}
-    for key, value in follow.items():
-      section, name = key.split(".")
-      obj = getattr(self, section)
-      current = getattr(obj, name)
-      if current == value:
-        continue
-      if current != getattr(type(obj)(), name):
-        raise ValueError(f"{key} is {current!r} but {DERIVED[key]} makes it {value!r}; set "
-                         f"{DERIVED[key]} only")
-      object.__setattr__(self, section, dataclasses.replace(obj, **{name: value}))
 
   @property
   def log_dir(self) -> str:
@@ -408,13 +374,13 @@ def _build(cls, raw: Any, key: str, ctx: _Context):
     raise ctx.error(key, f"'{key}' should be a mapping of keys to values, got {raw!r}")
   hints = _hints(cls)
   fields = {f.name: f for f in dataclasses.fields(cls)
-            if f.init and _join(key, f.name) not in DERIVED}
+            if f.init}
   kwargs = {}
   for name, value in raw.items():
     dotted = _join(key, str(name))
-    if dotted in DERIVED:
-      raise ctx.error(dotted, f"key '{dotted}' is not set directly: it follows "
-                              f"'{DERIVED[dotted]}'; set that instead")
+    if dotted in MOVED or any(dotted.startswith(m + ".") for m in MOVED):
+      moved = next(m for m in MOVED if dotted == m or dotted.startswith(m + "."))
+      raise ctx.error(dotted, f"key '{dotted}' is no longer read ({MOVED[moved]})")
     if name not in fields:
       close = difflib.get_close_matches(str(name), list(fields), n=3, cutoff=0.6)
       hint = (f"did you mean {', '.join(repr(_join(key, c)) for c in close)}?" if close
@@ -509,21 +475,58 @@ def load_run_config(path: str | os.PathLike | None, overrides: Sequence[str] = (
   """
   path = os.fspath(path) if path is not None else None
   raw = _read_yaml(path) if path is not None else {}
+  from_file = {key: _get_dotted(raw, key) for key in INPUT_PATHS}
   applied = [(_apply_override(raw, text), text) for text in overrides]
+  overridden = {k for k, _ in applied}
+  for key in INPUT_PATHS:
+    value = _get_dotted(raw, key)
+    if not isinstance(value, str) or not value:
+      continue
+    from_the_file = key not in overridden and from_file.get(key) == value
+    base = os.path.dirname(os.path.abspath(path)) if from_the_file else os.getcwd()
+    _set_dotted(raw, key, resolve_input_path(value, base))
   return _build(RunConfig, raw, "", _Context(path, applied))
+
+
+def resolve_input_path(value: str, base: str) -> str:
+  """An input path of a config, made absolute: "package:REL" inside the package, absolute as
+  is, else relative to `base`. A bare model-config name (tiny_qwen3.json) is left for the
+  lookup in the shipped configs."""
+  if value.startswith(PACKAGE_PREFIX):
+    return os.path.join(PACKAGE_DIR, value[len(PACKAGE_PREFIX):])
+  if os.path.isabs(value) or value.endswith(".json") and os.sep not in value:
+    return value      # absolute; or a named model config, looked up in configs/ later
+  return os.path.normpath(os.path.join(base, value))
+
+
+def _get_dotted(raw: dict, key: str):
+  node = raw
+  for part in key.split("."):
+    if not isinstance(node, dict) or part not in node:
+      return None
+    node = node[part]
+  return node
+
+
+def _set_dotted(raw: dict, key: str, value) -> None:
+  *parents, last = key.split(".")
+  node = raw
+  for part in parents:
+    node = node[part]
+  node[last] = value
 
 
 def _to_plain(obj: Any, key: str) -> Any:
   if dataclasses.is_dataclass(obj):
     return {f.name: _to_plain(getattr(obj, f.name), _join(key, f.name))
-            for f in dataclasses.fields(obj) if f.init and _join(key, f.name) not in DERIVED}
+            for f in dataclasses.fields(obj) if f.init}
   if isinstance(obj, (tuple, list)):
     return [_to_plain(v, key) for v in obj]
   return obj
 
 
 def run_config_to_dict(cfg: RunConfig) -> dict[str, Any]:
-  """Plain nested dicts/lists/scalars, the keys `load_run_config` reads (no derived fields)."""
+  """Plain nested dicts/lists/scalars, the keys `load_run_config` reads."""
   return _to_plain(cfg, "")
 
 
@@ -533,20 +536,8 @@ def dump_run_config(cfg: RunConfig, path: str | os.PathLike) -> None:
   text = ("# Resolved run configuration, written by elastic_jax; train.py --config reads it.\n"
           + yaml.dump(run_config_to_dict(cfg), Dumper=_Dumper, sort_keys=False,
                       default_flow_style=False, width=100, allow_unicode=True))
-  parent = os.path.dirname(path)
-  os.makedirs(parent, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-  try:
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-      f.write(text)
-      f.flush()
-      os.fsync(f.fileno())
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  atomic_write_text(path, text)
 
 
 def resolve_mesh_shape(mesh: MeshConfig, n_devices: int) -> dict[str, int]:
@@ -596,3 +587,49 @@ def resolve_model_path(model: ModelSource) -> str:
     raise ElasticJaxError(f"model.path '{model.path}': no such model directory (download or "
                           "convert the checkpoint there, or pass model.path=DIR)")
   return model.path
+
+
+def _field_comments(cls) -> dict[str, str]:
+  """The trailing comment of each field of a dataclass, continuation lines joined."""
+  import inspect
+  import re
+  comments: dict[str, str] = {}
+  try:
+    lines = inspect.getsource(cls).splitlines()
+  except (OSError, TypeError):
+    return comments
+  current = None
+  for line in lines[1:]:
+    m = re.match(r"^\s{2}(\w+)\s*:[^#]*?(?:#\s*(.*))?$", line)
+    if m and not line.strip().startswith(("def ", "@", '"""')):
+      current = m.group(1)
+      comments[current] = (m.group(2) or "").strip()
+    elif current and re.match(r"^\s{3,}#\s*(.*)$", line):
+      comments[current] += " " + re.match(r"^\s{3,}#\s*(.*)$", line).group(1).strip()
+    else:
+      current = None if line.strip() and not line.strip().startswith("#") else current
+  return comments
+
+
+def describe_config(cfg: RunConfig) -> str:
+  """Every key of `cfg` with its value and its one-line comment (train.py --print-config)."""
+  out = []
+
+  def walk(obj, prefix):
+    notes = _field_comments(type(obj))
+    for f in dataclasses.fields(obj):
+      if not f.init:
+        continue
+      value = getattr(obj, f.name)
+      key = _join(prefix, f.name)
+      if dataclasses.is_dataclass(value):
+        out.append(f"{key}:{'  # ' + notes[f.name] if notes.get(f.name) else ''}")
+        walk(value, key)
+      else:
+        shown = yaml.safe_dump(_to_plain(value, key), default_flow_style=True).strip()
+        shown = shown.removesuffix("\n...").removesuffix(" ...").strip()
+        note = notes.get(f.name, "")
+        out.append(f"  {key} = {shown}" + (f"   # {note}" if note else ""))
+
+  walk(cfg, "")
+  return "\n".join(out)

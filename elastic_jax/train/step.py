@@ -35,17 +35,15 @@ class TrainConfig:
   steps: int = 300                  # total optimizer steps (schedules are relative to it)
   lr: float = 5e-4                  # router peak learning rate
   warmup_frac: float = 0.2          # linear warm-up share of the steps, then cosine decay
-  b1: float = 0.9
+  b1: float = 0.9                   # AdamW betas (the multipliers' Adam uses them too)
   b2: float = 0.95
-  weight_decay: float = 0.1
+  weight_decay: float = 0.1         # AdamW weight decay of the routers
   clip_norm: float = 5.0            # global-norm clip of the router gradient
   lambda_lr: float = 1e-3           # multipliers: Adam on the negated gradient (ascent)
   tau_schedule: str = "cosine"      # cosine: tau_init -> tau_final over tau_frac of the steps
   tau_init: float = 1.5             # exponential: max(tau_final, tau_init * exp(-0.6 p))
-  tau_final: float = 1.0
-  tau_frac: float = 0.6
-  attn_impl: str = "reference"
-  remat: bool = True                # rematerialise each layer in the backward pass
+  tau_final: float = 1.0            # the temperature's floor
+  tau_frac: float = 0.6             # cosine: share of the steps over which tau anneals
   packed: bool = True               # rows may hold several samples or padding; False promises
                                     # one unpadded sample per row, so the fused kernels run
 
@@ -68,7 +66,7 @@ class TrainConfig:
 
 
 def temperature(step, tcfg: TrainConfig):
-  """Gumbel-softmax temperature at `step` (SPEC.md section 4, item 6)."""
+  """Gumbel-softmax temperature at `step` (docs/method.md §4)."""
   p = jnp.asarray(step, jnp.float32) / tcfg.steps
   if tcfg.tau_schedule == "cosine":
     frac = jnp.clip(p / tcfg.tau_frac, 0.0, 1.0)
@@ -76,9 +74,14 @@ def temperature(step, tcfg: TrainConfig):
   return jnp.maximum(tcfg.tau_final, tcfg.tau_init * jnp.exp(-0.6 * p))
 
 
-def make_optimizer(tcfg: TrainConfig) -> optax.GradientTransformation:
+def learning_rate(tcfg: TrainConfig):
+  """The routers' learning-rate schedule: linear warm-up over warmup_frac, then cosine."""
   warmup = max(1, int(tcfg.warmup_frac * tcfg.steps))
-  schedule = optax.warmup_cosine_decay_schedule(0.0, tcfg.lr, warmup, max(tcfg.steps, warmup + 1))
+  return optax.warmup_cosine_decay_schedule(0.0, tcfg.lr, warmup, max(tcfg.steps, warmup + 1))
+
+
+def make_optimizer(tcfg: TrainConfig) -> optax.GradientTransformation:
+  schedule = learning_rate(tcfg)
   router_tx = optax.chain(
       optax.clip_by_global_norm(tcfg.clip_norm),
       optax.adamw(schedule, b1=tcfg.b1, b2=tcfg.b2, weight_decay=tcfg.weight_decay))
@@ -105,12 +108,14 @@ def init_train_state(cfg: ModelConfig, rcfg: RouterConfig, tcfg: TrainConfig,
                     make_optimizer(tcfg).init(trainable), k_state)
 
 
-def _loss(trainable, backbone, batch, key, tau, *, cfg, rcfg, ocfg, tcfg, rules):
+def _loss(trainable, backbone, batch, key, tau, *, cfg, rcfg, ocfg, tcfg, attn_impl, remat,
+          rules):
   hidden, stats = forward_routed(
       backbone, batch["input_ids"], batch["positions"], batch["segment_ids"],
-      batch["prompt_mask"], cfg=cfg, rcfg=rcfg, mode="elastic",
-      router_params=trainable["router"], key=key, tau=tau, attn_impl=tcfg.attn_impl,
-      remat=tcfg.remat, rules=rules, packed=tcfg.packed, return_hidden=True)
+      batch["prompt_mask"], cfg=cfg, rcfg=rcfg, attention="elastic",
+      router_params=trainable["router"], key=key, tau=tau, attn_impl=attn_impl, remat=remat,
+      rules=rules, packed=tcfg.packed, num_segments=batch["task_ids"].shape[-1],
+      return_hidden=True)
   lm = chunked_answer_cross_entropy(hidden, output_head(backbone, cfg), batch["targets"],
                                     batch["loss_mask"])
   msr_bs = msr(stats["gate"])
@@ -150,18 +155,21 @@ def _loss_and_grads(trainable, backbone, batch, key, tau, **kw):
   return (loss, aux), grads
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "rcfg", "ocfg", "tcfg", "rules"),
-                   donate_argnums=0)
+@functools.partial(jax.jit, static_argnames=("cfg", "rcfg", "ocfg", "tcfg", "attn_impl",
+                                             "remat", "rules"), donate_argnums=0)
 def train_step(state: TrainState, backbone: dict, batch: dict, *, cfg: ModelConfig,
                rcfg: RouterConfig, ocfg: ObjectiveConfig, tcfg: TrainConfig,
+               attn_impl: str = "reference", remat: bool = False,
                rules: tuple | None = None):
-  """One optimizer step on the routers (descent) and multipliers (ascent). `rules`: the
+  """One optimizer step on the routers (descent) and multipliers (ascent). attn_impl and
+  remat: how the frozen backbone runs (the run config's model section). `rules`: the
   logical-axis rules of the mesh in use (`sharding.rules_for`), None on one device."""
   key, step_key = jax.random.split(state.key)
   tau = temperature(state.step, tcfg)
   backbone = jax.lax.stop_gradient(backbone)
   (loss, aux), grads = _loss_and_grads(state.trainable, backbone, batch, step_key, tau,
-                                       cfg=cfg, rcfg=rcfg, ocfg=ocfg, tcfg=tcfg, rules=rules)
+                                       cfg=cfg, rcfg=rcfg, ocfg=ocfg, tcfg=tcfg,
+                                       attn_impl=attn_impl, remat=remat, rules=rules)
   updates, opt_state = make_optimizer(tcfg).update(grads, state.opt_state, state.trainable)
   trainable = optax.apply_updates(state.trainable, updates)
   per_layer_norm = jnp.sqrt(sum(jnp.sum(g.reshape(g.shape[0], -1) ** 2, axis=1)
@@ -170,7 +178,8 @@ def train_step(state: TrainState, backbone: dict, batch: dict, *, cfg: ModelConf
   # stops at the first one it sees (`finite`), and nothing non-finite is ever saved.
   finite = jnp.isfinite(loss) & jnp.all(jnp.asarray(
       [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-  metrics = {"loss": loss, "tau": tau, "lambda1": state.trainable["lambdas"]["l1"],
+  metrics = {"loss": loss, "tau": tau, "lr": learning_rate(tcfg)(state.step),
+             "lambda1": state.trainable["lambdas"]["l1"],
              "lambda2": state.trainable["lambdas"]["l2"],
              "router_grad_norm_per_layer": per_layer_norm, "finite": finite, **aux}
   new = TrainState(state.step + 1, trainable, opt_state, key)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from elastic_jax.train.objective import TASK_TYPES
+from elastic_jax.tasks import TASK_TYPES
 
 TASKS = (TASK_TYPES.index("code"), TASK_TYPES.index("single_qa"))
 

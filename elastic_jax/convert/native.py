@@ -16,6 +16,7 @@ import shutil
 import jax
 
 from elastic_jax.errors import ElasticJaxError
+from elastic_jax.model import check_shapes
 
 MARKER = "elastic_jax.json"
 FORMAT = "elastic_jax.backbone"
@@ -87,14 +88,7 @@ def restore_params(directory: str, abstract, shardings=None):
     raise ElasticJaxError(f"{path}: unreadable orbax checkpoint ({e})") from None
   want = {jax.tree_util.keystr(k): tuple(v.shape)
           for k, v in jax.tree_util.tree_leaves_with_path(abstract)}
-  for key in sorted(set(want) | set(saved_shapes)):
-    if key not in saved_shapes:
-      raise ElasticJaxError(f"{path}: parameter {key} is missing")
-    if key not in want:
-      raise ElasticJaxError(f"{path}: parameter {key} is not part of this model")
-    if want[key] != saved_shapes[key]:
-      raise ElasticJaxError(f"{path}: parameter {key} has shape {list(saved_shapes[key])}, "
-                            f"expected {list(want[key])}")
+  check_shapes(saved_shapes, want, f"{path}: parameter")
   if shardings is None:
     dev = jax.devices()[0]
     shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(dev), abstract)

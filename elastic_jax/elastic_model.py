@@ -1,4 +1,10 @@
-"""The user-facing model object: `from_pretrained`, `save_pretrained`, `ElasticModel.logits`."""
+"""The user-facing model: `ElasticModel` (a backbone, its routers, where it came from) with
+`from_pretrained` / `save_pretrained` / `save_converted`, and `logits` / `generate`.
+
+    model = ElasticModel.from_pretrained("Qwen3-8B", routers="runs/x/export/elastic_jax")
+    out = model.generate(["Where did the river hide the number?"], max_new_tokens=32)
+    model.save_pretrained("out")            # the authors' full-model layout (it has routers)
+"""
 
 from __future__ import annotations
 
@@ -12,19 +18,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from elastic_jax import checkpoint
+from elastic_jax.convert import native
 from elastic_jax.attention import get_attention
 from elastic_jax.config import (ARCHITECTURES, AUTHORS_KEYS, ModelConfig, config_from_hf_dict,
                                 is_authors_config, read_hf_config)
 from elastic_jax.convert import authors, hf
 from elastic_jax.errors import ElasticJaxError
-from elastic_jax.model import (Params, abstract_params, forward, forward_routed_jit,
-                               positions_and_segments)
-from elastic_jax.router import RouterConfig, esr, msr
-from elastic_jax.utils import atomic_directory
+from elastic_jax.heads import FORWARD, check_attention
+from elastic_jax.model import (Params, abstract_params, check_shapes, forward,
+                               forward_routed_jit, positions_and_segments)
+from elastic_jax.router import RouterConfig, esr, init_router_params, msr
+from elastic_jax.router_io import Routers, load_routers
+from elastic_jax.files import atomic_directory
 
 DTYPES = ("bfloat16", "float32", "float16")
-ATTENTION_MODES = ("full", "elastic", "forced", "sparse")
 
 
 def _check_dtype(dtype: str, allow_auto: bool = True) -> str:
@@ -47,11 +54,37 @@ class ElasticModel:
   router_params: Params | None = None          # stacked over layers; see router.py
   router_config: RouterConfig = dataclasses.field(default_factory=RouterConfig)
   lambdas: Params | None = None                # task multipliers {"l1", "l2"} [5], if any
+  objective_targets: tuple[float, ...] | None = None   # target MSR per task type the routers
+                                                       # were trained for, when known
   authors_extras: authors.AuthorsExtras | None = None  # kept from an authors' directory
 
   @property
   def dtype(self) -> str:
     return str(jax.tree.leaves(self.params)[0].dtype)
+
+  @classmethod
+  def from_pretrained(cls, path: str | os.PathLike, routers=None, dtype: str = "bfloat16",
+                      **kwargs) -> "ElasticModel":
+    """`elastic_jax.from_pretrained(path, dtype, routers=...)`: a model directory (HF, ours,
+    or the authors' with its routers), with routers attached (a train.py export or a
+    `Routers`) when given."""
+    return from_pretrained(path, dtype=dtype, routers=routers, **kwargs)
+
+  def save_pretrained(self, directory: str | os.PathLike, **kwargs) -> None:
+    """`elastic_jax.save_pretrained(self, directory, ...)`: an HF directory; the authors'
+    full-model layout when the model carries routers."""
+    save_pretrained(self, directory, **kwargs)
+
+  @property
+  def tokenizer(self):
+    """The tokenizer of the model's directory (loaded once), for text prompts."""
+    if getattr(self, "_tokenizer", None) is None:
+      if self.source_dir is None:
+        raise ElasticJaxError("this model has no directory to read a tokenizer from: pass "
+                              "token ids, or tokenizer=")
+      from elastic_jax.tokenizer import load_tokenizer
+      self._tokenizer = load_tokenizer(self.source_dir)
+    return self._tokenizer
 
   def _check_ids(self, input_ids) -> np.ndarray:
     ids = np.asarray(input_ids)
@@ -72,7 +105,7 @@ class ElasticModel:
     return ids.astype(np.int32)
 
   def logits(self, input_ids, attention: str = "full", attention_mask=None, *,
-             prompt_lengths=None, gates=None, impl: str | None = None,
+             prompt_lengths=None, gates=None, attn_impl: str | None = None,
              return_routing: bool = False):
     """Float32 logits [B, T, V] for token ids [B, T] (or [T]).
 
@@ -83,15 +116,13 @@ class ElasticModel:
     prompt_lengths: [B] prompt tokens per row (the router pools over the prompt); default:
       the whole input is the prompt.
     gates: for "forced", [L, B, K] or [L, K] with 1 = full attention.
-    impl: attention implementation (default: the model's `attn_impl`); "auto" runs the fused
+    attn_impl: attention implementation (default: the model's `attn_impl`); "auto" runs the fused
       kernel of this backend for unpadded batches (the reference on CPU).
     return_routing: also return {"gates": [L, B, K], "msr": [B], "esr": [B]}.
     """
-    if attention not in ATTENTION_MODES:
-      raise ElasticJaxError(f"attention='{attention}' is not available (available: "
-                            f"{', '.join(ATTENTION_MODES)})")
-    impl = impl or self.attn_impl
-    get_attention(impl)
+    check_attention(attention, FORWARD)
+    attn_impl = attn_impl or self.attn_impl
+    get_attention(attn_impl)
     ids = self._check_ids(input_ids)
     if attention_mask is None:
       attention_mask = np.ones_like(ids)
@@ -106,7 +137,7 @@ class ElasticModel:
       if return_routing:
         raise ElasticJaxError("attention='full' has no routing to return")
       return forward(self.params, jnp.asarray(ids), positions, segments, cfg=self.config,
-                     attn_impl=impl)
+                     attn_impl=attn_impl)
     b, t = ids.shape
     l, k = self.config.num_layers, self.config.num_kv_heads
     if prompt_lengths is None:
@@ -117,8 +148,8 @@ class ElasticModel:
         raise ElasticJaxError(f"prompt_lengths must hold one positive length per row ({b}), "
                               f"got {plen.tolist()}")
       prompt_mask = (np.asarray(positions) < plen[:, None]) & mask.astype(bool)
-    # One input per row: segment slot 1 holds the row, slot 0 the padding.
-    rcfg = dataclasses.replace(self.router_config, max_segments=2)
+    # One input per row: segment slot 1 holds the row, slot 0 the padding (num_segments 2).
+    rcfg = self.router_config
     forced = None
     if attention == "elastic" and self.router_params is None:
       raise ElasticJaxError("attention='elastic' needs trained routers (model.router_params "
@@ -134,15 +165,15 @@ class ElasticModel:
       forced = jnp.asarray(np.stack([np.zeros_like(g), g], axis=2))  # [L, B, S=2, K]
     logits, stats = forward_routed_jit(
         self.params, jnp.asarray(ids), positions, segments, jnp.asarray(prompt_mask),
-        cfg=self.config, rcfg=rcfg, mode=attention, router_params=self.router_params,
-        forced_gates=forced, attn_impl=impl, packed=not bool(mask.all()))
+        cfg=self.config, rcfg=rcfg, attention=attention, router_params=self.router_params,
+        forced_gates=forced, attn_impl=attn_impl, packed=not bool(mask.all()))
     if not return_routing:
       return logits
     gates_lbk = (stats["gate"][:, :, 1] if "gate" in stats
                  else jnp.zeros((l, b, k), jnp.float32))
     lengths = jnp.asarray(mask.sum(1))
     report = {"gates": gates_lbk, "msr": msr(gates_lbk[:, :, None])[:, 0],
-              "esr": esr(gates_lbk[-1], lengths, rcfg.streaming, setting=rcfg.setting,
+              "esr": esr(gates_lbk[-1], lengths, rcfg.streaming, patterns=rcfg.patterns,
                          xa_kept_bsk=stats["xa_kept"][-1] if "xa_kept" in stats else None)}
     return logits, report
 
@@ -150,16 +181,41 @@ class ElasticModel:
 ROUTERS_FILE = "routers.safetensors"   # our format: the routers under the authors' names
 
 
-def _generate(self: "ElasticModel", prompts, attention: str = "elastic", *, sampling=None,
-              eos_ids=(), tokenizer=None, gates=None, impl: str | None = None,
-              return_logits: bool = False):
-  """Generates after each prompt (lists of token ids) with this model's routers:
-  `elastic_jax.generate.generate` (see there for `attention`, `sampling`, `eos_ids`)."""
+def _generate(self: "ElasticModel", prompts, attention: str | None = None, *,
+              max_new_tokens: int | None = None, sampling=None, eos_ids=None, tokenizer=None,
+              gates=None, attn_impl: str | None = None, return_logits: bool = False):
+  """Generates after each prompt: texts (tokenized with the model directory's tokenizer, or
+  `tokenizer`) or lists of token ids. attention: how heads attend (default elastic when the
+  model has routers, else full); the rest as `elastic_jax.generate.generate`. EOS ids are the
+  tokenizer's by default. Returns a `Generation` (`.texts` when a tokenizer is at hand)."""
   from elastic_jax.generate import SamplingConfig, generate
+  texts = isinstance(prompts, str) or (
+      isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], str))
+  if isinstance(prompts, str):
+    prompts = [prompts]
+  if texts or tokenizer is None and self.source_dir is not None and eos_ids is None:
+    try:
+      tokenizer = tokenizer or self.tokenizer
+    except ElasticJaxError:
+      if texts:
+        raise
+  if texts:
+    prompts = [tokenizer(p)["input_ids"] for p in prompts]
+  if eos_ids is None:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    eos_ids = () if eos is None else tuple(int(x) for x in np.atleast_1d(eos))
+  if attention is None:
+    attention = "elastic" if self.router_params is not None else "full"
+  if sampling is None:
+    sampling = SamplingConfig(**({} if max_new_tokens is None
+                                 else {"max_new_tokens": max_new_tokens}))
+  elif max_new_tokens is not None:
+    sampling = dataclasses.replace(sampling, max_new_tokens=max_new_tokens)
   return generate(self.params, self.config, prompts, attention=attention,
                   rcfg=self.router_config, router_params=self.router_params, gates=gates,
-                  sampling=sampling or SamplingConfig(), eos_ids=eos_ids, tokenizer=tokenizer,
-                  attn_impl=impl or ("auto" if self.attn_impl == "reference" else self.attn_impl),
+                  sampling=sampling, eos_ids=eos_ids, tokenizer=tokenizer,
+                  attn_impl=attn_impl or ("auto" if self.attn_impl == "reference"
+                                          else self.attn_impl),
                   return_logits=return_logits)
 
 
@@ -191,8 +247,8 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", *,
   rcfg = (authors.router_config_from_authors(raw, os.path.join(path, "config.json"))
           if is_authors_config(raw) else None)
   router = lambdas = extras = None
-  if checkpoint.is_our_checkpoint(path):
-    meta = checkpoint.read_marker(path)
+  if native.is_our_checkpoint(path):
+    meta = native.read_marker(path)
     if rcfg is not None:
       if not os.path.isfile(os.path.join(path, ROUTERS_FILE)):
         raise ElasticJaxError(f"{path}: its config names the authors' architecture but it has "
@@ -200,7 +256,7 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", *,
       router, lambdas, extras = authors.read_routers(hf.TensorSource(path), cfg, rcfg)
     dtype = meta["dtype"] if dtype == "auto" else dtype
     shapes, _ = abstract_params(cfg, dtype)
-    params = checkpoint.restore_params(path, shapes)
+    params = native.restore_params(path, shapes)
   else:
     src = hf.TensorSource(path, allow_pickle=allow_pickle)
     if rcfg is not None:   # read (and check) the routers before the large backbone
@@ -213,43 +269,31 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", *,
   return attach_routers(model, routers) if routers is not None else model
 
 
-def attach_routers(model: ElasticModel, directory: str | os.PathLike) -> ElasticModel:
-  """`model` with the routers (and their config and multipliers) of a train.py export."""
-  from elastic_jax.train.export import load_routers
-  directory = os.fspath(directory)
-  trainable, meta = load_routers(directory)
-  want = meta.get("backbone", {})
+def attach_routers(model: ElasticModel, routers: Routers | str | os.PathLike) -> ElasticModel:
+  """`model` with these routers (their config and multipliers too): a `Routers` or the
+  directory of a train.py export. Refuses routers made for another backbone shape."""
+  where = "the routers" if isinstance(routers, Routers) else os.fspath(routers)
+  if not isinstance(routers, Routers):
+    routers = load_routers(routers)
+  want = routers.meta.get("backbone", {})
   have = {"family": model.config.family, "num_layers": model.config.num_layers,
           "num_kv_heads": model.config.num_kv_heads, "head_dim": model.config.head_dim}
   wrong = [k for k, v in have.items() if k in want and want[k] != v]
   if wrong:
-    raise ElasticJaxError(f"{directory}: routers trained for a backbone with {wrong[0]} "
+    raise ElasticJaxError(f"{where}: routers trained for a backbone with {wrong[0]} "
                           f"{want[wrong[0]]}, this model has {have[wrong[0]]}")
-  try:
-    rcfg = RouterConfig(**meta["router"])
-  except (KeyError, TypeError, ValueError) as e:
-    raise ElasticJaxError(f"{directory}: routers.json holds an unusable router config "
-                          f"({e})") from None
-  from elastic_jax.router import init_router_params
-  want = jax.eval_shape(lambda: init_router_params(model.config, rcfg, jax.random.key(0)))
-  got = trainable["router"]
-  for name in sorted(set(want) | set(got)):
-    if name not in got:
-      raise ElasticJaxError(f"{directory}: router tensor 'router.{name}' is missing")
-    if name not in want:
-      raise ElasticJaxError(f"{directory}: router tensor 'router.{name}' is not one this router "
-                            "config has")
-    if tuple(got[name].shape) != tuple(want[name].shape):
-      raise ElasticJaxError(f"{directory}: router tensor 'router.{name}' has shape "
-                            f"{list(got[name].shape)}, this model needs "
-                            f"{list(want[name].shape)} (head_dim {model.config.head_dim}, "
-                            f"{model.config.num_layers} layers)")
-  lambdas = trainable.get("lambdas") or None
+  shapes = jax.eval_shape(lambda: init_router_params(model.config, routers.config,
+                                                     jax.random.key(0)))
+  check_shapes({k: np.shape(v) for k, v in routers.params.items()},
+               {k: v.shape for k, v in shapes.items()}, f"{where}: router tensor",
+               f" (head_dim {model.config.head_dim}, {model.config.num_layers} layers)")
   extras = model.authors_extras
   if extras is not None:   # float32 routers replace the directory's: keep their precision
     extras = dataclasses.replace(extras, router_dtype="float32")
-  return dataclasses.replace(model, router_params=trainable["router"], router_config=rcfg,
-                             lambdas=lambdas, authors_extras=extras)
+  targets = routers.meta.get("objective_targets")
+  return dataclasses.replace(model, router_params=routers.params, router_config=routers.config,
+                             lambdas=routers.lambdas, authors_extras=extras,
+                             objective_targets=tuple(targets) if targets else None)
 
 
 def _hf_config_for_export(model: ElasticModel, dtype: str, with_routers: bool) -> dict[str, Any]:
@@ -282,18 +326,11 @@ def _check_params(model: ElasticModel) -> None:
   """Every parameter has the shape the config gives it: a changed tree would otherwise be
   written as a checkpoint that does not load."""
   shapes, _ = abstract_params(model.config, model.dtype)
-  want = {jax.tree_util.keystr(p): tuple(x.shape)
-          for p, x in jax.tree_util.tree_leaves_with_path(shapes)}
-  have = {jax.tree_util.keystr(p): tuple(np.shape(x))
-          for p, x in jax.tree_util.tree_leaves_with_path(model.params)}
-  for key in sorted(set(want) | set(have)):
-    if key not in have:
-      raise ElasticJaxError(f"the model has no parameter {key}, which its config needs")
-    if key not in want:
-      raise ElasticJaxError(f"parameter {key} is not part of a model with this config")
-    if have[key] != want[key]:
-      raise ElasticJaxError(f"parameter {key} has shape {list(have[key])}, but the config "
-                            f"makes it {list(want[key])}; nothing was written")
+  check_shapes({jax.tree_util.keystr(p): np.shape(x)
+                for p, x in jax.tree_util.tree_leaves_with_path(model.params)},
+               {jax.tree_util.keystr(p): x.shape
+                for p, x in jax.tree_util.tree_leaves_with_path(shapes)},
+               "parameter", "; nothing was written")
 
 
 def _writes_routers(model: ElasticModel, routers: bool) -> bool:
@@ -324,7 +361,7 @@ def save_pretrained(model: ElasticModel, directory: str | os.PathLike, *,
                         protect=[model.source_dir]) as tmp:
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(config, f, indent=2, sort_keys=True)
-    checkpoint.copy_side_files(model.source_dir, tmp)
+    native.copy_side_files(model.source_dir, tmp)
     hf.write_hf_safetensors(model.params, model.config, tmp, dtype, max_shard_size,
                             show_progress=show_progress, extra=extra)
 
@@ -340,8 +377,8 @@ def save_converted(model: ElasticModel, directory: str | os.PathLike, *,
   extra = _router_tensors(model) if with_routers else None
   with atomic_directory(os.fspath(directory), overwrite=overwrite,
                         protect=[model.source_dir]) as tmp:
-    checkpoint.copy_side_files(model.source_dir, tmp)
+    native.copy_side_files(model.source_dir, tmp)
     if extra:
       save_file({k: np.array(v, order="C") for k, v in extra.items()},
                 os.path.join(tmp, ROUTERS_FILE), metadata={"format": "pt"})
-    checkpoint.save_params(tmp, model.params, config, model.dtype)
+    native.save_params(tmp, model.params, config, model.dtype)

@@ -1,26 +1,15 @@
-"""Small shared helpers: progress reporting and atomic writes."""
+"""Files written safely: atomic directories and texts, outputs kept apart from inputs, a
+directory lock, stale temporary folders cleaned, torn JSONL tails repaired; UTF-8 lines."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import shutil
-import sys
 import uuid
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Callable, Iterable, Iterator
 
 from elastic_jax.errors import ElasticJaxError
-
-T = TypeVar("T")
-
-
-def progress(items: Iterable[T], desc: str, unit: str = "it", enabled: bool = True
-             ) -> Iterable[T]:
-  """A tqdm bar (count, rate, ETA) on stderr, or the bare iterable when disabled."""
-  if not enabled:
-    return items
-  from tqdm.auto import tqdm
-  return tqdm(items, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True)
 
 
 def text_lines(path: str, where: Callable[[int], str]) -> Iterator[tuple[int, str]]:
@@ -171,17 +160,31 @@ def atomic_directory(target: str, overwrite: bool = False,
     raise
 
 
-def atomic_write_text(path: str, text: str) -> None:
-  """Writes `text` (UTF-8) to `path` whole or not at all (a temporary file, then a rename)."""
-  tmp = f"{path}.partial-{uuid.uuid4().hex[:8]}"
+@contextlib.contextmanager
+def atomic_file(path: str) -> Iterator[str]:
+  """Yields a temporary path beside `path` to write a file to; renames it over `path` once the
+  block ends (keeping its suffix, so writers that go by it, like matplotlib, still do). On
+  failure the temporary file is removed and `path` is left as it was. The one atomic file
+  writer of the package."""
+  root, ext = os.path.splitext(path)
+  tmp = f"{root}.partial-{uuid.uuid4().hex[:8]}{ext}"
   try:
-    with open(tmp, "w", encoding="utf-8") as f:
-      f.write(text)
+    yield tmp
+    os.chmod(tmp, 0o644)
     os.replace(tmp, path)
   except BaseException:
     with contextlib.suppress(OSError):
       os.remove(tmp)
     raise
+
+
+def atomic_write_text(path: str, text: str) -> None:
+  """Writes `text` (UTF-8) to `path` whole or not at all, flushed to disk (`atomic_file`)."""
+  with atomic_file(path) as tmp:
+    with open(tmp, "w", encoding="utf-8") as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
 
 
 def repair_jsonl_tail(path: str) -> bool:

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from elastic_jax.attention import HYBRID_IMPLS, Streaming
-from elastic_jax.attention.reference import SETTINGS
+from elastic_jax.attention.reference import PATTERN_PAIRS
 from elastic_jax.errors import ElasticJaxError
 
 
@@ -46,8 +46,8 @@ def _check_inputs(q, k, v, gate, segment_ids, positions) -> None:
 
 def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, gate: jax.Array, *,
                      sink_blocks: int = 1, local_blocks: int = 16, block: int = 128,
-                     impl: str = "reference", segment_ids: jax.Array | None = None,
-                     positions: jax.Array | None = None, setting: str = "fa-ssa",
+                     attn_impl: str = "reference", segment_ids: jax.Array | None = None,
+                     positions: jax.Array | None = None, patterns: str = "fa-ssa",
                      xa_keep: jax.Array | None = None, xa_block: int = 128,
                      **impl_kwargs) -> jax.Array:
   """Elastic attention: O = r * O_FA + (1 - r) * O_SSA for each KV head.
@@ -56,13 +56,13 @@ def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, gate: jax.Array, 
     q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] with Hq a multiple of Hkv (GQA).
     gate: r in [0, 1], [B, Hkv] (or [B, T, Hkv] for packed inputs whose segments route
       differently); 1 = full causal attention, 0 = streaming (sink + local blocks).
-    sink_blocks, local_blocks, block: the streaming pattern (SPEC.md section 3); any T.
-    impl: "reference" (plain jnp, memory-safe), "pallas_gpu" or "pallas_tpu" (the fused
+    sink_blocks, local_blocks, block: the streaming pattern (docs/method.md §3); any T.
+    attn_impl: "reference" (plain jnp, memory-safe), "pallas_gpu" or "pallas_tpu" (the fused
       kernels; `interpret=True` runs them on CPU), "mosaic_gpu" (pallas_gpu with a Hopper
       inference forward in Mosaic GPU), or "auto" (the kernel for this backend, the
       reference on CPU).
     segment_ids, positions: [B, T] packed segments and positions within them (optional).
-    setting: "fa-ssa"; "fa-xa" (r = 0 heads attend only XAttention's kept blocks) or "xa-ssa"
+    patterns: "fa-ssa"; "fa-xa" (r = 0 heads attend only XAttention's kept blocks) or "xa-ssa"
       (r = 1 heads do), with xa_keep [B, Hkv, nb, nb] bool the kept blocks of xa_block tokens
       (`elastic_jax.attention.xattention.select`).
   Differentiable in q, k, v and gate (the kept blocks are constants).
@@ -71,8 +71,8 @@ def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, gate: jax.Array, 
   ids as contiguous runs) are checked when they are concrete, i.e. not under `jax.jit`, where
   only shapes and dtypes are known: inside jit the caller vouches for them.
   """
-  if impl not in HYBRID_IMPLS:
-    raise ElasticJaxError(f"hybrid attention impl '{impl}' is unknown (known: "
+  if attn_impl not in HYBRID_IMPLS:
+    raise ElasticJaxError(f"hybrid attention implementation '{attn_impl}' is unknown (known: "
                           f"{', '.join(sorted(HYBRID_IMPLS))})")
   _check_inputs(q, k, v, gate, segment_ids, positions)
   b, t = q.shape[:2]
@@ -82,15 +82,15 @@ def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, gate: jax.Array, 
   elif gate.shape != (b, t, hkv):
     raise ElasticJaxError(f"gate has shape {list(gate.shape)}; expected [B, Hkv] = "
                           f"{[b, hkv]} or [B, T, Hkv] = {[b, t, hkv]}")
-  if setting not in SETTINGS:
-    raise ElasticJaxError(f"setting '{setting}' is unknown (known: {', '.join(SETTINGS)})")
-  if setting != "fa-ssa":
+  if patterns not in PATTERN_PAIRS:
+    raise ElasticJaxError(f"patterns '{patterns}' is unknown (known: {', '.join(PATTERN_PAIRS)})")
+  if patterns != "fa-ssa":
     if xa_keep is None:
-      raise ElasticJaxError(f"setting '{setting}' needs the kept XAttention blocks (xa_keep)")
+      raise ElasticJaxError(f"patterns '{patterns}' needs the kept XAttention blocks (xa_keep)")
     nb = -(-t // xa_block)
     if tuple(xa_keep.shape) != (b, hkv, nb, nb) or xa_keep.dtype != jnp.bool_:
       raise ElasticJaxError(f"xa_keep is {xa_keep.dtype}{list(xa_keep.shape)}; expected bool "
                             f"[B, Hkv, nb, nb] = {[b, hkv, nb, nb]} for blocks of {xa_block}")
-    impl_kwargs.update(setting=setting, xa_keep=xa_keep, xa_block=xa_block)
-  return HYBRID_IMPLS[impl](q, k, v, gate, Streaming(sink_blocks, local_blocks, block),
+    impl_kwargs.update(patterns=patterns, xa_keep=xa_keep, xa_block=xa_block)
+  return HYBRID_IMPLS[attn_impl](q, k, v, gate, Streaming(sink_blocks, local_blocks, block),
                             segment_ids, positions, **impl_kwargs)

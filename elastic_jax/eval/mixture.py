@@ -1,7 +1,7 @@
 """A synthetic long-context task mixture with both regimes of the paper, for a small model.
 
 Every sample is filler text (sentences of plain words) with a task inside it, then a question,
-then a short answer. Five tasks, one per task type of the authors (SPEC.md section 6):
+then a short answer. Five tasks, one per task type of the authors (docs/method.md §7):
 
   task     type                 regime     what the answer needs
   kv       Single QA            sensitive  the value of one key among many facts, anywhere
@@ -275,7 +275,7 @@ def samples(variant: Variant, n_per_task: int, seed: int,
 def write_jsonl(path: str, variant: Variant, n_per_task: int, seed: int,
                 tasks: Sequence[str] = TASKS) -> int:
   """Writes train.py records; atomic (a temporary file renamed). Returns the record count."""
-  from elastic_jax.utils import atomic_write_text
+  from elastic_jax.files import atomic_write_text
   lines = [json.dumps(s.record()) for s in samples(variant, n_per_task, seed, tasks)]
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   atomic_write_text(path, "\n".join(lines) + "\n")
@@ -294,3 +294,41 @@ def build_tokenizer(directory: str) -> None:
   fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
                                  pad_token="<pad>", unk_token="<unk>")
   fast.save_pretrained(directory)
+
+
+def main(argv=None) -> int:
+  """python -m elastic_jax.eval.mixture OUT_DIR [--per-task N] ...: training data of the
+  mixture for train.py (OUT_DIR/train.jsonl, OUT_DIR/eval.jsonl; name them in
+  data.train_path and data.eval_path)."""
+  import argparse
+  p = argparse.ArgumentParser(prog="python -m elastic_jax.eval.mixture", description=main.__doc__)
+  p.add_argument("out", help="folder for train.jsonl and eval.jsonl")
+  p.add_argument("--per-task", type=int, default=80, help="training records per task")
+  p.add_argument("--eval-per-task", type=int, default=8, help="held-out records per task")
+  p.add_argument("--min-len", type=int, default=128, help="shortest prompt (tokens)")
+  p.add_argument("--max-len", type=int, default=448, help="longest prompt (tokens)")
+  p.add_argument("--templates", default="0,1", help="wordings used (2 is the held-out one)")
+  p.add_argument("--seed", type=int, default=0)
+  args = p.parse_args(argv)
+  if args.per_task < 1 or args.eval_per_task < 0:
+    raise ElasticJaxError("--per-task must be >= 1 and --eval-per-task >= 0")
+  try:
+    templates = tuple(int(t) for t in args.templates.split(","))
+  except ValueError:
+    raise ElasticJaxError(f"--templates {args.templates}: a comma-separated list of 0, 1, "
+                          "2") from None
+  variant = Variant("train", templates, args.min_len, args.max_len)
+  n = write_jsonl(os.path.join(args.out, "train.jsonl"), variant, args.per_task, args.seed)
+  print(f"mixture: {n} training records ({', '.join(TASKS)}; prompts of {args.min_len}-"
+        f"{args.max_len} tokens, templates {list(templates)}) in {args.out}/train.jsonl")
+  if args.eval_per_task:
+    m = write_jsonl(os.path.join(args.out, "eval.jsonl"), variant, args.eval_per_task,
+                    args.seed + 1)
+    print(f"mixture: {m} held-out records in {args.out}/eval.jsonl")
+  return 0
+
+
+if __name__ == "__main__":
+  import sys
+  from elastic_jax.cli import run_cli
+  sys.exit(run_cli(main))
