@@ -12,6 +12,14 @@ from elastic_jax.attention import Streaming
 from elastic_jax.attention.reference import hybrid_attention as reference_hybrid
 
 
+@pytest.fixture(autouse=True)
+def _float32_matmuls():
+  """These tests check the algorithm in float32 against float64; a GPU's default precision
+  (TF32 products, ~1e-3) would be the hardware's rounding, not the algorithm's."""
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
 def ssa_mask(t, sink, local, block, positions=None):
   """The docs/method.md §3 mask, token by token with Python loops."""
   pos = np.arange(t) if positions is None else positions
