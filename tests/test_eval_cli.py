@@ -68,6 +68,7 @@ def test_ruler_report_plots_and_resume(model_dir):
     for row in body["tasks"].values():
       assert 0 <= row["score"] <= 100 and 0 <= row["msr"] <= 1 and row["n"] == 2
   assert report["attention"]["full"]["average"]["msr"] == 0
+  assert "covers the longest prompt" not in proc.stdout   # the routers' window is 80 tokens
   elastic_msr = report["attention"]["elastic"]["average"]["msr"]
   assert abs(report["attention"]["static"]["average"]["msr"] - elastic_msr) <= 0.25 + 1e-6
   md = (out / "report.md").read_text()
@@ -122,6 +123,8 @@ def test_longbench_from_local_files(model_dir):
   tasks = report["attention"]["sparse"]["tasks"]
   assert tasks["hotpotqa"]["category"] == "Multi-Doc QA" and tasks["trec"]["n"] == 2
   assert report["attention"]["sparse"]["average"]["msr"] == 1
+  # No --routers: the default window (2176 tokens) covers these 256-token prompts, and eval says so.
+  assert "covers the longest prompt" in proc.stdout
   # LongBench-E: one row per dataset and length bucket.
   (data / "hotpotqa_e.jsonl").write_text("\n".join(
       json.dumps(dict(json.loads(rec(i, "hotpotqa", "green")), length=n))

@@ -197,6 +197,21 @@ def default_attention(args, has_routers: bool) -> list[str]:
           else ["full", "elastic", "static"])
 
 
+def note_window_covers_prompts(rcfg, attention, items) -> None:
+  """Say so when streaming heads would see every key of every prompt (a window meant for long
+  inputs, or no --routers on a model trained with a small one): sparse then equals full."""
+  if "ssa" not in rcfg.patterns or not items or set(attention) <= {"full"}:
+    return
+  st = rcfg.streaming
+  reach = (st.sink_blocks + st.local_blocks) * st.block
+  longest = max(len(it.prompt_ids) for it in items)
+  if reach >= longest:
+    print(f"note: the streaming window (sink {st.sink_blocks} + local {st.local_blocks} blocks "
+          f"of {st.block} = {reach} tokens) covers the longest prompt ({longest} tokens), so "
+          f"streaming heads attend as full ones here; pass --routers (their window) to compare "
+          f"them", flush=True)
+
+
 def run_benchmark(args) -> int:
   import jax
   from elastic_jax.eval import report, runner
@@ -209,6 +224,7 @@ def run_benchmark(args) -> int:
   runner.check_attention_list(attention, model.router_params)
   items = benchmark.items(args, tokenizer, model.config.max_length)
   rcfg = model.router_config
+  note_window_covers_prompts(rcfg, attention, items)
   out = args.out or os.path.join(
       "runs", f"eval_{args.command.replace('-', '_')}"
       + ("" if rcfg.patterns == "fa-ssa" else f"_{rcfg.patterns}"))
