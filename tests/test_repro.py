@@ -6,6 +6,7 @@ whole prompt and not from its last 64 tokens (its facts lie far back); a robust 
 last 64 tokens alone (a streaming head's local window at the reproduction's scale).
 """
 
+import json
 import re
 
 import jax
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from elastic_jax.eval import mixture
-from elastic_jax.repro.pretrain import make_rows, row_lengths
+from elastic_jax.repro import pretrain
 
 WINDOW = 64
 
@@ -117,24 +118,67 @@ def test_tokenizer_matches_the_generator(tmp_path):
 
 
 def test_pretraining_rows_hold_one_sample_each():
-  b = make_rows(np.random.default_rng(0), 6, 256)
-  ids, tgt, valid, answer = b["ids"], b["targets"], b["valid"], b["answer"]
-  real = b["segment_ids"] > 0
-  for r in range(6):
-    n = int(real[r].sum())
-    assert real[r, :n].all() and not real[r, n:].any() and 128 <= n <= 256
-    assert ids[r, 0] == mixture.BOS and ids[r, n - 1] == mixture.EOS and (ids[r, n:] == 0).all()
-    assert valid[r, :n - 1].all() and not valid[r, n - 1:].any()
-  # Targets are next tokens; answer marks sit on answer tokens or EOS, inside the sample.
+  b = pretrain.make_batch((0, 2048, 512, 0.2, False), 3)
+  ids, tgt, kind, seg = b["ids"], b["targets"], b["kind"], b["segment_ids"]
+  rows, t = ids.shape
+  assert rows == 2048 // t and t in (128, 256, 512)
+  for r in range(rows):
+    n = int((seg[r] > 0).sum())
+    assert (seg[r, :n] > 0).all() and not seg[r, n:].any() and t // 2 <= n <= t
+    assert ids[r, 0] == mixture.BOS and (ids[r, n:] == 0).all()
+    # The kind of each target: context, then answers each closed by an EOS; nothing on padding.
+    assert (kind[r, n - 1:] == 0).all() and (kind[r, :n - 1] > 0).all()
   assert (tgt[:, :-1] == ids[:, 1:]).all()
-  assert not (answer & ~valid).any()
-  answers = tgt[answer]
-  assert (answers == mixture.EOS).sum() >= 6 and answer.sum() < 0.2 * valid.sum()
+  answers, eos = tgt[kind == pretrain.ANSWER], tgt[kind == pretrain.ANSWER_EOS]
+  assert (eos == mixture.EOS).all() and len(eos) >= rows
   assert np.isin(answers, np.concatenate([mixture.NAME_IDS, mixture.NUMBER_IDS,
-                                          mixture.FILLER_IDS, [mixture.EOS]])).all()
-  lengths, probs = row_lengths(1024)
-  assert lengths.tolist() == list(range(128, 1025, 128)) and np.isclose(probs.sum(), 1.0)
-  assert (np.diff(probs) < 0).all()
+                                          mixture.FILLER_IDS])).all()
+  # The same step gives the same batch (resumed pieces see what an unbroken run sees).
+  again = pretrain.make_batch((0, 2048, 512, 0.2, False), 3)
+  assert all((again[k] == b[k]).all() for k in b)
+
+
+def test_sensitive_pretraining_rows_ask_about_every_fact_that_fits():
+  rng = np.random.default_rng(5)
+  for _ in range(20):
+    task, s = pretrain.pretraining_sample(rng, 1024, 0.0)
+    if mixture.TASKS[task] != "kv":
+      continue
+    asked = 1 + len(s.extra)
+    assert asked == s.candidates            # every key is asked
+    tokens, kind = pretrain.sample_tokens(s, 10 ** 6)
+    assert (kind == pretrain.ANSWER_EOS).sum() == asked and tokens[-1] == mixture.EOS
+    # In a row of 1024 tokens: the questions that fit, whole, and none cut off.
+    tokens, kind = pretrain.sample_tokens(s, 1024)
+    fitted = int((kind == pretrain.ANSWER_EOS).sum())
+    assert 1 <= fitted <= asked and len(tokens) <= 1024 and tokens[-1] == mixture.EOS
+
+
+def test_pretraining_wordings_never_use_the_held_out_template():
+  rng = np.random.default_rng(0)
+  for task in mixture.TASKS:
+    held = mixture.TEMPLATES[task][mixture.HELDOUT_TEMPLATE]
+    seen = {mixture.pretraining_wording(task, rng) for _ in range(3000)}
+    assert len(seen) > 100                  # random wordings: no wording is special
+    norm = {(" ".join(f.split()), " ".join(q.split())) for f, q in seen}
+    assert not any(f == held[0] or q == held[1] for f, q in norm), task
+    with_held = {mixture.pretraining_wording(task, rng, heldout=True) for _ in range(3000)}
+    assert held in with_held or task == "fewshot" and any(f == held[0] for f, _ in with_held)
+  # The copy task: a string of distinct names and numbers, asked by its first two tokens.
+  c = mixture.copy_sample(rng, 300)
+  string = np.concatenate([c.question, c.answer])
+  assert 10 <= len(string) <= 20 and len(set(string.tolist())) == len(string)
+  ctx = c.context.tolist()
+  at = next(i for i in range(len(ctx)) if ctx[i:i + len(string)] == string.tolist())
+  assert at <= 0.8 * len(ctx)
+
+
+def test_pretraining_learning_rate_warms_holds_and_decays():
+  args = pretrain.parse_args(["--out", "x", "--total-steps", "1000", "--warmup", "100"])
+  lr = [pretrain.learning_rate_at(s, args) for s in range(1000)]
+  assert lr[0] == pytest.approx(2e-3 / 100) and lr[99] == pytest.approx(2e-3)
+  assert lr[100:800] == [2e-3] * 700
+  assert (np.diff(lr[800:]) < 0).all() and lr[-1] == pytest.approx(2e-4, rel=0.05)
 
 
 def test_static_router_is_input_independent_and_trains():
@@ -160,3 +204,43 @@ def test_static_router_is_input_independent_and_trains():
     return g.sum()
   grad = jax.grad(loss)(p["static_logits"][0])
   assert np.abs(np.asarray(grad)).sum() > 0
+
+
+def test_pretraining_resumes_in_pieces_and_refuses_what_would_mix_runs(tmp_path):
+  from safetensors.numpy import load_file
+  from elastic_jax.errors import ElasticJaxError
+  config = tmp_path / "config.json"
+  config.write_text(json.dumps({
+      "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 1024,
+      "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+      "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+      "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+      "max_position_embeddings": 1024, "tie_word_embeddings": True, "bos_token_id": 1,
+      "eos_token_id": 2, "pad_token_id": 0}))
+  common = ["--config", str(config), "--total-steps", "3", "--tokens", "512", "--seq-len",
+            "256", "--short-seq-len", "128", "--long-from", "2", "--warmup", "2",
+            "--compute-dtype", "float32", "--attn-impl", "reference", "--eval-every", "3",
+            "--eval-samples", "1", "--eval-lengths", "128,160", "--sparse-window", "16,1,2",
+            "--log-every", "1", "--workers", "0"]
+  assert pretrain.main(["--out", str(tmp_path / "whole"), *common]) == 0
+  # Pieces of one step each (a budget of 0 s): three runs, two of them resumed.
+  assert pretrain.main(["--out", str(tmp_path / "parts"), *common, "--piece-seconds", "0"]) == 0
+  assert not (tmp_path / "parts" / "hf").exists()
+  with pytest.raises(ElasticJaxError, match="--resume"):
+    pretrain.main(["--out", str(tmp_path / "parts"), *common])
+  with pytest.raises(ElasticJaxError, match="other data"):
+    pretrain.main(["--out", str(tmp_path / "parts"), *common, "--resume", "--seed", "1"])
+  for _ in range(2):
+    assert pretrain.main(["--out", str(tmp_path / "parts"), *common, "--resume",
+                          "--piece-seconds", "0"]) == 0
+  info = json.load(open(tmp_path / "parts" / "hf" / "pretrain.json"))
+  assert [(p["start_step"], p["end_step"]) for p in info["pieces"]] == [(0, 1), (1, 2), (2, 3)]
+  whole = load_file(str(tmp_path / "whole" / "hf" / "model.safetensors"))
+  parts = load_file(str(tmp_path / "parts" / "hf" / "model.safetensors"))
+  steps = [json.loads(x)["step"] for x in open(tmp_path / "parts" / "metrics.jsonl")
+           if "loss" in json.loads(x)]
+  assert steps == [1, 2, 3]
+  # The same batches and the same updates, up to the moments' bfloat16 rounding between pieces.
+  for k in whole:
+    a, b = whole[k].astype(np.float32), parts[k].astype(np.float32)
+    assert np.abs(a - b).max() <= 0.02 * np.abs(a).max() + 1e-3, k

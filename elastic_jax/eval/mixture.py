@@ -25,6 +25,7 @@ pretraining on a GPU).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from importlib import resources
@@ -69,14 +70,64 @@ TEMPLATES = {
 }
 
 
+# The backbone's pretraining wordings (repro/pretrain.py): the training templates 0 and 1 and
+# many more, with the key before the value and after it, so that the backbone learns to bind a
+# key to its value rather than one wording. Facts and questions of a task combine freely
+# (fewshot's question is its pair up to the value). The held-out template 2 is never among
+# them: its wording is unseen by the backbone as well as by the routers (its words occur in
+# other wordings). `check_wordings` keeps it so.
+PRETRAIN_FACTS = {
+    "kv": ("the value of key {k} is {v} .", "key {k} has value {v} .", "{k} = {v} ;",
+           "{k} : {v} .", "the number for {k} is {v} .", "{k} stores {v} .",
+           "item {k} holds {v} .", "{k} is set to {v} .", "let {k} be {v} .",
+           "entry {k} reads {v} .", "the code of {k} is {v} .", "note that {k} is {v} .",
+           "{k} costs {v} .", "record {k} with {v} .",
+           "{v} is the value of key {k} .", "{v} belongs to {k} .", "{v} is stored in {k} .",
+           "the number {v} goes with {k} .", "write {v} for {k} .", "{v} : value of {k} ."),
+    "hop": ("{a} is equal to {b} .", "set {a} = {b} ;", "{a} points to {b} .",
+            "let {a} be {b} .", "{a} becomes {b} .", "{a} is {b} .", "{a} takes {b} .",
+            "{a} copies {b} .", "{a} := {b} ;", "{a} refers to {b} .",
+            "assign {b} to {a} .", "{b} is assigned to {a} .", "{b} goes into {a} ."),
+    "summary": ("passage :", "notes :", "story :", "report :", "article :", "section :",
+                "news :", "memo :", "entry :", "letter :"),
+    "pattern": ("code :", "def f :", "sequence :", "line :", "cycle :", "repeat :",
+                "list :", "rows :", "series :"),
+    "fewshot": ("examples : {k} -> {v} ,", "map : {k} gives {v} ;", "pairs : {k} = {v} ,",
+                "data : {k} yields {v} ;", "list : {k} becomes {v} ,", "rules : {k} : {v} ;",
+                "cases : {k} turns into {v} ,", "samples : {k} => {v} ;"),
+}
+PRETRAIN_QUESTIONS = {
+    "kv": ("what is the value of key {k} ?", "which value does key {k} have ?",
+           "what does {k} hold ?", "{k} = ?", "give the number of {k} .",
+           "what number goes with {k} ?", "value of {k} ?", "look up {k} :",
+           "which number is stored in {k} ?", "report the value of {k} .",
+           "what is {k} set to ?", "find the value for key {k} ."),
+    "hop": ("follow {a} to its number .", "what number does {a} reach ?", "resolve {a} .",
+            "what is {a} in the end ?", "trace {a} to a number .", "where does {a} lead ?",
+            "find the final number of {a} .", "evaluate {a} :", "chase {a} ."),
+    "summary": ("summarize the passage :", "give the short summary :", "headline :",
+                "title :", "the summary :", "sum up :", "short version :", "gist :"),
+    "pattern": ("continue :", "next tokens :", "go on :", "what follows ?", "extend :",
+                "more :", "carry on :"),
+}
+# Words of the random wordings (`pretraining_wording`): connectors between a key and its value,
+# words of questions and markers. With them, half of pretraining's wordings are random, so
+# that no wording, the held-out one included, is special to the backbone.
+CONNECTORS = ("then", "also", "now", "here", "we", "see", "find", "has", "with", "for", "as",
+              "at", "on", "by", "from", "into", "and", "or", "so", "this", "one", "each",
+              "any", "new", "old", "first", "last", "name", "field", "slot", "label", "tag",
+              "put", "keep", "get", "show", "ask", "say", "know", "use")
+
+
 def _template_words() -> list[str]:
   words: list[str] = []
-  for per_task in TEMPLATES.values():
-    for pair in per_task:
-      for text in pair:
-        for w in text.replace("{", " {").split():
-          if not w.startswith("{") and w not in PUNCT and w not in words:
-            words.append(w)
+  texts = [t for per_task in TEMPLATES.values() for pair in per_task for t in pair]
+  texts += [t for d in (PRETRAIN_FACTS, PRETRAIN_QUESTIONS) for ts in d.values() for t in ts]
+  texts += list(CONNECTORS)
+  for text in texts:
+    for w in text.replace("{", " {").split():
+      if not w.startswith("{") and w not in PUNCT and w not in words:
+        words.append(w)
   return words
 
 
@@ -139,6 +190,9 @@ class Sample:
   answer: np.ndarray
   # Further (question, answer) pairs on the same context (pretraining only).
   extra: tuple[tuple[np.ndarray, np.ndarray], ...] = ()
+  # How many values of the context a guess would choose among (kv: facts, hop: chains,
+  # fewshot: pairs; 0 where the answer is not one of a few candidates): chance = 1/candidates.
+  candidates: int = 0
 
   @property
   def task_type(self) -> str:
@@ -159,9 +213,9 @@ def _fill(t: str, **kw) -> np.ndarray:
   return encode(t.format(**{k: VOCAB[v] for k, v in kw.items()}))
 
 
-def _filler(rng: np.random.Generator, n: int) -> np.ndarray:
+def _filler(rng: np.random.Generator, n: int, pool: np.ndarray = FILLER_IDS) -> np.ndarray:
   """n tokens of filler sentences (about 9 words each, ending with a full stop)."""
-  ids = FILLER_IDS[rng.integers(0, NUM_FILLER, n)]
+  ids = pool[rng.integers(0, len(pool), n)]
   ids[rng.random(n) < 1 / 9] = DOT
   if n:
     ids[-1] = DOT
@@ -188,14 +242,18 @@ def _distinct(rng: np.random.Generator, pool: np.ndarray, n: int) -> np.ndarray:
 
 
 def make_sample(task: str, rng: np.random.Generator, length: int, template: int,
-                extra_queries: int = 0) -> Sample:
+                extra_queries: int = 0, *, wording: tuple[str, str] | None = None,
+                n_facts: int | None = None, filler: np.ndarray = FILLER_IDS) -> Sample:
   """One sample whose prompt (context + question) has about `length` tokens (exactly, up to
-  the last fact's words). extra_queries: more questions on the same context (kv, hop)."""
+  the last fact's words). extra_queries: more questions on the same context (kv, hop).
+  Pretraining's knobs: wording, a (fact, question) pair instead of the template's (template
+  is then only recorded); n_facts, the facts of kv and hop (default length // 96, in 2..40);
+  filler, the words of the filler sentences."""
   if task not in TASKS:
     raise ElasticJaxError(f"task '{task}' is unknown (known: {', '.join(TASKS)})")
-  fact, question = TEMPLATES[task][template]
+  fact, question = wording or TEMPLATES[task][template]
   if task in SENSITIVE:
-    n_facts = int(np.clip(length // 96, 2, 40))
+    n_facts = int(np.clip(length // 96, 2, 40)) if n_facts is None else max(2, n_facts)
     if task == "kv":
       keys = _distinct(rng, NAME_IDS, n_facts)
       vals = NUMBER_IDS[rng.integers(0, NUM_NUMBERS, n_facts)]
@@ -215,8 +273,9 @@ def make_sample(task: str, rng: np.random.Generator, length: int, template: int,
             for c in asked]
     body = sum(len(p) for p in pieces)
     n_fill = max(8, length - body - len(qa[0][0]))
-    context = _insert(rng, _filler(rng, n_fill), pieces, FACT_ZONE)
-    return Sample(task, template, context, qa[0][0], qa[0][1], tuple(qa[1:]))
+    context = _insert(rng, _filler(rng, n_fill, filler), pieces, FACT_ZONE)
+    return Sample(task, template, context, qa[0][0], qa[0][1], tuple(qa[1:]),
+                  n_facts if task == "kv" else len(pieces) // 2)
   if task == "summary":   # the passage's headline: its first three words
     words = FILLER_IDS[rng.integers(0, NUM_FILLER, rng.integers(6, 10))]
     tail = np.concatenate([encode(fact), words, [DOT]])
@@ -237,8 +296,87 @@ def make_sample(task: str, rng: np.random.Generator, length: int, template: int,
     i = int(rng.integers(0, n))
     answer, q = vals[i:i + 1], _fill(question, k=keys[i])
   n_fill = max(8, length - len(tail) - len(q))
-  context = np.concatenate([_filler(rng, n_fill), tail])
-  return Sample(task, template, context, q, np.asarray(answer, np.int32))
+  context = np.concatenate([_filler(rng, n_fill, filler), tail])
+  return Sample(task, template, context, q, np.asarray(answer, np.int32),
+                candidates=n if task == "fewshot" else 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pretraining's extras
+
+
+TEMPLATE_WORDS = tuple(_template_words())
+TEMPLATE_WORD_IDS = np.array([IDS[w] for w in TEMPLATE_WORDS], np.int32)
+# Filler for pretraining: the filler words and, one word in ten, a template word, so that the
+# wordings' words also occur where they mean nothing.
+PRETRAIN_FILLER = np.concatenate([FILLER_IDS, TEMPLATE_WORD_IDS[
+    np.arange(NUM_FILLER // 9) % len(TEMPLATE_WORD_IDS)]])
+
+
+def _random_words(rng: np.random.Generator, lo: int, hi: int) -> str:
+  pool = TEMPLATE_WORDS
+  return " ".join(pool[int(i)] for i in rng.integers(0, len(pool), int(rng.integers(lo, hi + 1))))
+
+
+def _random_wording(task: str, rng: np.random.Generator) -> tuple[str, str]:
+  """A wording made of random words: 0-2 words, the key, 1-3 words, the value (a quarter of
+  the time the value first), an end mark; a question of 1-4 words, the key, 0-2 words and a
+  mark. Markers of the robust tasks: a word and a colon."""
+  w = functools.partial(_random_words, rng)
+  end, qend = (".", ";", ",")[int(rng.integers(3))], ("?", ":", ".")[int(rng.integers(3))]
+  if task in SENSITIVE:
+    k, v = ("{k}", "{v}") if task == "kv" else ("{a}", "{b}")
+    first, second = (k, v) if rng.random() < 0.75 else (v, k)
+    return (f"{w(0, 2)} {first} {w(1, 3)} {second} {end}".strip(),
+            f"{w(1, 4)} {k} {w(0, 2)} {qend}")
+  if task == "fewshot":
+    conn = w(1, 2)
+    return f"{w(1, 1)} : {{k}} {conn} {{v}} {(',', ';')[int(rng.integers(2))]}", f"{{k}} {conn}"
+  return f"{w(1, 1)} :", f"{w(1, 3)} {qend}"
+
+
+def pretraining_wording(task: str, rng: np.random.Generator,
+                        heldout: bool = False) -> tuple[str, str]:
+  """A (fact, question) wording of `task` for pretraining: half of the time one of
+  PRETRAIN_FACTS x PRETRAIN_QUESTIONS, else random words (`_random_wording`). Never the
+  held-out template's wording unless `heldout` (then it is among the fixed ones)."""
+  avoid = TEMPLATES[task][HELDOUT_TEMPLATE]
+  while True:
+    if rng.random() < 0.5:
+      wording = _random_wording(task, rng)
+    else:
+      facts = PRETRAIN_FACTS[task] + ((avoid[0],) if heldout else ())
+      fact = facts[int(rng.integers(len(facts)))]
+      if task == "fewshot":
+        pair = fact.split(" ", 2)[2]
+        wording = fact, pair[:pair.index("{v}")].strip()
+      elif heldout and fact == avoid[0] and rng.random() < 0.5:
+        wording = avoid
+      else:
+        questions = PRETRAIN_QUESTIONS[task]
+        wording = fact, questions[int(rng.integers(len(questions)))]
+    if heldout or (" ".join(wording[0].split()) != avoid[0]
+                   and " ".join(wording[1].split()) != avoid[1]):
+      return wording
+
+
+def copy_sample(rng: np.random.Generator, length: int,
+                filler: np.ndarray = PRETRAIN_FILLER) -> Sample:
+  """The pretraining's auxiliary copy task: a string of 10-20 distinct names and numbers in
+  the first 80% of filler; the question is its first two tokens, the answer the rest. It
+  trains the look-back heads that bind a value to the token before it (docs/results.md)."""
+  pool = np.concatenate([NAME_IDS, NUMBER_IDS])
+  string = pool[rng.choice(len(pool), int(rng.integers(10, 21)), replace=False)]
+  context = _insert(rng, _filler(rng, max(8, length - len(string)), filler), [string],
+                    FACT_ZONE)
+  return Sample("copy", -1, context, string[:2], string[2:])
+
+
+def check_wordings() -> None:
+  """Raises if a pretraining wording is the held-out template's (it must stay unseen)."""
+  for task, (fact, question) in ((t, TEMPLATES[t][HELDOUT_TEMPLATE]) for t in TASKS):
+    if fact in PRETRAIN_FACTS[task] or question in PRETRAIN_QUESTIONS.get(task, ()):
+      raise ElasticJaxError(f"the held-out wording of {task} is among the pretraining ones")
 
 
 # ----------------------------------------------------------------------------------------------
