@@ -327,3 +327,38 @@ def test_score_longbench_v2_bad_input():
     M.score_longbench_v2([_v2_record("A", "Easy", "short")], ["x"])
   with pytest.raises(ElasticJaxError, match="record 0: answer 'a'"):
     M.score_longbench_v2([_v2_record("a", "easy", "short")], ["x"])
+
+
+def test_report_intervals_paired_differences_and_routing_patterns():
+  from types import SimpleNamespace
+  import numpy as np
+  from elastic_jax.eval.report import interval, markdown, paired_difference, summarize
+  # Wilson's 95% interval for 5 of 10 (textbook value 0.2366-0.7634) and for 10 of 10.
+  lo, hi = interval([100] * 5 + [0] * 5)
+  assert abs(lo - 23.66) < 0.01 and abs(hi - 76.34) < 0.01
+  lo, hi = interval([100] * 10)
+  assert abs(lo - 72.25) < 0.01 and hi == pytest.approx(100.0)
+  lo, hi = interval([10.0, 30.0, 50.0])           # not exact match: mean +- 1.96 sd / sqrt(n)
+  assert (lo + hi) / 2 == pytest.approx(30.0) and hi - lo == pytest.approx(2 * 1.96 * 20 / 3 ** 0.5,
+                                                                          rel=1e-3)
+  d = paired_difference([100, 100, 100, 0], [0, 100, 0, 0])
+  assert d["diff"] == 50.0 and d["ci95"] == pytest.approx([50 - 1.96 * 57.735 / 2,
+                                                           50 + 1.96 * 57.735 / 2], rel=1e-3)
+  items = [SimpleNamespace(key=f"k{i}", task="kv") for i in range(4)]
+  gates = {0: [[1, 0], [0, 0]], 1: [[1, 0], [0, 0]], 2: [[0, 0], [0, 1]], 3: [[1, 1], [0, 0]]}
+  records = {}
+  for i, it in enumerate(items):
+    base = {"msr": 0.5, "esr": 0.1, "prefill_seconds": 1.0, "cache_bytes": 1.0,
+            "dense_cache_bytes": 2.0}
+    records[("full", it.key)] = {**base, "prediction": "right", "msr": 0.0,
+                                 "gates": [[1, 1], [1, 1]]}
+    records[("elastic", it.key)] = {**base, "prediction": "right" if i < 2 else "wrong",
+                                    "msr": [0.75, 0.75, 0.75, 0.5][i], "gates": gates[i]}
+  score = lambda task, preds, its: 100.0 * sum(p == "right" for p in preds) / len(preds)
+  out = summarize(records, items, score, lambda t: "Single QA")["attention"]
+  el = out["elastic"]["tasks"]["kv"]
+  assert el["score"] == 50.0 and el["patterns"] == 3 and out["full"]["tasks"]["kv"]["patterns"] == 1
+  assert el["vs_full"]["diff"] == -50.0 and el["msr_sd"] == pytest.approx(np.std([.75] * 3 + [.5]))
+  assert "vs_full" not in out["full"]["tasks"]["kv"]
+  text = markdown({"attention": out}, "t")
+  assert "| kv | elastic | 4 | 50.0 [15.0, 85.0] | -50.0 [" in text

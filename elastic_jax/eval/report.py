@@ -18,25 +18,63 @@ from elastic_jax.eval.runner import ORDER
 from elastic_jax.files import atomic_file, atomic_write_text
 
 
+Z95 = 1.959963984540054
+
+
+def interval(scores) -> tuple[float, float]:
+  """95% interval of a task's score from its items' scores (each 0-100): Wilson's for
+  exact-match scores (every item 0 or 100), else the normal one of the mean."""
+  x = np.asarray(scores, float)
+  n = len(x)
+  if n == 0:
+    return float("nan"), float("nan")
+  if np.isin(x, (0.0, 100.0)).all():
+    p, z2 = x.mean() / 100, Z95 ** 2
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = Z95 * np.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return float(100 * (centre - half)), float(100 * (centre + half))
+  half = Z95 * x.std(ddof=1) / np.sqrt(n) if n > 1 else float("nan")
+  return float(x.mean() - half), float(x.mean() + half)
+
+
+def paired_difference(a, b) -> dict:
+  """Mean of a - b over the same items, with the 95% normal interval of the paired
+  differences (nan bounds for fewer than two items)."""
+  d = np.asarray(a, float) - np.asarray(b, float)
+  half = Z95 * d.std(ddof=1) / np.sqrt(len(d)) if len(d) > 1 else float("nan")
+  return {"diff": float(d.mean()), "ci95": [float(d.mean() - half), float(d.mean() + half)]}
+
+
 def summarize(records: Mapping[tuple[str, str], dict], items, score_task: Callable,
               category_of: Callable[[str], str]) -> dict:
-  """{"attention": {way: {"tasks": {task: {score, msr, esr, n, prefill_seconds}},
-  "categories": {...}, "average": {...}}}} from the prediction records (way: how heads
-  attended, heads.ATTENTION)."""
+  """{"attention": {way: {"tasks": {task: {score, ci95, msr, msr_sd, esr, n, patterns,
+  vs_full, prefill_seconds, ...}}, "categories": {...}, "average": {...}}}} from the
+  prediction records (way: how heads attended, heads.ATTENTION). ci95: the score's 95%
+  interval (`interval`); vs_full: the paired difference to full attention over the same
+  items (`paired_difference`); patterns: how many distinct routing decisions (gates over
+  all layers and KV heads) the task's items got; msr_sd: the spread of MSR across them."""
   by_task: dict[str, list] = {}
   for it in items:
     by_task.setdefault(it.task, []).append(it)
   ways = [s for s in ORDER if any(k[0] == s for k in records)]
   out: dict = {"attention": {}}
+  item_scores: dict[tuple[str, str], list[float]] = {}
   for s in ways:
     tasks = {}
     for task, its in by_task.items():
       recs = [records[(s, it.key)] for it in its if (s, it.key) in records]
       if len(recs) != len(its):
         continue
+      item_scores[(s, task)] = [float(score_task(task, [r["prediction"]], [it]))
+                                for r, it in zip(recs, its)]
+      gates = [tuple(np.asarray(r["gates"]).round().astype(int).ravel().tolist())
+               for r in recs if r.get("gates") is not None]
       tasks[task] = {
           "score": float(score_task(task, [r["prediction"] for r in recs], its)),
+          "ci95": list(interval(item_scores[(s, task)])),
           "msr": float(np.mean([r["msr"] for r in recs])),
+          "msr_sd": float(np.std([r["msr"] for r in recs])),
+          "patterns": len(set(gates)),
           "esr": float(np.mean([r["esr"] for r in recs])),
           "n": len(recs), "category": category_of(task),
           "prefill_seconds": float(np.sum([r["prefill_seconds"] for r in recs])),
@@ -56,6 +94,9 @@ def summarize(records: Mapping[tuple[str, str], dict], items, score_task: Callab
                     "prefill_seconds": float(sum(t["prefill_seconds"] for t in tasks.values()))}}
   full = out["attention"].get("full")
   for s, body in out["attention"].items():
+    for task, row in body["tasks"].items():
+      if full and s != "full" and ("full", task) in item_scores:
+        row["vs_full"] = paired_difference(item_scores[(s, task)], item_scores[("full", task)])
     body["average"]["prefill_speedup_vs_full"] = (
         full["average"]["prefill_seconds"] / body["average"]["prefill_seconds"]
         if full and body["average"]["prefill_seconds"] > 0 else None)
@@ -91,6 +132,22 @@ def markdown(summary: dict, title: str) -> str:
   if any(x is not None for x in speed):
     lines.append("| | prefill speed-up vs full | " + " | ".join(
         "-" if x is None else f"{x:.2f}x" for x in speed) + " |")
+  lines += ["", "Per task and way: score with its 95% interval, the paired difference to full "
+            "attention over the same items with its 95% interval, the number of distinct routing "
+            "decisions among the task's items, and MSR's spread (sd) across them.", "",
+            "| task | way | n | score [95%] | vs full [95%] | patterns | MSR (sd) |",
+            "|---|---|---|---|---|---|---|"]
+  fmt = lambda lo, hi: f"[{lo:.1f}, {hi:.1f}]"
+  for task in order:
+    for s in ways:
+      row = summary["attention"][s]["tasks"].get(task)
+      if row is None or "ci95" not in row:
+        continue
+      vs = row.get("vs_full")
+      vs_text = "-" if vs is None else f"{vs['diff']:+.1f} {fmt(*vs['ci95'])}"
+      lines.append(f"| {task} | {s} | {row['n']} | {row['score']:.1f} {fmt(*row['ci95'])} | "
+                   f"{vs_text} | {row.get('patterns', '-')} | {row['msr']:.2f} "
+                   f"({row.get('msr_sd', 0.0):.2f}) |")
   return "\n".join(lines) + "\n"
 
 
