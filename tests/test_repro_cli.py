@@ -100,3 +100,24 @@ def test_mixture_refuses_another_tokenizer(tmp_path):
               f"run_dir={tmp_path / 'run'}")
   assert proc.returncode == 2 and "are the tokenizer's unknown token" in proc.stderr
   assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_shipped_gpu_routers_route_by_task_regime():
+  # The routers trained on the GPU with configs/mixture.yaml (docs/results.md) load against the
+  # shipped backbone and keep more heads on full attention for far-context questions than for
+  # local ones, on prompts of the held-out wording they never saw.
+  import numpy as np
+  import elastic_jax as ej
+  from elastic_jax.eval import mixture
+  model = ej.ElasticModel.from_pretrained(BACKBONE, dtype="float32",
+                                          routers=os.path.join(BACKBONE, "..", "routers"))
+  rng = np.random.default_rng(11)
+  msr = {}
+  for task in ("kv", "summary"):
+    prompts = []
+    for _ in range(4):
+      s = mixture.make_sample(task, rng, 512, mixture.HELDOUT_TEMPLATE)
+      prompts.append([mixture.BOS, *s.context.tolist(), *s.question.tolist()])
+    gen = model.generate(prompts, attention="elastic", max_new_tokens=1)
+    msr[task] = float(np.mean(gen.msr))
+  assert msr["kv"] + 0.08 < msr["summary"], msr
