@@ -148,12 +148,29 @@ CASES = {
     "convert routers and no routers": ("convert", ["{root}/m", "{root}/out2", "--routers",
                                                    "{root}/routers", "--no-routers"], 2,
                                        "exclude each other"),
+    "pretrain resume without a state": ("pretrain", ["--out", "{root}/pt_none", "--resume"], 2,
+                                        "does not exist"),
+    "pretrain zero steps": ("pretrain", ["--out", "{root}/pt", "--total-steps", "0"], 2,
+                            "--total-steps must be at least 1"),
+    "pretrain row length": ("pretrain", ["--out", "{root}/pt", "--seq-len", "100"], 2,
+                            "--seq-len must be a multiple of 128"),
+    "pretrain eval lengths": ("pretrain", ["--out", "{root}/pt", "--eval-lengths", "384,abc"],
+                              2, "comma-separated whole numbers"),
+    "pretrain min lr above lr": ("pretrain", ["--out", "{root}/pt", "--min-lr", "1"], 2,
+                                 "--min-lr in [0, --lr]"),
+    "pretrain out under a file": ("pretrain", ["--out", "{root}/afile/pt"], 2,
+                                  "cannot be created"),
+    "pretrain rows past the positions": ("pretrain", ["--out", "{root}/pt", "--seq-len",
+                                                      "8192"], 2, "within the config's"),
 }
 
 
 def _main(entry):
   if entry == "convert":
     from elastic_jax.convert.__main__ import main
+    return main
+  if entry == "pretrain":
+    from elastic_jax.repro.pretrain import main
     return main
   return _module(entry).main
 

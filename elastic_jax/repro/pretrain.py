@@ -479,10 +479,6 @@ def load_state(out: str, params, opt):
                               "shape (another backbone config?)")
       leaves.append(jnp.asarray(np.asarray(x, like.dtype).reshape(np.shape(like))))
     return jax.tree.unflatten(jax.tree.structure(tree), leaves)
-  param_names = set(_named_leaves(params))
-  opt_names = set(_named_leaves(opt))
-  if param_names & opt_names:
-    raise ElasticJaxError("internal: parameter and optimizer tensor names collide")
   return fill(params, "params"), fill(opt, "optimizer"), info
 
 
@@ -519,10 +515,11 @@ def main(argv=None) -> int:
   import jax
   import jax.numpy as jnp
   from elastic_jax.config import read_config_file
-  from elastic_jax.files import repair_jsonl_tail
+  from elastic_jax.files import check_creatable, repair_jsonl_tail
   from elastic_jax.model import init_params
 
   mixture.check_wordings()
+  check_creatable(args.out, "--out")
   cfg, raw = read_config_file(args.config)
   if cfg.vocab_size < len(mixture.VOCAB):
     raise ElasticJaxError(f"{args.config}: vocab_size {cfg.vocab_size} is below the mixture's "
