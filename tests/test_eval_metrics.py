@@ -341,9 +341,18 @@ def test_report_intervals_paired_differences_and_routing_patterns():
   lo, hi = interval([10.0, 30.0, 50.0])           # not exact match: mean +- 1.96 sd / sqrt(n)
   assert (lo + hi) / 2 == pytest.approx(30.0) and hi - lo == pytest.approx(2 * 1.96 * 20 / 3 ** 0.5,
                                                                           rel=1e-3)
+  # Exact match, paired: Bonett-Price adjusted Wald. 2 pairs a-not-b, 0 b-not-a, n = 4:
+  # p12 = 3/6, p21 = 1/6, centre 1/3, se = sqrt((2/3 - 1/9) / 6) = 0.30429.
   d = paired_difference([100, 100, 100, 0], [0, 100, 0, 0])
-  assert d["diff"] == 50.0 and d["ci95"] == pytest.approx([50 - 1.96 * 57.735 / 2,
-                                                           50 + 1.96 * 57.735 / 2], rel=1e-3)
+  assert d["diff"] == 50.0 and d["ci95"] == pytest.approx(
+      [100 * (1 / 3 - 1.96 * 0.30429), 100 * (1 / 3 + 1.96 * 0.30429)], rel=1e-3)
+  same = paired_difference([100] * 200, [100] * 200)      # no discordant pair: not a point
+  assert same["diff"] == 0 and same["ci95"][0] < -0.5 and same["ci95"][1] > 0.5
+  assert paired_difference([100] * 5, [0] * 5)["ci95"][1] <= 100.0
+  d = paired_difference([10.0, 30.0, 50.0, 20.0], [0.0, 30.0, 20.0, 20.0])   # not exact match
+  assert d["diff"] == 10.0 and d["ci95"] == pytest.approx(
+      [10 - 1.96 * np.std([10, 0, 30, 0], ddof=1) / 2, 10 + 1.96 * np.std([10, 0, 30, 0], ddof=1) / 2],
+      rel=1e-3)
   items = [SimpleNamespace(key=f"k{i}", task="kv") for i in range(4)]
   gates = {0: [[1, 0], [0, 0]], 1: [[1, 0], [0, 0]], 2: [[0, 0], [0, 1]], 3: [[1, 1], [0, 0]]}
   records = {}
@@ -355,7 +364,9 @@ def test_report_intervals_paired_differences_and_routing_patterns():
     records[("elastic", it.key)] = {**base, "prediction": "right" if i < 2 else "wrong",
                                     "msr": [0.75, 0.75, 0.75, 0.5][i], "gates": gates[i]}
   score = lambda task, preds, its: 100.0 * sum(p == "right" for p in preds) / len(preds)
-  out = summarize(records, items, score, lambda t: "Single QA")["attention"]
+  summary = summarize(records, items, score, lambda t: "Single QA")
+  out = summary["attention"]
+  assert summary["item_scores"]["elastic"] == {"k0": 100.0, "k1": 100.0, "k2": 0.0, "k3": 0.0}
   el = out["elastic"]["tasks"]["kv"]
   assert el["score"] == 50.0 and el["patterns"] == 3 and out["full"]["tasks"]["kv"]["patterns"] == 1
   assert el["vs_full"]["diff"] == -50.0 and el["msr_sd"] == pytest.approx(np.std([.75] * 3 + [.5]))

@@ -112,7 +112,9 @@ def test_shipped_gpu_routers_route_by_task_regime():
   model = ej.ElasticModel.from_pretrained(BACKBONE, dtype="float32",
                                           routers=os.path.join(BACKBONE, "..", "routers"))
   rng = np.random.default_rng(11)
-  msr = {}
+  static = ej.ElasticModel.from_pretrained(
+      BACKBONE, dtype="float32", routers=os.path.join(BACKBONE, "..", "routers_static"))
+  msr, static_gates = {}, []
   for task in ("kv", "summary"):
     prompts = []
     for _ in range(4):
@@ -120,4 +122,11 @@ def test_shipped_gpu_routers_route_by_task_regime():
       prompts.append([mixture.BOS, *s.context.tolist(), *s.question.tolist()])
     gen = model.generate(prompts, attention="elastic", max_new_tokens=1)
     msr[task] = float(np.mean(gen.msr))
+    static_gates.append(static.generate(prompts, attention="elastic", max_new_tokens=1).gates)
   assert msr["kv"] + 0.08 < msr["summary"], msr
+  # The trained static gate (the baseline at elastic's average MSR): one head set for every
+  # input, sparser than elastic on retrieval and denser than it on the local task.
+  g = np.concatenate(static_gates, axis=1)                       # [L, 8 prompts, K]
+  assert (g == g[:, :1]).all()
+  static_msr = 1 - float(g[:, 0].mean())
+  assert msr["kv"] < static_msr < msr["summary"], (msr, static_msr)

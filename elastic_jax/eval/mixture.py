@@ -399,22 +399,31 @@ class Variant:
       raise ElasticJaxError(f"variant '{self.name}': templates must be among 0, 1, 2")
 
 
-def samples(variant: Variant, n_per_task: int, seed: int,
-            tasks: Sequence[str] = TASKS) -> Iterator[Sample]:
-  """n_per_task samples of each task, interleaved, deterministic in (seed, variant)."""
+def samples(variant: Variant, n_per_task: int, seed: int, tasks: Sequence[str] = TASKS,
+            random_wordings: float = 0.0) -> Iterator[Sample]:
+  """n_per_task samples of each task, interleaved, deterministic in (seed, variant). A share
+  `random_wordings` of them is worded like the backbone's pretraining (`pretraining_wording`:
+  many fixed wordings and random ones, never the held-out template's); their template is -1."""
+  if not 0.0 <= random_wordings <= 1.0:
+    raise ElasticJaxError(f"the share of random wordings must lie in [0, 1], got "
+                          f"{random_wordings}")
   rng = np.random.default_rng([seed, sum(map(ord, variant.name))])
   for i in range(n_per_task):
     for task in tasks:
       length = int(rng.integers(variant.min_len, variant.max_len + 1))
       template = variant.templates[int(rng.integers(0, len(variant.templates)))]
-      yield make_sample(task, rng, length, template)
+      if random_wordings and rng.random() < random_wordings:
+        yield make_sample(task, rng, length, -1, wording=pretraining_wording(task, rng))
+      else:
+        yield make_sample(task, rng, length, template)
 
 
 def write_jsonl(path: str, variant: Variant, n_per_task: int, seed: int,
-                tasks: Sequence[str] = TASKS) -> int:
+                tasks: Sequence[str] = TASKS, random_wordings: float = 0.0) -> int:
   """Writes train.py records; atomic (a temporary file renamed). Returns the record count."""
   from elastic_jax.files import atomic_write_text
-  lines = [json.dumps(s.record()) for s in samples(variant, n_per_task, seed, tasks)]
+  lines = [json.dumps(s.record())
+           for s in samples(variant, n_per_task, seed, tasks, random_wordings)]
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   atomic_write_text(path, "\n".join(lines) + "\n")
   return len(lines)
@@ -446,22 +455,30 @@ def main(argv=None) -> int:
   p.add_argument("--min-len", type=int, default=128, help="shortest prompt (tokens)")
   p.add_argument("--max-len", type=int, default=448, help="longest prompt (tokens)")
   p.add_argument("--templates", default="0,1", help="wordings used (2 is the held-out one)")
+  p.add_argument("--random-wordings", type=float, default=0.0, metavar="SHARE",
+                 help="share of records worded like the backbone's pretraining (many fixed "
+                      "and random wordings, never the held-out one) instead of --templates")
   p.add_argument("--seed", type=int, default=0)
   args = p.parse_args(argv)
   if args.per_task < 1 or args.eval_per_task < 0:
     raise ElasticJaxError("--per-task must be >= 1 and --eval-per-task >= 0")
+  if not 0.0 <= args.random_wordings <= 1.0:
+    raise ElasticJaxError(f"--random-wordings {args.random_wordings}: a share in [0, 1]")
   try:
     templates = tuple(int(t) for t in args.templates.split(","))
   except ValueError:
     raise ElasticJaxError(f"--templates {args.templates}: a comma-separated list of 0, 1, "
                           "2") from None
   variant = Variant("train", templates, args.min_len, args.max_len)
-  n = write_jsonl(os.path.join(args.out, "train.jsonl"), variant, args.per_task, args.seed)
+  n = write_jsonl(os.path.join(args.out, "train.jsonl"), variant, args.per_task, args.seed,
+                  random_wordings=args.random_wordings)
+  worded = (f"templates {list(templates)}" if not args.random_wordings else
+            f"templates {list(templates)}, {args.random_wordings:.0%} pretraining wordings")
   print(f"mixture: {n} training records ({', '.join(TASKS)}; prompts of {args.min_len}-"
-        f"{args.max_len} tokens, templates {list(templates)}) in {args.out}/train.jsonl")
+        f"{args.max_len} tokens, {worded}) in {args.out}/train.jsonl")
   if args.eval_per_task:
     m = write_jsonl(os.path.join(args.out, "eval.jsonl"), variant, args.eval_per_task,
-                    args.seed + 1)
+                    args.seed + 1, random_wordings=args.random_wordings)
     print(f"mixture: {m} held-out records in {args.out}/eval.jsonl")
   return 0
 

@@ -38,17 +38,30 @@ def interval(scores) -> tuple[float, float]:
 
 
 def paired_difference(a, b) -> dict:
-  """Mean of a - b over the same items, with the 95% normal interval of the paired
-  differences (nan bounds for fewer than two items)."""
-  d = np.asarray(a, float) - np.asarray(b, float)
-  half = Z95 * d.std(ddof=1) / np.sqrt(len(d)) if len(d) > 1 else float("nan")
+  """Mean of a - b over the same items, with a 95% interval. Exact-match scores (every item 0
+  or 100): Bonett and Price's adjusted Wald interval for paired proportions (one pseudo-item
+  added to each kind of discordant pair, so it neither collapses to a point when no pair
+  differs nor leaves [-100, 100]); else the normal interval of the paired differences (nan
+  bounds for fewer than two items)."""
+  a, b = np.asarray(a, float), np.asarray(b, float)
+  d = a - b
+  n = len(d)
+  if n and np.isin(a, (0.0, 100.0)).all() and np.isin(b, (0.0, 100.0)).all():
+    p12 = (np.count_nonzero(d > 0) + 1) / (n + 2)
+    p21 = (np.count_nonzero(d < 0) + 1) / (n + 2)
+    centre = p12 - p21
+    half = Z95 * np.sqrt(max(p12 + p21 - centre ** 2, 0.0) / (n + 2))
+    lo, hi = max(-1.0, centre - half), min(1.0, centre + half)
+    return {"diff": float(d.mean()), "ci95": [float(100 * lo), float(100 * hi)]}
+  half = Z95 * d.std(ddof=1) / np.sqrt(n) if n > 1 else float("nan")
   return {"diff": float(d.mean()), "ci95": [float(d.mean() - half), float(d.mean() + half)]}
 
 
 def summarize(records: Mapping[tuple[str, str], dict], items, score_task: Callable,
               category_of: Callable[[str], str]) -> dict:
   """{"attention": {way: {"tasks": {task: {score, ci95, msr, msr_sd, esr, n, patterns,
-  vs_full, prefill_seconds, ...}}, "categories": {...}, "average": {...}}}} from the
+  vs_full, prefill_seconds, ...}}, "categories": {...}, "average": {...}}}, "item_scores":
+  {way: {item key: score}}} from the
   prediction records (way: how heads attended, heads.ATTENTION). ci95: the score's 95%
   interval (`interval`); vs_full: the paired difference to full attention over the same
   items (`paired_difference`); patterns: how many distinct routing decisions (gates over
@@ -92,6 +105,12 @@ def summarize(records: Mapping[tuple[str, str], dict], items, score_task: Callab
                     "msr": mean(list(tasks.values()), "msr"),
                     "esr": mean(list(tasks.values()), "esr"),
                     "prefill_seconds": float(sum(t["prefill_seconds"] for t in tasks.values()))}}
+  # Per item, for paired comparisons across runs (elastic_jax.repro.report): {way: {key: score}}.
+  out["item_scores"] = {s: {} for s in ways}
+  for task, its in by_task.items():
+    for s in ways:
+      for it, x in zip(its, item_scores.get((s, task), ())):
+        out["item_scores"][s][it.key] = x
   full = out["attention"].get("full")
   for s, body in out["attention"].items():
     for task, row in body["tasks"].items():
@@ -103,8 +122,20 @@ def summarize(records: Mapping[tuple[str, str], dict], items, score_task: Callab
   return out
 
 
-def markdown(summary: dict, title: str) -> str:
-  """Tasks as rows grouped by category, one 'score (MSR, ESR)' column per way of attending."""
+def speed_note(device: str | None) -> str:
+  """What the prefill speed-up row measures on this device."""
+  where = f" on {device}" if device else ""
+  text = f"Prefill times{where}, compilation excluded."
+  if device and device.lower().startswith("cpu"):
+    text += (" On a CPU with a small model they measure per-call overheads more than "
+             "attention; the kernels' speed at long inputs on an H200 is in "
+             "benchmarks/README.md.")
+  return text
+
+
+def markdown(summary: dict, title: str, device: str | None = None) -> str:
+  """Tasks as rows grouped by category, one 'score (MSR, ESR)' column per way of attending;
+  `device` names where the prefill times were measured."""
   ways = list(summary["attention"])
   if not ways:
     return f"# {title}\n\nNo finished tasks.\n"
@@ -132,6 +163,7 @@ def markdown(summary: dict, title: str) -> str:
   if any(x is not None for x in speed):
     lines.append("| | prefill speed-up vs full | " + " | ".join(
         "-" if x is None else f"{x:.2f}x" for x in speed) + " |")
+    lines += ["", speed_note(device)]
   lines += ["", "Per task and way: score with its 95% interval, the paired difference to full "
             "attention over the same items with its 95% interval, the number of distinct routing "
             "decisions among the task's items, and MSR's spread (sd) across them.", "",
@@ -152,8 +184,9 @@ def markdown(summary: dict, title: str) -> str:
 
 
 def plots(summary: dict, records: Mapping[tuple[str, str], dict], out_dir: str,
-          targets: Mapping[str, float] | None = None) -> list[str]:
-  """Writes the PNG plots; returns their paths. targets: target MSR per task, drawn."""
+          targets: Mapping[str, float] | None = None, device: str | None = None) -> list[str]:
+  """Writes the PNG plots; returns their paths. targets: target MSR per task, drawn;
+  device: where the prefill times were measured (named on the speed axis)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -200,7 +233,8 @@ def plots(summary: dict, records: Mapping[tuple[str, str], dict], out_dir: str,
       x = body["average"].get("prefill_speedup_vs_full")
       if x is not None:
         ax.scatter([x], [body["average"]["score"]], label=s)
-    ax.set_xlabel("prefill speed-up over full attention")
+    ax.set_xlabel("prefill speed-up over full attention\n(" + (f"{device}, " if device else "")
+                  + "compilation excluded)")
     ax.set_ylabel("average score")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     written.append(save_figure(fig, out_dir, "quality_vs_speedup.png"))
@@ -221,9 +255,9 @@ def write(summary: dict, records, out_dir: str, title: str, meta: dict,
   """report.json, report.md and the plots, each written whole or not at all."""
   paths = []
   for name, text in (("report.json", json.dumps({**meta, **summary}, indent=2)),
-                     ("report.md", markdown(summary, title))):
+                     ("report.md", markdown(summary, title, meta.get("device")))):
     path = os.path.join(out_dir, name)
     atomic_write_text(path, text)
     paths.append(path)
-  return paths + plots(summary, records, out_dir, targets)
+  return paths + plots(summary, records, out_dir, targets, meta.get("device"))
 

@@ -2,13 +2,17 @@
 
   python -m elastic_jax.repro.report --run elastic=runs/eval_mixture \\
       [--run static-trained=runs/eval_mixture_static] [--run xa=runs/eval_mixture_xa] \\
-      --out docs/results_table.md [--plots docs/]
+      --out docs/results_table.md [--plots docs/] [--kernel-times 0:232,0.75:65.4,1:8.12]
 
 Each --run is LABEL=DIR, DIR an `eval.py mixture` output directory (report.json and
 predictions.jsonl). The methods are that directory's ways of attending; LABEL names the routers behind
 them: `full` and `sparse` rows come from the first run that has them, `elastic` and `static`
 rows are named after LABEL (e.g. the elastic attention of the static-trained routers is the
 trained static gate). Cells: accuracy % (MSR) per task type, seen and held-out variants.
+
+Then, where the runs evaluated the same items (same --seed, --samples, --lengths and
+--heldout-lengths): elastic against every other method, paired over those items, with 95%
+intervals (eval/report.py's `paired_difference`), and the paper's targets, each met or missed.
 """
 
 from __future__ import annotations
@@ -85,6 +89,175 @@ def table(runs: list[tuple[str, dict]]) -> str:
   return "\n".join(lines)
 
 
+def method_items(runs: list[tuple[str, dict]]) -> dict[str, dict[str, float]]:
+  """{method name: {item key: score}} from the runs' per-item scores (as `rows_of` names them)."""
+  out: dict[str, dict[str, float]] = {}
+  for label, rep in runs:
+    for way, scores in rep.get("item_scores", {}).items():
+      name = (METHOD_NAMES.get((label, way)) or METHOD_NAMES.get(("*", way))
+              or f"{label}: {way}")
+      out.setdefault(name, scores)
+  return out
+
+
+def _paired(a: dict[str, float], b: dict[str, float], task: str, variant: str):
+  """Paired difference a - b over the items of task@variant both scored, or None."""
+  from elastic_jax.eval.report import paired_difference
+  prefix = f"{task}/{variant}/"
+  keys = sorted(k for k in a if k.startswith(prefix) and k in b)
+  return (paired_difference([a[k] for k in keys], [b[k] for k in keys]), len(keys)) if keys \
+      else None
+
+
+def paired_table(runs: list[tuple[str, dict]]) -> str:
+  """Elastic minus each other method per task and variant, paired over the same items."""
+  scores = method_items(runs)
+  mine = scores.get(METHOD_NAMES[("elastic", "elastic")])
+  if mine is None:
+    return ""
+  others = [m for m in scores if m != METHOD_NAMES[("elastic", "elastic")]]
+  lines = ["Elastic minus each method, paired over the same items: difference in points "
+           "[95% interval].", "",
+           "| cell | n | " + " | ".join(f"− {m}" for m in others) + " |",
+           "|---|---|" + "---|" * len(others)]
+  for task in mixture.TASKS:
+    for variant in VARIANTS:
+      cells, n = [], 0
+      for m in others:
+        got = _paired(mine, scores[m], task, variant)
+        if got is None:
+          cells.append("-")
+          continue
+        d, n = got
+        cells.append(f"{d['diff']:+.1f} [{d['ci95'][0]:+.1f}, {d['ci95'][1]:+.1f}]")
+      if n:
+        lines.append(f"| {task} {variant} | {n} | " + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def targets(runs: list[tuple[str, dict]], sensitive_max: float = 0.75,
+            robust_min: float = 0.9, margin: float = 2.0) -> list[dict]:
+  """The paper's claims as checks on these runs, one per (claim, variant): met or missed, with
+  the figures behind the verdict."""
+  rows = dict(rows_of(runs))
+  scores = method_items(runs)
+  el_name, full_name = METHOD_NAMES[("elastic", "elastic")], METHOD_NAMES[("*", "full")]
+  el, full = rows.get(el_name), rows.get(full_name)
+  if el is None or full is None:
+    return []
+  out = []
+  robust = [t for t in mixture.TASKS if t not in mixture.SENSITIVE]
+  for variant in VARIANTS:
+    def task_rows(tasks, body=el):
+      return {t: body["tasks"].get(f"{t}@{variant}") for t in tasks
+              if body["tasks"].get(f"{t}@{variant}")}
+    rob, sens = task_rows(robust), task_rows(mixture.SENSITIVE)
+    if rob:
+      f = task_rows(robust, full)
+      ok = all(r["msr"] >= robust_min and f[t]["score"] - r["score"] <= margin
+               for t, r in rob.items())
+      out.append({"variant": variant, "claim": f"robust tasks: elastic MSR >= {robust_min} "
+                  f"and accuracy within {margin:g} points of full", "met": ok,
+                  "figures": ", ".join(f"{t} MSR {r['msr']:.2f}, {r['score'] - f[t]['score']:+.1f}"
+                                       for t, r in rob.items())})
+    if not sens:
+      continue
+    out.append({"variant": variant, "claim": f"sensitive tasks: elastic MSR <= {sensitive_max}",
+                "met": all(r["msr"] <= sensitive_max for r in sens.values()),
+                "figures": ", ".join(f"{t} {r['msr']:.2f}" for t, r in sens.items())})
+    figs, ok = [], True
+    for t in sens:
+      got = _paired(scores[full_name], scores[el_name], t, variant)
+      if got is None:
+        ok = False
+        continue
+      d = got[0]
+      ok &= d["diff"] <= margin and d["ci95"][0] <= 0 <= d["ci95"][1]
+      figs.append(f"{t} {d['diff']:+.1f} [{d['ci95'][0]:+.1f}, {d['ci95'][1]:+.1f}]")
+    out.append({"variant": variant, "claim": f"sensitive tasks: full - elastic <= {margin:g} "
+                "points, its paired interval including 0", "met": ok and bool(figs),
+                "figures": ", ".join(figs)})
+    for other, claim, want in (
+        (METHOD_NAMES[("*", "sparse")], "sensitive tasks: elastic above all heads SSA "
+         "(paired interval excluding 0)", None),
+        (METHOD_NAMES[("static-trained", "elastic")], "sensitive tasks: elastic above the "
+         "trained static gate at equal average MSR (paired interval excluding 0)", None),
+        (METHOD_NAMES[("elastic", "static")], "sensitive tasks: elastic above its own "
+         "most-chosen heads at equal average MSR (paired interval excluding 0)", None)):
+      if other not in scores:
+        continue
+      figs, ok = [], True
+      for t in sens:
+        got = _paired(scores[el_name], scores[other], t, variant)
+        if got is None:
+          ok = False
+          continue
+        d = got[0]
+        ok &= d["ci95"][0] > 0
+        figs.append(f"{t} {d['diff']:+.1f} [{d['ci95'][0]:+.1f}, {d['ci95'][1]:+.1f}]")
+      out.append({"variant": variant, "claim": claim, "met": ok and bool(figs),
+                  "figures": ", ".join(figs)})
+  return out
+
+
+def targets_table(checks: list[dict]) -> str:
+  if not checks:
+    return ""
+  lines = ["| variant | claim | met | figures |", "|---|---|---|---|"]
+  lines += [f"| {c['variant']} | {c['claim']} | {'**met**' if c['met'] else 'missed'} | "
+            f"{c['figures']} |" for c in checks]
+  return "\n".join(lines) + "\n"
+
+
+def parse_kernel_times(text: str) -> list[tuple[float, float]]:
+  """'MSR:ms,MSR:ms,...' (measured attention times at some MSRs) -> sorted pairs; MSR 0 and 1
+  must be among them so that every MSR in between interpolates."""
+  try:
+    pts = sorted((float(a), float(b)) for a, b in (x.split(":") for x in text.split(",")))
+  except ValueError:
+    raise SystemExit(f"error: --kernel-times {text!r}: expected MSR:ms pairs, e.g. "
+                     "0:232,0.75:65.4,1:8.12") from None
+  if pts[0][0] != 0.0 or pts[-1][0] != 1.0 or any(ms <= 0 for _, ms in pts):
+    raise SystemExit("error: --kernel-times needs MSR 0 and 1 and positive times")
+  return pts
+
+
+def plot_kernel_speed(runs, kernel: list[tuple[float, float]], label: str, out_dir: str) -> str:
+  """Accuracy (sensitive and robust tasks) against the attention speed-up over full that the
+  method's average MSR buys at the scale the kernel times were measured (interpolated
+  between measured MSRs)."""
+  from elastic_jax.eval.report import save_figure
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  ms, ts = np.array([p[0] for p in kernel]), np.array([p[1] for p in kernel])
+  fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+  for ax, group, title in ((axes[0], mixture.SENSITIVE, "sensitive tasks (kv, hop)"),
+                           (axes[1], tuple(t for t in mixture.TASKS
+                                           if t not in mixture.SENSITIVE),
+                            "robust tasks (summary, pattern, fewshot)")):
+    markers = iter("osD^v<>phX*")
+    for name, body in rows_of(runs):
+      pts = [body["tasks"].get(f"{t}@{v}") for t in group for v in VARIANTS]
+      pts = [p for p in pts if p]
+      if not pts:
+        continue
+      m = float(np.mean([p["msr"] for p in pts]))
+      x = ts[0] / float(np.interp(m, ms, ts))
+      ax.scatter([x], [np.mean([p["score"] for p in pts])], s=40,
+                 marker=next(markers, "o"), label=name)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("attention speed-up over full at the method's MSR\n" + label, fontsize=8)
+    ax.set_xscale("log")
+  axes[0].set_ylabel("accuracy %")
+  handles, labels = axes[0].get_legend_handles_labels()
+  fig.legend(handles, labels, fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
+  fig.suptitle("quality against measured attention speed", fontsize=11)
+  path = save_figure(fig, out_dir, "quality_vs_speed.png")
+  plt.close(fig)
+  return path
+
+
 def plot(runs: list[tuple[str, dict]], elastic_dir: str | None, out_dir: str) -> list[str]:
   from elastic_jax.eval.report import save_figure
   import matplotlib
@@ -152,6 +325,12 @@ def main(argv=None) -> int:
   p.add_argument("--run", action="append", required=True, metavar="LABEL=DIR")
   p.add_argument("--out", help="write the table here (Markdown); default: print it")
   p.add_argument("--plots", help="directory for quality_vs_sparsity.png and routing_map.png")
+  p.add_argument("--kernel-times", metavar="MSR:MS,...",
+                 help="measured attention times at several MSRs (0 and 1 among them), e.g. "
+                      "the 128K forward of benchmarks/README.md: also plots quality against "
+                      "the speed-up each method's MSR buys (quality_vs_speed.png)")
+  p.add_argument("--kernel-label", default="",
+                 help="where --kernel-times were measured (printed on the plot's axis)")
   args = p.parse_args(argv)
   runs, dirs = [], {}
   for spec in args.run:
@@ -161,12 +340,20 @@ def main(argv=None) -> int:
     runs.append((label, read_run(directory)))
     dirs[label] = directory
   text = table(runs)
+  extra = [x for x in (paired_table(runs), targets_table(targets(runs))) if x]
+  text = "\n".join([text, *extra])
   if args.out:
     from elastic_jax.files import atomic_write_text
     atomic_write_text(args.out, text)
   print(text)
+  kernel = parse_kernel_times(args.kernel_times) if args.kernel_times else None
+  if kernel and not args.plots:
+    raise SystemExit("error: --kernel-times draws a plot: pass --plots DIR too")
   if args.plots:
-    for path in plot(runs, dirs.get("elastic"), args.plots):
+    paths = plot(runs, dirs.get("elastic"), args.plots)
+    if kernel:
+      paths.append(plot_kernel_speed(runs, kernel, args.kernel_label, args.plots))
+    for path in paths:
       print(f"wrote {path}")
   return 0
 
