@@ -130,9 +130,9 @@ def test_forward_training_forward_and_gradients_match_reference(b, t, n, k, d, b
     assert err <= bound, (name, err, bound)
 
 
-def test_op_routes_to_the_kernel_and_packed_inputs_to_the_reference():
+def test_op_routes_to_the_kernel_unpacked_and_packed():
   """`hybrid_attention(attn_impl="pallas_gpu")`: the kernel's values (default tiles), and with
-  segment ids (which the kernel does not take) the reference's."""
+  segment ids the packed kernel's, both the reference's."""
   st = dict(sink_blocks=1, local_blocks=2, block=16)
   q, kk, v = _inputs(1, 70, 4, 2, 64, jnp.float32, seed=3)
   gate = jnp.asarray([[0.0, 0.7]])
@@ -140,9 +140,9 @@ def test_op_routes_to_the_kernel_and_packed_inputs_to_the_reference():
   ref = functools.partial(hybrid_attention, attn_impl="reference", **st)
   np.testing.assert_allclose(np.asarray(ours(q, kk, v, gate)),
                              np.asarray(ref(q, kk, v, gate)), atol=F32_TOL)
-  seg = jnp.asarray([[0] * 30 + [1] * 40])
+  seg = jnp.asarray([[1] * 30 + [2] * 40])
   np.testing.assert_allclose(np.asarray(ours(q, kk, v, gate, segment_ids=seg)),
-                             np.asarray(ref(q, kk, v, gate, segment_ids=seg)), atol=1e-6)
+                             np.asarray(ref(q, kk, v, gate, segment_ids=seg)), atol=F32_TOL)
 
 
 @pytest.mark.parametrize("setting,t,g,d,tiles", [("fa-xa", 128, 1, 64, (32, 16)),

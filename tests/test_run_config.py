@@ -45,7 +45,10 @@ def test_shipped_configs_load(path):
     assert os.path.isdir(resolve_model_path(cfg.model))          # the shipped backbone
     if name == "mixture_cpu.yaml":                               # and its shipped data
       assert os.path.isfile(cfg.data.train_path) and os.path.isfile(cfg.data.eval_path)
-    assert cfg.objective.targets == (0.7, 0.7, 1.0, 1.0, 1.0)
+    # The paper's targets in the CPU default; the GPU recipe asks 0.6 of the sensitive tasks
+    # (docs/results.md 4b: 0.7 left them above the claims' MSR 0.75).
+    sensitive = 0.7 if name == "mixture_cpu.yaml" else 0.6
+    assert cfg.objective.targets == (sensitive, sensitive, 1.0, 1.0, 1.0)
     assert cfg.router.streaming.block * cfg.router.local_blocks == 64
   elif name != "tiny.yaml":                      # the recipe: docs/method.md §7, 8 GPUs
     assert shape == {"data": 1, "fsdp": 4, "sequence": 2, "tensor": 1}

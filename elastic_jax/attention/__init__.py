@@ -15,9 +15,15 @@ Implementations:
   auto       hybrid: mosaic_gpu on a Hopper GPU, pallas_gpu on other GPUs, pallas_tpu on a
              TPU, the reference elsewhere;
              causal: cuDNN on a GPU (bf16/fp16, unpacked), the reference elsewhere.
-The kernels run on CPU with `interpret=True` and have fused backward passes; packed segments
-fall back to the reference.
+             Elsewhere on a GPU or TPU (packed rows, float32): the backend's hybrid kernel
+             with every head full.
+The kernels run on CPU with `interpret=True` (implementation "NAME:interpret", e.g.
+"pallas_gpu:interpret") and have fused backward passes. Packed rows (segment ids and
+positions) run on the GPU kernels (`pallas_gpu.make_packed_hybrid`); on the TPU kernel and
+under the XAttention settings they still go to the reference.
 """
+
+import functools
 
 from elastic_jax.attention.reference import (Streaming, causal_attention,
                                              dense_causal_attention, hybrid_attention)
@@ -45,11 +51,27 @@ def _auto_hybrid(*args, **kwargs):
 
 
 def _auto_causal(q, k, v, segment_ids=None):
-  """cuDNN's fused attention on a GPU for half-precision unpacked rows; the reference else."""
-  if (jax.default_backend() == "gpu" and segment_ids is None
-      and q.dtype in (jnp.bfloat16, jnp.float16)):
+  """cuDNN's fused attention on a GPU for half-precision unpacked rows; elsewhere on a GPU or
+  TPU the backend's hybrid kernel with every head full (MSR 0; packed rows too); the
+  reference on a CPU."""
+  backend = jax.default_backend()
+  if backend == "gpu" and segment_ids is None and q.dtype in (jnp.bfloat16, jnp.float16):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+  if backend == "gpu":
+    return _full_heads(HYBRID_IMPLS["mosaic_gpu" if _hopper() else "pallas_gpu"])(
+        q, k, v, segment_ids)
+  if backend == "tpu":
+    return _full_heads(HYBRID_IMPLS["pallas_tpu"])(q, k, v, segment_ids)
   return causal_attention(q, k, v, segment_ids)
+
+
+def _full_heads(hybrid, **kwargs):
+  """Causal attention `fn(q, k, v, segment_ids)` as a hybrid implementation with every head
+  full (gate 1): where no other fused kernel takes the row (packed rows, float32)."""
+  def fn(q, k, v, segment_ids=None):
+    gate = jnp.ones(k.shape[:3], jnp.float32)
+    return hybrid(q, k, v, gate, Streaming(), segment_ids, None, **kwargs)
+  return fn
 
 
 # The hybrid kernels' names also name a causal implementation (auto's), so that a model run
@@ -70,15 +92,35 @@ def _lookup(table, impl, what):
                           f"{', '.join(sorted(table))})") from None
 
 
+def _split_interpret(impl: str) -> tuple[str, bool]:
+  """"NAME:interpret" runs kernel NAME in Pallas's interpret mode (on a CPU, for tests)."""
+  name, sep, flag = impl.partition(":")
+  if sep and flag != "interpret":
+    raise ElasticJaxError(f"attention implementation '{impl}': the only suffix is ':interpret'")
+  if sep and name not in KERNELS:
+    raise ElasticJaxError(f"attention implementation '{impl}': ':interpret' applies to the "
+                          f"kernels ({', '.join(KERNELS)})")
+  return name, bool(sep)
+
+
+KERNELS = ("pallas_gpu", "mosaic_gpu", "pallas_tpu")
+
+
 def get_attention(impl: str):
-  return _lookup(IMPLS, impl, "attention")
+  name, interpret = _split_interpret(impl)
+  if interpret:   # the kernel itself, every head full, on any backend
+    return _full_heads(HYBRID_IMPLS[name], interpret=True)
+  return _lookup(IMPLS, name, "attention")
 
 
 def get_hybrid_attention(impl: str):
   """The hybrid version of `impl`; implementations without one use the reference."""
-  if impl in HYBRID_IMPLS:
-    return HYBRID_IMPLS[impl]
-  get_attention(impl)  # an unknown name is still an error
+  name, interpret = _split_interpret(impl)
+  if interpret:
+    return functools.partial(HYBRID_IMPLS[name], interpret=True)
+  if name in HYBRID_IMPLS:
+    return HYBRID_IMPLS[name]
+  get_attention(name)  # an unknown name is still an error
   return hybrid_attention
 
 

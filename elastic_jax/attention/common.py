@@ -116,23 +116,147 @@ def kernel_or_reference(kernel: Callable, q_btnh, k_btkh, v_btkh, gate_btk,
                         streaming: Streaming, segment_ids_bt=None, positions_bt=None, *,
                         interpret: bool = False, xa_kernel: Callable | None = None,
                         xa_kernel_applies: Callable[[int], bool] = lambda block: False,
-                        **reference_kwargs):
+                        packed_kernel: Callable | None = None, **reference_kwargs):
   """`reference.hybrid_attention`'s signature, on `kernel` where it applies.
 
-  The kernels take one gate per (batch, KV head) over unpacked rows; packed segments or custom
-  positions go to the reference. The XAttention settings ("patterns" and "xa_keep" in the
-  keyword arguments) run on `xa_kernel` where the backend has one and `xa_kernel_applies` to
-  the block size, else on the reference.
+  `kernel` takes one gate per (batch, KV head) over unpacked rows; packed segments or custom
+  positions go to `packed_kernel(q, k, v, gate_btk, segment_ids, positions, streaming,
+  interpret)` where the backend has one (missing segment ids: one segment per row; missing
+  positions: 0 .. T-1 along the row, as in the reference), else to the reference. The XAttention
+  settings ("patterns" and "xa_keep" in the keyword arguments) run on `xa_kernel` where the
+  backend has one and `xa_kernel_applies` to the block size, else on the reference.
   """
   if gate_btk is None:
     gate_btk = jnp.zeros(k_btkh.shape[:3], jnp.float32)
   patterns = reference_kwargs.get("patterns", "fa-ssa")
   xa_block = reference_kwargs.get("xa_block", 128)
-  if (segment_ids_bt is not None or positions_bt is not None
-      or (patterns != "fa-ssa" and (xa_kernel is None or not xa_kernel_applies(xa_block)))):
+  packed = segment_ids_bt is not None or positions_bt is not None
+  if packed and patterns == "fa-ssa" and packed_kernel is not None:
+    b, t = q_btnh.shape[:2]
+    if segment_ids_bt is None:
+      segment_ids_bt = jnp.ones((b, t), jnp.int32)
+    if positions_bt is None:   # the reference's default: 0 .. T-1 along the row
+      positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+    return packed_kernel(q_btnh, k_btkh, v_btkh, gate_btk, segment_ids_bt, positions_bt,
+                         streaming, interpret)
+  if packed or (patterns != "fa-ssa" and (xa_kernel is None or not xa_kernel_applies(xa_block))):
     return reference_hybrid(q_btnh, k_btkh, v_btkh, gate_btk, streaming, segment_ids_bt,
                             positions_bt, **reference_kwargs)
   if patterns != "fa-ssa":
     return xa_kernel(q_btnh, k_btkh, v_btkh, gate_btk[:, 0, :], reference_kwargs["xa_keep"],
                      streaming, patterns, xa_block, interpret)
   return kernel(q_btnh, k_btkh, v_btkh, gate_btk[:, 0, :], streaming, interpret)
+
+
+# ----------------------------------------------------------------------------------------------
+# Packed rows: the tile schedule of segments
+
+
+def segment_bounds(segment_ids_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(start, end) int32 [B, T]: the first index and one past the last of the run of equal
+  segment ids holding each token (segments are contiguous runs)."""
+  b, t = segment_ids_bt.shape
+  idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  first = jnp.concatenate([jnp.ones((b, 1), bool),
+                           segment_ids_bt[:, 1:] != segment_ids_bt[:, :-1]], axis=1)
+  last = jnp.concatenate([segment_ids_bt[:, 1:] != segment_ids_bt[:, :-1],
+                          jnp.ones((b, 1), bool)], axis=1)
+  start = jax.lax.cummax(jnp.where(first, idx, 0), axis=1)
+  end = jax.lax.cummin(jnp.where(last, idx + 1, t), axis=1, reverse=True)
+  return start, end
+
+
+def _mode_of_range(count0, count1, lo, hi):
+  """Mode of rows [lo, hi) from prefix counts of r == 0 and r == 1 ([..., T + 1])."""
+  n = hi - lo
+  zeros = jnp.take_along_axis(count0, hi, -1) - jnp.take_along_axis(count0, lo, -1)
+  ones = jnp.take_along_axis(count1, hi, -1) - jnp.take_along_axis(count1, lo, -1)
+  return jnp.where(zeros == n, MODE_SPARSE, jnp.where(ones == n, MODE_FULL, MODE_MIX)).astype(
+      jnp.int32)
+
+
+def packed_plan(segment_ids_bt, positions_bt, gate_btk, streaming: Streaming, block_q: int,
+                block_k: int):
+  """The tile schedule of packed rows (T a multiple of both tiles; pad rows as a segment).
+
+  Returns a dict of int32 arrays:
+    q_plan [B, nq, 8]: per query tile, the key tiles it visits: [kv_lo, causal_hi) for a full
+      head; [kv_lo, sink_hi) then [win_lo, causal_hi) for a streaming one. kv_lo is the tile
+      holding the segment start of the tile's first row: tiles of earlier segments are
+      skipped, not masked. Rows of later segments in the tile start inside it, so their sink
+      and window lie in [win_lo, causal_hi). Then [in_lo, in_hi) and [in_lo, sparse_in_hi):
+      the visited tiles that need no mask, for a full and a streaming head; the last entry
+      is 0.
+    k_plan [B, nk, 4]: per key tile, the query tiles that see it (the transpose, for dK/dV):
+      [q_lo, q_hi_full) full heads, [q_lo, q_hi_sparse) streaming ones (a sink key is seen
+      to its segment's end, another one as far as the window reaches); the last entry is 0.
+    q_modes [B, K, nq], k_modes [B, K, nk]: each tile's run-time mode from the gates of the
+      query rows it serves (MODE_MIX when they differ).
+  Streaming ranges assume positions that count 0, 1, ... from each segment's start; a tile
+  of any segment whose positions do not gets the full range, masked (correct, not fast).
+  Every visited tile is masked by segment, causality and (streaming) positions in the kernel,
+  so a schedule only has to be a superset of the tiles that hold visible keys.
+  """
+  b, t = segment_ids_bt.shape
+  if t % block_q or t % block_k:
+    raise ValueError(f"packed_plan: T = {t} must be a multiple of the tiles {block_q}, "
+                     f"{block_k}")
+  nq, nk = t // block_q, t // block_k
+  idx = jnp.arange(t, dtype=jnp.int32)
+  start, end = segment_bounds(segment_ids_bt)
+  pos = positions_bt.astype(jnp.int32)
+  bad = (pos != idx[None] - start).astype(jnp.int32)
+  bad_prefix = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.cumsum(bad, axis=1)], axis=1)
+  seg_bad = (jnp.take_along_axis(bad_prefix, end, 1)
+             - jnp.take_along_axis(bad_prefix, start, 1)) > 0            # [B, T]
+  blk, sink_tok = streaming.block, streaming.sink_blocks * streaming.block
+
+  # Query tiles.
+  first = jnp.arange(nq, dtype=jnp.int32) * block_q
+  s0 = start[:, first]                                                   # [B, nq]
+  e0 = end[:, first]
+  causal_hi = jnp.broadcast_to(-(-(first + block_q) // block_k), (b, nq)).astype(jnp.int32)
+  kv_lo = s0 // block_k
+  sink_hi = jnp.minimum(-(-jnp.minimum(s0 + sink_tok, e0) // block_k), causal_hi)
+  sink_hi = kv_lo if sink_tok == 0 else jnp.maximum(sink_hi, kv_lo)
+  p0 = first[None] - s0
+  win_lo = (s0 + jnp.maximum(p0 // blk - streaming.local_blocks + 1, 0) * blk) // block_k
+  tile_bad = seg_bad.reshape(b, nq, block_q).any(-1)
+  sink_hi = jnp.where(tile_bad, kv_lo, sink_hi)
+  win_lo = jnp.where(tile_bad, kv_lo, jnp.maximum(win_lo, kv_lo))
+  # Tiles that need no mask: wholly inside the segment, before the query tile, when the query
+  # tile holds one segment: [in_lo, in_hi) for a full head. A streaming head's visited tiles
+  # there need none either when SSA blocks, counted from the segment's start, hold whole tiles
+  # and the query tile lies in one block (the segment starts on a tile boundary).
+  single = start[:, first + block_q - 1] == s0
+  in_lo = -(-s0 // block_k)
+  in_hi = jnp.where(single, jnp.maximum(first[None] // block_k, in_lo), in_lo)
+  grid_ok = blk % block_q == 0 and blk % block_k == 0 and sink_tok % block_k == 0
+  sparse_in_hi = jnp.where(single & ~tile_bad & (s0 % max(block_q, block_k) == 0) & grid_ok,
+                           in_hi, in_lo)
+  q_plan = jnp.stack([kv_lo, sink_hi, win_lo, causal_hi, in_lo, in_hi, sparse_in_hi,
+                      jnp.zeros_like(kv_lo)], axis=-1).astype(jnp.int32)
+
+  # Key tiles (transposed): reach = one past the last query index that may see a key.
+  reach_full = end
+  window_end = start + (pos // blk + streaming.local_blocks) * blk
+  reach_sparse = jnp.where((pos < sink_tok) | seg_bad, end, jnp.minimum(window_end, end))
+  key_first = jnp.arange(nk, dtype=jnp.int32) * block_k
+  q_lo = jnp.broadcast_to(key_first // block_q, (b, nk)).astype(jnp.int32)
+  tile_max = lambda x: x.reshape(b, nk, block_k).max(-1)
+  q_hi_full = jnp.maximum(-(-tile_max(reach_full) // block_q), q_lo)
+  q_hi_sparse = jnp.clip(-(-tile_max(reach_sparse) // block_q), q_lo, q_hi_full)
+  k_plan = jnp.stack([q_lo, q_hi_full, q_hi_sparse, jnp.zeros_like(q_lo)], axis=-1).astype(
+      jnp.int32)
+
+  # Modes from the gates of the rows each tile serves.
+  g = gate_btk.astype(jnp.float32).transpose(0, 2, 1)                    # [B, K, T]
+  pre = lambda m: jnp.concatenate([jnp.zeros(m.shape[:2] + (1,), jnp.int32),
+                                   jnp.cumsum(m.astype(jnp.int32), -1)], -1)
+  c0, c1 = pre(g <= 0.0), pre(g >= 1.0)
+  kh = g.shape[1]
+  rows = lambda x: jnp.broadcast_to(x[:, None], (b, kh) + x.shape[1:])
+  q_modes = _mode_of_range(c0, c1, rows(jnp.broadcast_to(first, (b, nq))),
+                           rows(jnp.broadcast_to(first + block_q, (b, nq))))
+  k_modes = _mode_of_range(c0, c1, rows(q_lo * block_q), rows(q_hi_full * block_q))
+  return {"q_plan": q_plan, "k_plan": k_plan, "q_modes": q_modes, "k_modes": k_modes}

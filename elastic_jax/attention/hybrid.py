@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from elastic_jax.attention import HYBRID_IMPLS, Streaming
 from elastic_jax.attention.reference import PATTERN_PAIRS
@@ -42,6 +43,34 @@ def _check_inputs(q, k, v, gate, segment_ids, positions) -> None:
     if tuple(x.shape) != (b, t) or not jnp.issubdtype(x.dtype, jnp.integer):
       raise ElasticJaxError(f"{name} must be integers [B, T] = {[b, t]}, got "
                             f"{x.dtype}{list(x.shape)}")
+  if segment_ids is not None and all(_concrete(x) for x in (segment_ids, positions, gate)):
+    _check_segments(np.asarray(segment_ids), None if positions is None else
+                    np.asarray(positions), np.asarray(gate, np.float32))
+
+
+def _check_segments(seg, pos, gate) -> None:
+  """Packed rows, where the values are known: every segment id other than 0 (padding) is one
+  contiguous run of its row, its positions count 0, 1, ... from the run's start, and a gate
+  given per token ([B, T, K]) is constant within it."""
+  for row in range(seg.shape[0]):
+    s = seg[row]
+    starts = np.flatnonzero(np.r_[True, s[1:] != s[:-1]])
+    ids = s[starts]
+    real = ids != 0
+    if len(set(ids[real].tolist())) != int(real.sum()):
+      dup = next(i for i in ids[real] if (ids[real] == i).sum() > 1)
+      raise ElasticJaxError(f"segment_ids, row {row}: segment {int(dup)} is split into "
+                            "several runs; each packed segment must be one contiguous run")
+    ends = np.r_[starts[1:], len(s)]
+    for a, e, i in zip(starts, ends, ids):
+      if i == 0:
+        continue
+      if pos is not None and not np.array_equal(pos[row, a:e], np.arange(e - a)):
+        raise ElasticJaxError(f"positions, row {row}: segment {int(i)} (tokens {a}-{e - 1}) "
+                              "must count 0, 1, ... from its start")
+      if gate.ndim == 3 and (gate[row, a:e] != gate[row, a]).any():
+        raise ElasticJaxError(f"gate, row {row}: segment {int(i)} (tokens {a}-{e - 1}) has "
+                              "more than one gate per KV head; a segment is routed once")
 
 
 def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, gate: jax.Array, *,
@@ -67,9 +96,12 @@ def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, gate: jax.Array, 
       (`elastic_jax.attention.xattention.select`).
   Differentiable in q, k, v and gate (the kept blocks are constants).
 
-  Shapes and dtypes are checked up front, one sentence each. Values (gates in [0, 1]; segment
-  ids as contiguous runs) are checked when they are concrete, i.e. not under `jax.jit`, where
-  only shapes and dtypes are known: inside jit the caller vouches for them.
+  Shapes and dtypes are checked up front, one sentence each. Values (gates in [0, 1]; each
+  packed segment one contiguous run of its row, with positions 0, 1, ... from its start and
+  one gate per KV head; segment id 0 is padding, free of these rules) are checked when they
+  are concrete, i.e. not under `jax.jit`, where only shapes and dtypes are known: inside jit
+  the caller vouches for them. Broken, they do not make the kernels wrong, only slower:
+  every tile the kernels visit is masked by segment, causality and position.
   """
   if attn_impl not in HYBRID_IMPLS:
     raise ElasticJaxError(f"hybrid attention implementation '{attn_impl}' is unknown (known: "

@@ -332,4 +332,5 @@ def make_hybrid(tiles: MosaicTiles = DEFAULT_TILES):
 
 hybrid_attention = functools.partial(kernel_or_reference, make_hybrid(),
                                      xa_kernel=pallas_gpu.make_xa_hybrid(),
-                                     xa_kernel_applies=pallas_gpu.xa_kernel_applies)
+                                     xa_kernel_applies=pallas_gpu.xa_kernel_applies,
+                                     packed_kernel=pallas_gpu.make_packed_hybrid())

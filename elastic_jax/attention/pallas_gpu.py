@@ -29,6 +29,8 @@ import dataclasses
 import functools
 import math
 
+import numpy as np
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -36,7 +38,7 @@ from jax.experimental import pallas as pl
 
 from elastic_jax.attention.common import (MODE_FULL, MODE_MIX, MODE_SPARSE,
                                           kernel_or_reference, modes_from_gate, pad_to,
-                                          q_tile_range, row_deltas, tile_ranges,
+                                          packed_plan, q_tile_range, row_deltas, tile_ranges,
                                           with_fused_backward, xa_operands)
 
 assert (MODE_SPARSE, MODE_FULL, MODE_MIX) == (0, 1, 2)  # the order of lax.switch below
@@ -644,6 +646,364 @@ def hybrid_parts(forward_tiles: Tiles = FORWARD_TILES,
   return forward, forward_train, backward
 
 
+
+
+# ----------------------------------------------------------------------------------------------
+# Packed rows: segments and positions at run time (common.packed_plan's tile schedule)
+#
+# Per program the tile ranges come from the plan (kv_lo skips the tiles of earlier segments),
+# the mode from the gates of the rows it serves, and every visited tile is masked by segment,
+# causality and (SSA) the positions' blocks. The gate is per row ([B, K, T]): a mixed tile
+# (rows of segments routed differently) keeps both online softmaxes and mixes per row.
+
+
+def _online_init(rows: int, d: int):
+  return (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), MASK_VALUE, jnp.float32),
+          jnp.zeros((rows,), jnp.float32))
+
+
+def _online_update(carry, s, ok, v):
+  """One key tile into the online softmax; ok None: every entry counts (no mask)."""
+  acc, m, l = carry
+  if ok is not None:
+    s = jnp.where(ok, s, MASK_VALUE)
+  m_new = jnp.maximum(m, s.max(axis=-1))
+  p = jnp.exp2(s - m_new[:, None])
+  if ok is not None:
+    p = jnp.where(ok, p, 0.0)
+  corr = jnp.exp2(m - m_new)
+  pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return acc * corr[:, None] + pv, m_new, l * corr + p.sum(axis=-1)
+
+
+def _online_finish(carry):
+  acc, _, l = carry
+  return acc / jnp.where(l == 0.0, 1.0, l)[:, None]
+
+
+def _packed_masks(seg_q, pos_q, q_idx, seg_k, pos_k, k_idx, streaming: Streaming):
+  """(full, SSA) masks of a tile of query rows x key columns of packed rows."""
+  full = (k_idx[None, :] <= q_idx[:, None]) & (seg_k[None, :] == seg_q[:, None])
+  return full, full & streaming.allows(pos_q[:, None], pos_k[None, :])
+
+
+def _packed_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, q_ref, k_ref, v_ref,
+                   *out_refs, scale, block_q, block_k, streaming: Streaming, train: bool):
+  qi = pl.program_id(0)
+  kv_lo, sink_hi, win_lo, causal_hi, in_lo, in_hi, sparse_in_hi = (plan_ref[x]
+                                                                  for x in range(7))
+  mode = modes_ref[0]
+  q = q_ref[...]
+  d = q.shape[-1]
+  q_start = qi * block_q
+  rows = pl.ds(q_start, block_q)
+  seg_q, pos_q, r = seg_ref[rows], pos_ref[rows], gate_ref[rows]
+  q_idx = q_start + jnp.arange(block_q)
+  qk_scale = scale * _LOG2E
+
+  def tile(j):
+    cols = pl.ds(j * block_k, block_k)
+    s = jnp.dot(q, k_ref[cols, :].T, preferred_element_type=jnp.float32) * qk_scale
+    full, ssa = _packed_masks(seg_q, pos_q, q_idx, seg_ref[cols], pos_ref[cols],
+                              j * block_k + jnp.arange(block_k), streaming)
+    return s, full, ssa, v_ref[cols, :]
+
+  def one(use_ssa):
+    def body(j, c):
+      s, full, ssa, v = tile(j)
+      return _online_update(c, s, ssa if use_ssa else full, v)
+    return body
+
+  def plain(j, c):                       # a tile wholly visible to every row: no mask
+    cols = pl.ds(j * block_k, block_k)
+    s = jnp.dot(q, k_ref[cols, :].T, preferred_element_type=jnp.float32) * qk_scale
+    return _online_update(c, s, None, v_ref[cols, :])
+
+  def visit(lo, hi, c, use_ssa):
+    """Tiles [lo, hi): masked, except those of the plan's no-mask range."""
+    a = jnp.clip(in_lo, lo, hi)
+    z = jnp.clip(sparse_in_hi if use_ssa else in_hi, a, hi)
+    c = lax.fori_loop(lo, a, one(use_ssa), c)
+    c = lax.fori_loop(a, z, plain, c)
+    return lax.fori_loop(z, hi, one(use_ssa), c)
+
+  def both(j, c):
+    s, full, ssa, v = tile(j)
+    return _online_update(c[0], s, full, v), _online_update(c[1], s, ssa, v)
+
+  def full_only(j, c):
+    s, full, _, v = tile(j)
+    return _online_update(c[0], s, full, v), c[1]
+
+  lo2 = jnp.maximum(win_lo, sink_hi)
+  init = lambda: _online_init(block_q, d)
+  if not train:
+    def run_sparse():
+      c = visit(kv_lo, sink_hi, init(), True)
+      return _online_finish(visit(lo2, causal_hi, c, True))
+
+    def run_full():
+      return _online_finish(visit(kv_lo, causal_hi, init(), False))
+
+    def run_mix():
+      fa, sa = lax.fori_loop(kv_lo, causal_hi, both, (init(), init()))
+      return r[:, None] * _online_finish(fa) + (1.0 - r[:, None]) * _online_finish(sa)
+
+    (o_ref,) = out_refs
+    o_ref[...] = lax.switch(mode, [run_sparse, run_full, run_mix]).astype(o_ref.dtype)
+    return
+
+  o_ref, o_fa_ref, o_sa_ref, lse_fa_ref, lse_sa_ref = out_refs
+  c = lax.fori_loop(kv_lo, sink_hi, both, (init(), init()))
+  c = lax.fori_loop(sink_hi, lo2, full_only, c)
+  fa_c, sa_c = lax.fori_loop(lo2, causal_hi, both, c)
+  o_fa, o_sa = _online_finish(fa_c), _online_finish(sa_c)
+  o_ref[...] = (r[:, None] * o_fa + (1.0 - r[:, None]) * o_sa).astype(o_ref.dtype)
+  o_fa_ref[...] = o_fa.astype(o_fa_ref.dtype)
+  o_sa_ref[...] = o_sa.astype(o_sa_ref.dtype)
+  for (_, m, l), ref in ((fa_c, lse_fa_ref), (sa_c, lse_sa_ref)):
+    ref[...] = m + jnp.log2(jnp.maximum(l, 1e-30))
+
+
+def _packed_dq_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, q_ref, k_ref, v_ref,
+                      do_ref, lse_fa_ref, lse_sa_ref, d_fa_ref, d_sa_ref, dq_ref, *, scale,
+                      block_q, block_k, streaming: Streaming):
+  """dQ of one (query tile, batch, query head) of packed rows: the forward's walk."""
+  qi = pl.program_id(0)
+  kv_lo, sink_hi, win_lo, causal_hi = (plan_ref[x] for x in range(4))
+  mode = modes_ref[0]
+  q, do = q_ref[...], do_ref[...]
+  q_start = qi * block_q
+  rows = pl.ds(q_start, block_q)
+  seg_q, pos_q, r = seg_ref[rows], pos_ref[rows], gate_ref[rows][:, None]
+  lse_fa, lse_sa = lse_fa_ref[...][:, None], lse_sa_ref[...][:, None]
+  d_fa, d_sa = d_fa_ref[...][:, None], d_sa_ref[...][:, None]
+  q_idx = q_start + jnp.arange(block_q)
+  qk_scale = scale * _LOG2E
+
+  def walk(lo, hi, acc, fa, sa):
+    def body(j, acc):
+      cols = pl.ds(j * block_k, block_k)
+      k, v = k_ref[cols, :], v_ref[cols, :]
+      s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * qk_scale
+      dp = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
+      full, ssa = _packed_masks(seg_q, pos_q, q_idx, seg_ref[cols], pos_ref[cols],
+                                j * block_k + jnp.arange(block_k), streaming)
+      ds = _dscores(s, dp, r, full, ssa, lse_fa, lse_sa, d_fa, d_sa, fa, sa)[0]
+      return acc + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+    return lax.fori_loop(lo, hi, body, acc)
+
+  lo2 = jnp.maximum(win_lo, sink_hi)
+  zero = jnp.zeros(q.shape, jnp.float32)
+  branches = [
+      lambda: walk(lo2, causal_hi, walk(kv_lo, sink_hi, zero, False, True), False, True),
+      lambda: walk(kv_lo, causal_hi, zero, True, False),
+      lambda: walk(lo2, causal_hi, walk(sink_hi, lo2, walk(kv_lo, sink_hi, zero, True, True),
+                                        True, False), True, True)]
+  dq_ref[...] = (lax.switch(mode, branches) * scale).astype(dq_ref.dtype)
+
+
+def _packed_dkv_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, q_ref, k_ref, v_ref,
+                       do_ref, lse_fa_ref, lse_sa_ref, d_fa_ref, d_sa_ref, dk_ref, dv_ref, *,
+                       scale, block_q, block_k, groups, streaming: Streaming):
+  """dK and dV of one (key tile, batch, KV head) of packed rows, over the G query heads: the
+  query tiles of the plan's transposed ranges."""
+  kj = pl.program_id(0)
+  q_lo, q_hi_full, q_hi_sparse = (plan_ref[x] for x in range(3))
+  mode = modes_ref[0]
+  k, v = k_ref[...], v_ref[...]
+  cols = pl.ds(kj * block_k, block_k)
+  seg_k, pos_k = seg_ref[cols], pos_ref[cols]
+  k_idx = kj * block_k + jnp.arange(block_k)
+  qk_scale = scale * _LOG2E
+
+  def walk(lo, hi, c, fa, sa):
+    for g in range(groups):
+      def body(i, c, g=g):
+        dk, dv = c
+        rows = pl.ds(i * block_q, block_q)
+        q, do = q_ref[rows, g, :], do_ref[rows, g, :]
+        s_t = jnp.dot(k, q.T, preferred_element_type=jnp.float32) * qk_scale
+        dp_t = jnp.dot(v, do.T, preferred_element_type=jnp.float32)
+        full, ssa = _packed_masks(seg_ref[rows], pos_ref[rows],
+                                  i * block_q + jnp.arange(block_q), seg_k, pos_k, k_idx,
+                                  streaming)
+        row = lambda ref: ref[g, rows][None, :]
+        ds_t, p_t = _dscores(s_t, dp_t, gate_ref[rows][None, :], full.T, ssa.T,
+                             row(lse_fa_ref), row(lse_sa_ref), row(d_fa_ref), row(d_sa_ref),
+                             fa, sa)
+        dv = dv + jnp.dot(p_t.astype(do.dtype), do, preferred_element_type=jnp.float32)
+        dk = dk + jnp.dot(ds_t.astype(q.dtype), q, preferred_element_type=jnp.float32)
+        return dk, dv
+      c = lax.fori_loop(lo, hi, body, c)
+    return c
+
+  zero = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+  branches = [lambda: walk(q_lo, q_hi_sparse, zero, False, True),
+              lambda: walk(q_lo, q_hi_full, zero, True, False),
+              lambda: walk(q_hi_sparse, q_hi_full, walk(q_lo, q_hi_sparse, zero, True, True),
+                           True, False)]
+  dk, dv = lax.switch(mode, branches)
+  dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _packed_inputs(q, k, v, gate_btk, segment_ids, positions, multiple: int):
+  """Pads T to `multiple` (the padding is one more segment, id -1) and D to a power of two
+  >= 16; the gate as rows [B, K, Tp] float32."""
+  t, d = q.shape[1], q.shape[3]
+  tp = t + (-t % multiple)
+  dp = max(16, pl.next_power_of_2(d))
+  q, k, v = (pad_to(pad_to(x, 1, tp), 3, dp) for x in (q, k, v))
+  extra = tp - t
+  seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, extra)), constant_values=-1)
+  pos = jnp.pad(positions.astype(jnp.int32), ((0, 0), (0, extra)))
+  if extra:   # the padding segment counts its own positions
+    pos = pos.at[:, t:].set(jnp.arange(extra, dtype=jnp.int32)[None])
+  gate = pad_to(gate_btk.astype(jnp.float32), 1, tp).transpose(0, 2, 1)
+  return q, k, v, seg, pos, gate
+
+
+def _packed_specs(tp: int, groups: int, by_kv_head: bool):
+  """BlockSpecs of (seg, pos, gate rows) for a grid (tile, batch, head)."""
+  head = (lambda h: h) if by_kv_head else (lambda h: h // groups)
+  row = pl.BlockSpec((None, tp), lambda i, j, h: (j, 0))
+  gate = pl.BlockSpec((None, None, tp), lambda i, j, h: (j, head(h), 0))
+  return [row, row, gate]
+
+
+def _packed_forward_call(q, k, v, seg, pos, gate, plan, *, scale, streaming, tiles: Tiles,
+                         interpret, train):
+  b, tp, n, dp = q.shape
+  kh = k.shape[2]
+  groups = n // kh
+  bq = tiles.block_q
+  o_spec = pl.BlockSpec((None, bq, None, dp), lambda i, j, h: (j, i, h, 0))
+  o_shape = jax.ShapeDtypeStruct((b, tp, n, dp), q.dtype)
+  out_specs, out_shape = o_spec, o_shape
+  if train:
+    lse_spec = pl.BlockSpec((None, None, bq), lambda i, j, h: (j, h, i))
+    lse_shape = jax.ShapeDtypeStruct((b, n, tp), jnp.float32)
+    out_specs, out_shape = [o_spec] * 3 + [lse_spec] * 2, [o_shape] * 3 + [lse_shape] * 2
+  return pl.pallas_call(
+      functools.partial(_packed_kernel, scale=scale, block_q=bq, block_k=tiles.block_k,
+                        streaming=streaming, train=train),
+      grid=(tp // bq, b, n),
+      in_specs=[pl.BlockSpec((None, None, 8), lambda i, j, h: (j, i, 0)),
+                pl.BlockSpec((None, None, 1), lambda i, j, h: (j, h // groups, i)),
+                *_packed_specs(tp, groups, False),
+                pl.BlockSpec((None, bq, None, dp), lambda i, j, h: (j, i, h, 0)),
+                pl.BlockSpec((None, tp, None, dp), lambda i, j, h: (j, 0, h // groups, 0)),
+                pl.BlockSpec((None, tp, None, dp), lambda i, j, h: (j, 0, h // groups, 0))],
+      out_specs=out_specs, out_shape=out_shape, compiler_params=tiles.params(dp),
+      interpret=interpret,
+      name="elastic_packed_forward_train" if train else "elastic_packed_forward",
+  )(plan["q_plan"], plan["q_modes"], seg, pos, gate, q, k, v)
+
+
+def _packed_backward_call(res, d_out, streaming, interpret, dq_t: Tiles, dkv_t: Tiles):
+  qp, kp, vp, seg, pos, gate, gate_btk, o_fa, o_sa, lse_fa, lse_sa = res
+  b, t, n, d = d_out.shape
+  tp, dp, kh = qp.shape[1], qp.shape[3], kp.shape[2]
+  groups = n // kh
+  d_fa, d_sa = (jnp.einsum("btnd,btnd->btn", d_out.astype(jnp.float32), x.astype(jnp.float32))
+                for x in (o_fa, o_sa))
+  d_gate = (d_fa - d_sa).reshape(b, t, kh, groups).sum(-1).astype(gate_btk.dtype)
+  d_fa, d_sa = (pad_to(x, 1, tp).transpose(0, 2, 1) for x in (d_fa, d_sa))  # [B, N, Tp]
+  do = pad_to(pad_to(d_out.astype(qp.dtype), 1, tp), 3, dp)
+  scale = d ** -0.5
+
+  bq, bk = dq_t.block_q, dq_t.block_k
+  plan = packed_plan(seg, pos, gate.transpose(0, 2, 1), streaming, bq, bk)
+  q_tile = pl.BlockSpec((None, bq, None, dp), lambda i, j, h: (j, i, h, 0))
+  kv_all = pl.BlockSpec((None, tp, None, dp), lambda i, j, h: (j, 0, h // groups, 0))
+  row_tile = pl.BlockSpec((None, None, bq), lambda i, j, h: (j, h, i))
+  dq = pl.pallas_call(
+      functools.partial(_packed_dq_kernel, scale=scale, block_q=bq, block_k=bk,
+                        streaming=streaming),
+      grid=(tp // bq, b, n),
+      in_specs=[pl.BlockSpec((None, None, 8), lambda i, j, h: (j, i, 0)),
+                pl.BlockSpec((None, None, 1), lambda i, j, h: (j, h // groups, i)),
+                *_packed_specs(tp, groups, False),
+                q_tile, kv_all, kv_all, q_tile] + [row_tile] * 4,
+      out_specs=q_tile, out_shape=jax.ShapeDtypeStruct(qp.shape, qp.dtype),
+      compiler_params=dq_t.params(dp), interpret=interpret, name="elastic_packed_dq",
+  )(plan["q_plan"], plan["q_modes"], seg, pos, gate, qp, kp, vp, do, lse_fa, lse_sa, d_fa,
+    d_sa)
+
+  bq, bk = dkv_t.block_q, dkv_t.block_k
+  plan = packed_plan(seg, pos, gate.transpose(0, 2, 1), streaming, bq, bk)
+  q_group = pl.BlockSpec((None, tp, groups, dp), lambda i, j, h: (j, 0, h, 0))
+  kv_tile = pl.BlockSpec((None, bk, None, dp), lambda i, j, h: (j, i, h, 0))
+  rows_group = pl.BlockSpec((None, groups, tp), lambda i, j, h: (j, h, 0))
+  dk, dv = pl.pallas_call(
+      functools.partial(_packed_dkv_kernel, scale=scale, block_q=bq, block_k=bk,
+                        groups=groups, streaming=streaming),
+      grid=(tp // bk, b, kh),
+      in_specs=[pl.BlockSpec((None, None, 4), lambda i, j, h: (j, i, 0)),
+                pl.BlockSpec((None, None, 1), lambda i, j, h: (j, h, i)),
+                *_packed_specs(tp, groups, True),
+                q_group, kv_tile, kv_tile, q_group] + [rows_group] * 4,
+      out_specs=[kv_tile, kv_tile], out_shape=[jax.ShapeDtypeStruct(kp.shape, kp.dtype)] * 2,
+      compiler_params=dkv_t.params(dp), interpret=interpret, name="elastic_packed_dkv",
+  )(plan["k_plan"], plan["k_modes"], seg, pos, gate, qp, kp, vp, do, lse_fa, lse_sa, d_fa,
+    d_sa)
+  cut = lambda x: x[:, :t, :, :d]
+  return cut(dq), cut(dk), cut(dv), d_gate
+
+
+def make_packed_hybrid(forward_tiles: Tiles = FORWARD_TILES,
+                       train_forward_tiles: Tiles = TRAIN_FORWARD_TILES,
+                       dq_tiles: Tiles = DQ_TILES, dkv_tiles: Tiles = DKV_TILES):
+  """The differentiable kernel of packed rows `fn(q, k, v, gate_btk, segment_ids, positions,
+  streaming, interpret)`: gate [B, T, K] (constant within a segment), segment ids and
+  positions [B, T] int (positions counting from 0 at each segment's start for the streaming
+  heads' tile skipping; other positions stay correct, at full cost). Differentiable in q, k, v
+  and the gate."""
+
+  def fit_all(t, tiles):
+    all_tiles = [x.fit(t) for x in tiles]
+    return all_tiles, max(max(x.block_q, x.block_k) for x in all_tiles)
+
+  def run_forward(q, k, v, gate_btk, seg_ids, positions, streaming, interpret, train):
+    t, d = q.shape[1], q.shape[3]
+    chosen = (train_forward_tiles, dq_tiles, dkv_tiles) if train else (forward_tiles,)
+    (tiles, *_), multiple = fit_all(t, chosen)
+    qp, kp, vp, seg, pos, gate = _packed_inputs(q, k, v, gate_btk, seg_ids, positions,
+                                                multiple)
+    plan = packed_plan(seg, pos, gate.transpose(0, 2, 1), streaming, tiles.block_q,
+                       tiles.block_k)
+    out = _packed_forward_call(qp, kp, vp, seg, pos, gate, plan, scale=d ** -0.5,
+                               streaming=streaming, tiles=tiles, interpret=interpret,
+                               train=train)
+    return out, (qp, kp, vp, seg, pos, gate)
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+  def fn(q, k, v, gate_btk, seg_ids, positions, streaming, interpret):
+    out, _ = run_forward(q, k, v, gate_btk, seg_ids, positions, streaming, interpret, False)
+    return out[:, :q.shape[1], :, :q.shape[3]]
+
+  def forward_train(q, k, v, gate_btk, seg_ids, positions, streaming, interpret):
+    t, d = q.shape[1], q.shape[3]
+    (o, o_fa, o_sa, lse_fa, lse_sa), inputs = run_forward(
+        q, k, v, gate_btk, seg_ids, positions, streaming, interpret, True)
+    cut = lambda x: x[:, :t, :, :d]
+    return cut(o), (*inputs, gate_btk, cut(o_fa), cut(o_sa), lse_fa, lse_sa, seg_ids,
+                    positions)
+
+  def backward(streaming, interpret, res, d_out):
+    *res, seg_ids, positions = res
+    (_, dq_t, dkv_t), _ = fit_all(d_out.shape[1], (train_forward_tiles, dq_tiles, dkv_tiles))
+    dq, dk, dv, d_gate = _packed_backward_call(tuple(res), d_out, streaming, interpret, dq_t,
+                                               dkv_t)
+    zero_int = lambda x: np.zeros(x.shape, jax.dtypes.float0)
+    return dq, dk, dv, d_gate, zero_int(seg_ids), zero_int(positions)
+
+  fn.defvjp(forward_train, backward)
+  return fn
+
+
 hybrid_attention = functools.partial(kernel_or_reference, make_hybrid(),
                                      xa_kernel=make_xa_hybrid(),
-                                     xa_kernel_applies=xa_kernel_applies)
+                                     xa_kernel_applies=xa_kernel_applies,
+                                     packed_kernel=make_packed_hybrid())

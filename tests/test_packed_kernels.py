@@ -1,0 +1,208 @@
+"""Packed rows through the fused kernels: the tile schedule (`common.packed_plan`) and the
+kernels against the reference, with several segments of odd lengths in one row, padding on
+both sides and gates per (segment, KV head). Interpret mode on CPU, native on a GPU."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from elastic_jax.attention import Streaming
+from elastic_jax.attention.common import packed_plan, segment_bounds
+from elastic_jax.attention.pallas_gpu import Tiles, make_packed_hybrid
+from elastic_jax.attention.reference import hybrid_attention as reference
+
+INTERPRET = jax.default_backend() != "gpu"
+F32_TOL = 2e-5 if INTERPRET else 2e-2
+_jit = functools.partial(
+    jax.jit, compiler_options={"xla_backend_optimization_level": 0} if INTERPRET else None)
+
+
+def _row(lengths, ids=None):
+  """(segment ids, positions) of one row made of runs of these lengths."""
+  ids = ids if ids is not None else list(range(1, len(lengths) + 1))
+  seg = np.concatenate([[i] * n for i, n in zip(ids, lengths)])
+  pos = np.concatenate([np.arange(n) for n in lengths])
+  return seg.astype(np.int32), pos.astype(np.int32)
+
+
+def _needed(seg, pos, st: Streaming, block_q, block_k, sparse: bool):
+  """Per query tile, the key tiles holding a key some row may see (token-level mask)."""
+  t = len(seg)
+  idx = np.arange(t)
+  ok = (idx[None] <= idx[:, None]) & (seg[None] == seg[:, None])
+  if sparse:
+    ok &= np.asarray(st.allows(pos[:, None], pos[None]))
+  return [{int(j) // block_k for j in np.nonzero(ok[i:i + block_q].any(0))[0]}
+          for i in range(0, t, block_q)]
+
+
+LAYOUTS = [
+    [37, 101, 64, 90],          # four segments, none aligned with a tile
+    [5, 200, 3, 48],            # tiny ones between
+    [256],                      # one segment: the unpacked schedule
+]
+
+
+@pytest.mark.parametrize("lengths", LAYOUTS)
+@pytest.mark.parametrize("block_q,block_k", [(16, 16), (32, 16), (16, 64)])
+@pytest.mark.parametrize("st", [Streaming(1, 2, 16), Streaming(2, 1, 32), Streaming(0, 3, 16)])
+def test_plan_visits_the_tiles_of_each_segment(lengths, block_q, block_k, st):
+  """Forward: every tile holding a visible key is visited; a tile wholly before the segment of
+  the query tile's first row never is; a query tile inside one segment visits exactly the
+  tiles its rows need. dK/dV: each key tile's query range is the transpose."""
+  seg, pos = _row(lengths)
+  t = len(seg)
+  pad = -t % max(block_q, block_k)
+  seg = np.concatenate([seg, np.full(pad, -1, np.int32)]).astype(np.int32)
+  pos = np.concatenate([pos, np.arange(pad)]).astype(np.int32)
+  t = len(seg)
+  gate = np.zeros((1, t, 1), np.float32)
+  plan = jax.tree.map(np.asarray, packed_plan(jnp.asarray(seg[None]), jnp.asarray(pos[None]),
+                                              jnp.asarray(gate), st, block_q, block_k))
+  start = np.asarray(segment_bounds(jnp.asarray(seg[None]))[0][0])
+  full_need = _needed(seg, pos, st, block_q, block_k, False)
+  sparse_need = _needed(seg, pos, st, block_q, block_k, True)
+  visits_full, visits_sparse = [], []
+  idx = np.arange(t)
+  ok_full = (idx[None] <= idx[:, None]) & (seg[None] == seg[:, None])
+  ok_sparse = ok_full & np.asarray(st.allows(pos[:, None], pos[None]))
+  for i, (kv_lo, sink_hi, win_lo, causal_hi, in_lo, in_hi, sp_hi, _) in enumerate(
+      plan["q_plan"][0]):
+    full = set(range(kv_lo, causal_hi))
+    sparse = set(range(kv_lo, sink_hi)) | set(range(max(win_lo, sink_hi), causal_hi))
+    visits_full.append(full)
+    visits_sparse.append(sparse)
+    assert full_need[i] <= full and sparse_need[i] <= sparse, i
+    # The tiles run without a mask are wholly visible to every row of the query tile.
+    rows = slice(i * block_q, (i + 1) * block_q)
+    for j in range(in_lo, in_hi):
+      assert ok_full[rows, j * block_k:(j + 1) * block_k].all(), (i, j)
+    for j in set(range(in_lo, sp_hi)) & sparse:
+      assert ok_sparse[rows, j * block_k:(j + 1) * block_k].all(), (i, j)
+    first = i * block_q
+    assert min(full) == start[first] // block_k        # earlier segments' tiles: skipped
+    rows = seg[first:first + block_q]
+    if (rows == rows[0]).all():
+      assert full == full_need[i], i
+      assert sparse == sparse_need[i], (i, sparse - sparse_need[i])
+  for j, (q_lo, q_hi_full, q_hi_sparse, _) in enumerate(plan["k_plan"][0]):
+    full = {i for i, v in enumerate(visits_full) if j in v}
+    sparse = {i for i, v in enumerate(visits_sparse) if j in v}
+    assert full <= set(range(q_lo, q_hi_full)), j
+    assert sparse <= set(range(q_lo, q_hi_sparse)), j
+    need = {i for i, v in enumerate(full_need) if j in v}
+    assert set(range(q_lo, q_hi_full)) - need <= {q_hi_full - 1}, j   # at most the edge
+
+
+def test_plan_modes_follow_the_gates_of_the_rows_served():
+  seg, pos = _row([40, 40, 48])
+  gate = np.zeros((1, 128, 2), np.float32)
+  gate[0, :40, 0] = 1.0          # segment 1: head 0 full
+  gate[0, 40:80, :] = 0.5        # segment 2: both mixed
+  plan = packed_plan(jnp.asarray(seg[None]), jnp.asarray(pos[None]), jnp.asarray(gate),
+                     Streaming(1, 1, 16), 32, 32)
+  q_modes = np.asarray(plan["q_modes"])[0]
+  np.testing.assert_array_equal(q_modes[0], [1, 2, 2, 0])     # rows 0-31 full; 32-63 mixed...
+  np.testing.assert_array_equal(q_modes[1], [0, 2, 2, 0])
+
+
+SMALL = dict(forward_tiles=Tiles(16, 16, 1), train_forward_tiles=Tiles(16, 16, 1),
+             dq_tiles=Tiles(16, 32, 1), dkv_tiles=Tiles(32, 16, 1))
+
+
+def _packed_case(n, k, seed):
+  """Two rows: left padding, three segments of odd lengths, right padding (the pads are
+  runs of their own ids with positions that are not 0.. (as generation leaves them)); the
+  other row a different split. Gates per (segment, KV head): every combination of full and
+  streaming over the first two KV heads, one mixed."""
+  rows = [([9, 37, 50, 21, 11], [0, 1, 2, 3, 8]), ([60, 3, 41, 24], [1, 2, 3, 4])]
+  segs, poss = [], []
+  for lengths, ids in rows:
+    seg, pos = _row(lengths, ids)
+    for pad_id in (0, 8):              # padding keeps the positions it was given
+      pos = np.where(seg == pad_id, 5, pos)
+    segs.append(seg)
+    poss.append(pos)
+  seg, pos = np.stack(segs), np.stack(poss)
+  t = seg.shape[1]
+  combos = {0: (0.0, 0.0), 1: (1.0, 0.0), 2: (0.0, 1.0), 3: (1.0, 1.0), 4: (0.5, 0.0),
+            8: (0.0, 0.0)}
+  gate = np.zeros((2, t, k), np.float32)
+  for b in range(2):
+    for i in range(t):
+      g = combos[int(seg[b, i])]
+      gate[b, i, :2] = g
+      gate[b, i, 2:] = g[0]
+  keys = jax.random.split(jax.random.key(seed), 3)
+  q, kk, v = (jax.random.normal(key, (2, t, h, 64), jnp.float32)
+              for key, h in zip(keys, (n, k, k)))
+  return q, kk, v, jnp.asarray(gate), jnp.asarray(seg), jnp.asarray(pos)
+
+
+@pytest.mark.parametrize("n,k", [(4, 4), (8, 2)])
+def test_packed_kernel_outputs_and_gradients_match_the_reference(n, k):
+  st = Streaming(1, 2, 16)
+  q, kk, v, gate, seg, pos = _packed_case(n, k, seed=n)
+  fn = make_packed_hybrid(**SMALL)
+  ours = lambda q, kk, v, g: fn(q, kk, v, g, seg, pos, st, INTERPRET)
+  ref = lambda q, kk, v, g: reference(q, kk, v, g, st, seg, pos, q_chunk=32, kv_chunk=32)
+  out = _jit(ours)(q, kk, v, gate)
+  want = ref(q, kk, v, gate)
+  assert float(jnp.abs(out - want).max()) <= F32_TOL
+  cot = jax.random.normal(jax.random.key(1), q.shape)
+  loss = lambda f: lambda *a: jnp.sum(f(*a) * cot)
+  val, g_ours = _jit(jax.value_and_grad(loss(ours), argnums=(0, 1, 2, 3)))(q, kk, v, gate)
+  ref_val, g_ref = jax.value_and_grad(loss(ref), argnums=(0, 1, 2, 3))(q, kk, v, gate)
+  np.testing.assert_allclose(float(val), float(ref_val), rtol=1e-5, atol=1e-3)
+  tol = 1e-5 if INTERPRET else 2e-2
+  for name, a, r in zip(("dq", "dk", "dv", "d_gate"), g_ours, g_ref):
+    err = float(jnp.abs(a - r).max())
+    assert err <= tol * max(1.0, float(jnp.abs(r).max())), (name, err)
+
+
+def test_packed_rows_break_the_rules_in_one_sentence():
+  """Where the values are known: a segment split into runs, positions that do not count from
+  a segment's start, a gate that varies inside a segment. Padding (id 0) is free of them."""
+  from elastic_jax import hybrid_attention
+  from elastic_jax.errors import ElasticJaxError
+  st = dict(sink_blocks=1, local_blocks=2, block=16)
+  q = jnp.zeros((1, 12, 2, 16))
+  kk = jnp.zeros((1, 12, 1, 16))
+  ok_seg = jnp.asarray([[0, 0, 1, 1, 1, 1, 2, 2, 2, 0, 0, 0]])
+  ok_pos = jnp.asarray([[9, 9, 0, 1, 2, 3, 0, 1, 2, 9, 9, 9]])
+  gate = jnp.zeros((1, 12, 1))
+  hybrid_attention(q, kk, kk, gate, segment_ids=ok_seg, positions=ok_pos, **st)
+  cases = [
+      (jnp.asarray([[1, 1, 2, 2, 1, 1, 3, 3, 3, 3, 3, 3]]), None, gate,
+       "segment 1 is split into several runs"),
+      (ok_seg, jnp.asarray([[9, 9, 1, 2, 3, 4, 0, 1, 2, 9, 9, 9]]), gate,
+       "segment 1 \\(tokens 2-5\\) must count 0, 1, ... from its start"),
+      (ok_seg, ok_pos, gate.at[0, 7, 0].set(1.0),
+       "segment 2 \\(tokens 6-8\\) has more than one gate per KV head"),
+  ]
+  for seg, pos, g, msg in cases:
+    with pytest.raises(ElasticJaxError, match=msg):
+      hybrid_attention(q, kk, kk, g, segment_ids=seg, positions=pos, **st)
+
+
+@pytest.mark.parametrize("g", [1, 4])
+def test_packed_forward_on_tile_aligned_segments_matches_the_reference(g):
+  """Segments that start on tile boundaries (the unmasked interior tiles run), gates per
+  (segment, KV head) in every combination, one segment as long as the sink."""
+  st = Streaming(1, 2, 16)
+  seg, pos = _row([64, 96, 16, 80])
+  k = 2
+  gate = np.zeros((1, len(seg), k), np.float32)
+  for i, pair in zip(range(1, 5), [(1, 0), (0, 1), (1, 1), (0, 0)]):
+    gate[0, seg == i] = pair
+  keys = jax.random.split(jax.random.key(g), 3)
+  q, kk, v = (jax.random.normal(key, (1, len(seg), h, 32), jnp.float32)
+              for key, h in zip(keys, (k * g, k, k)))
+  fn = make_packed_hybrid(**SMALL)
+  args = (jnp.asarray(gate), jnp.asarray(seg[None]), jnp.asarray(pos[None]))
+  out = _jit(lambda q, kk, v, gt, s, p: fn(q, kk, v, gt, s, p, st, INTERPRET))(q, kk, v, *args)
+  want = reference(q, kk, v, args[0], st, args[1], args[2], q_chunk=32, kv_chunk=32)
+  assert float(jnp.abs(out - want).max()) <= F32_TOL
