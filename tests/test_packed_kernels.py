@@ -47,8 +47,10 @@ LAYOUTS = [
 
 
 @pytest.mark.parametrize("lengths", LAYOUTS)
-@pytest.mark.parametrize("block_q,block_k", [(16, 16), (32, 16), (16, 64)])
-@pytest.mark.parametrize("st", [Streaming(1, 2, 16), Streaming(2, 1, 32), Streaming(0, 3, 16)])
+@pytest.mark.parametrize("block_q,block_k,st", [(16, 16, Streaming(1, 2, 16)),
+                                                (32, 16, Streaming(2, 1, 32)),
+                                                (16, 64, Streaming(0, 3, 16)),
+                                                (32, 32, Streaming(1, 1, 64))])
 def test_plan_visits_the_tiles_of_each_segment(lengths, block_q, block_k, st):
   """Forward: every tile holding a visible key is visited; a tile wholly before the segment of
   the query tile's first row never is; a query tile inside one segment visits exactly the
@@ -113,12 +115,13 @@ SMALL = dict(forward_tiles=Tiles(16, 16, 1), train_forward_tiles=Tiles(16, 16, 1
              dq_tiles=Tiles(16, 32, 1), dkv_tiles=Tiles(32, 16, 1))
 
 
-def _packed_case(n, k, seed):
+def _packed_case(n, k, seed, short=False):
   """Two rows: left padding, three segments of odd lengths, right padding (the pads are
   runs of their own ids with positions that are not 0.. (as generation leaves them)); the
   other row a different split. Gates per (segment, KV head): every combination of full and
-  streaming over the first two KV heads, one mixed."""
-  rows = [([9, 37, 50, 21, 11], [0, 1, 2, 3, 8]), ([60, 3, 41, 24], [1, 2, 3, 4])]
+  streaming over the first two KV heads, one mixed. short: 64 tokens a row, else 128."""
+  rows = ([([5, 19, 22, 10, 8], [0, 1, 2, 3, 8]), ([30, 3, 17, 14], [1, 2, 3, 4])] if short
+          else [([9, 37, 50, 21, 11], [0, 1, 2, 3, 8]), ([60, 3, 41, 24], [1, 2, 3, 4])])
   segs, poss = [], []
   for lengths, ids in rows:
     seg, pos = _row(lengths, ids)
@@ -206,3 +209,23 @@ def test_packed_forward_on_tile_aligned_segments_matches_the_reference(g):
   out = _jit(lambda q, kk, v, gt, s, p: fn(q, kk, v, gt, s, p, st, INTERPRET))(q, kk, v, *args)
   want = reference(q, kk, v, args[0], st, args[1], args[2], q_chunk=32, kv_chunk=32)
   assert float(jnp.abs(out - want).max()) <= F32_TOL
+
+
+@pytest.mark.parametrize("n,k", [(2, 2), (8, 2)])
+def test_packed_tpu_kernel_outputs_and_gradients_match_the_reference(n, k):
+  """The TPU kernels (interpret mode, slow: short rows) on the same kind of packed rows:
+  outputs, dq, dk, dv, d(gate), GQA 1 and 4."""
+  from elastic_jax.attention.pallas_tpu import fused_packed_hybrid
+  st = Streaming(1, 2, 8)
+  q, kk, v, gate, seg, pos = _packed_case(n, k, seed=10 + n, short=True)
+  fn = fused_packed_hybrid(16, 16)
+  ours = lambda q, kk, v, g: fn(q, kk, v, g, seg, pos, st, True)
+  ref = lambda q, kk, v, g: reference(q, kk, v, g, st, seg, pos, q_chunk=32, kv_chunk=32)
+  assert float(jnp.abs(_jit(ours)(q, kk, v, gate) - ref(q, kk, v, gate)).max()) <= 2e-5
+  cot = jax.random.normal(jax.random.key(1), q.shape)
+  loss = lambda f: lambda *a: jnp.sum(f(*a) * cot)
+  _, g_ours = _jit(jax.value_and_grad(loss(ours), argnums=(0, 1, 2, 3)))(q, kk, v, gate)
+  _, g_ref = jax.value_and_grad(loss(ref), argnums=(0, 1, 2, 3))(q, kk, v, gate)
+  for name, a, r in zip(("dq", "dk", "dv", "d_gate"), g_ours, g_ref):
+    err = float(jnp.abs(a - r).max())
+    assert err <= 1e-5 * max(1.0, float(jnp.abs(r).max())), (name, err)

@@ -19,8 +19,9 @@ Implementations:
              with every head full.
 The kernels run on CPU with `interpret=True` (implementation "NAME:interpret", e.g.
 "pallas_gpu:interpret") and have fused backward passes. Packed rows (segment ids and
-positions) run on the GPU kernels (`pallas_gpu.make_packed_hybrid`); on the TPU kernel and
-under the XAttention settings they still go to the reference.
+positions) run on the packed kernels (`pallas_gpu.make_packed_hybrid`, also behind
+mosaic_gpu, and `pallas_tpu.fused_packed_hybrid`); under the XAttention settings they still
+go to the reference.
 """
 
 import functools

@@ -260,3 +260,15 @@ def packed_plan(segment_ids_bt, positions_bt, gate_btk, streaming: Streaming, bl
                            rows(jnp.broadcast_to(first + block_q, (b, nq))))
   k_modes = _mode_of_range(c0, c1, rows(q_lo * block_q), rows(q_hi_full * block_q))
   return {"q_plan": q_plan, "k_plan": k_plan, "q_modes": q_modes, "k_modes": k_modes}
+
+
+def pad_packed(segment_ids_bt, positions_bt, tp: int):
+  """Segment ids and positions padded to Tp tokens: the padding is one more segment (id -1)
+  counting its own positions, so it costs its own tiles and no real row sees it."""
+  t = segment_ids_bt.shape[1]
+  extra = tp - t
+  seg = jnp.pad(segment_ids_bt.astype(jnp.int32), ((0, 0), (0, extra)), constant_values=-1)
+  pos = jnp.pad(positions_bt.astype(jnp.int32), ((0, 0), (0, extra)))
+  if extra:
+    pos = pos.at[:, t:].set(jnp.arange(extra, dtype=jnp.int32)[None])
+  return seg, pos

@@ -15,8 +15,8 @@ FlashAttention-2 style, each reading the modes at run time: dQ per (query tile, 
 forward's tile walk, and dK/dV per (key tile, KV head) over the transposed walk
 (`common.q_tile_range`), summing the G query heads of the KV head in the program (GQA). Per
 tile, dS = r P_FA (dP - D_FA) + (1 - r) P_SSA (dP - D_SSA), with the FA term skipped when r = 0
-and the SSA term when r = 1; nothing of size T x T is ever stored. Packed segments and custom
-positions go to the reference. Pallas's Triton backend is deprecated since jax 0.11 (Mosaic
+and the SSA term when r = 1; nothing of size T x T is ever stored. Packed rows (segment ids
+and positions) run on `make_packed_hybrid`'s kernels (end of this file). Pallas's Triton backend is deprecated since jax 0.11 (Mosaic
 GPU is the path to full Hopper speed); these kernels are the portable version and the
 interpret-mode test subject.
 
@@ -38,7 +38,8 @@ from jax.experimental import pallas as pl
 
 from elastic_jax.attention.common import (MODE_FULL, MODE_MIX, MODE_SPARSE,
                                           kernel_or_reference, modes_from_gate, pad_to,
-                                          packed_plan, q_tile_range, row_deltas, tile_ranges,
+                                          packed_plan, pad_packed, q_tile_range, row_deltas,
+                                          tile_ranges,
                                           with_fused_backward, xa_operands)
 
 assert (MODE_SPARSE, MODE_FULL, MODE_MIX) == (0, 1, 2)  # the order of lax.switch below
@@ -855,11 +856,7 @@ def _packed_inputs(q, k, v, gate_btk, segment_ids, positions, multiple: int):
   tp = t + (-t % multiple)
   dp = max(16, pl.next_power_of_2(d))
   q, k, v = (pad_to(pad_to(x, 1, tp), 3, dp) for x in (q, k, v))
-  extra = tp - t
-  seg = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, extra)), constant_values=-1)
-  pos = jnp.pad(positions.astype(jnp.int32), ((0, 0), (0, extra)))
-  if extra:   # the padding segment counts its own positions
-    pos = pos.at[:, t:].set(jnp.arange(extra, dtype=jnp.int32)[None])
+  seg, pos = pad_packed(segment_ids, positions, tp)
   gate = pad_to(gate_btk.astype(jnp.float32), 1, tp).transpose(0, 2, 1)
   return q, k, v, seg, pos, gate
 

@@ -17,6 +17,10 @@ There a streaming head visits only its sink and window tiles (the SSA term), a f
 causal tiles (the FA term), and a mixed head its causal tiles, with both terms on the streaming
 ones and the FA term alone elsewhere.
 
+Packed rows (segment ids, positions, a gate per row): `fused_packed_hybrid`, the same three
+kernels driven by `common.packed_plan`'s tile ranges, scalar-prefetched, with every visited
+tile masked by segment, causality and position blocks.
+
 No TPU is lent to this project: the kernels are tested in Pallas TPU interpret mode on CPU
 (`interpret=True`), where they must match the reference, and their lowering to Mosaic is
 checked (Mosaic's own compiler needs a TPU). Row statistics are [..., T, 1] columns (blocks of
@@ -34,14 +38,15 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from elastic_jax.attention.common import (MODE_FULL, MODE_MIX, MODE_SPARSE,
-                                          kernel_or_reference, modes_from_gate, pad_to,
-                                          q_tile_range, row_deltas, tile_ranges,
-                                          with_fused_backward, xa_operands)
+                                          kernel_or_reference, modes_from_gate, packed_plan,
+                                          pad_packed, pad_to, q_tile_range, row_deltas,
+                                          tile_ranges, with_fused_backward, xa_operands)
 from elastic_jax.attention.reference import MASK_VALUE, Streaming, split_patterns
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -634,7 +639,364 @@ def fused_xa_hybrid(block_q: int = 128, block_k: int = 128):
   return fn
 
 
+# ----------------------------------------------------------------------------------------------
+# Packed rows: segment ids and positions at run time (`common.packed_plan`'s tile schedule,
+# scalar-prefetched). The K/V (or, for dK/dV, query) index maps walk the plan's ranges, so
+# tiles of other segments are never fetched; every visited tile is masked by segment,
+# causality and (SSA) position blocks; the gate is per row (a tile mixing segments routed
+# differently runs both states and mixes them row by row).
+
+
+def _packed_kv_schedule(plan, mode, j, train: bool):
+  """(KV tile at step j, steps with work, whether the tile is a streaming one) of a query
+  tile whose plan is (kv_lo, sink_hi, win_lo, causal_hi)."""
+  kv_lo, sink_hi, win_lo, causal_hi = plan
+  lo2 = jnp.maximum(win_lo, sink_hi)
+  sparse = (mode == MODE_SPARSE) & (not train)
+  n_sink = sink_hi - kv_lo
+  n_visit = jnp.where(sparse, n_sink + causal_hi - lo2, causal_hi - kv_lo)
+  step = jnp.minimum(j, n_visit - 1)
+  tile = jnp.where(sparse & (step >= n_sink), lo2 + step - n_sink, kv_lo + step)
+  return tile, n_visit, (tile < sink_hi) | (tile >= lo2)
+
+
+def _packed_q_schedule(plan, mode, step, groups: int):
+  """(query head within the group, query tile, steps with work, whether the query tile sees
+  the key tile as a streaming one) at `step` of the dK/dV pass; plan = (q_lo, q_hi_full,
+  q_hi_sparse)."""
+  q_lo, q_hi_full, q_hi_sparse = plan
+  per_head = jnp.maximum(jnp.where(mode == MODE_SPARSE, q_hi_sparse, q_hi_full) - q_lo, 1)
+  n_work = groups * per_head
+  s = jnp.minimum(step, n_work - 1)
+  qi = q_lo + lax.rem(s, per_head)
+  return lax.div(s, per_head), qi, n_work, qi < q_hi_sparse
+
+
+def _packed_scores(q, k, qi, kv_tile, seg_q, pos_q, seg_k, pos_k, *, scale, block_q, block_k,
+                   streaming: Streaming):
+  """scale * q k^T of one tile of packed rows, its full and SSA masks (seg/pos of the query
+  rows as [rows, 1], of the keys as [1, cols])."""
+  s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * scale
+  q_idx = qi * block_q + lax.broadcasted_iota(jnp.int32, s.shape, 0)
+  k_idx = kv_tile * block_k + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+  full = (k_idx <= q_idx) & (seg_k == seg_q)
+  return s, full, full & streaming.allows(pos_q, pos_k)
+
+
+def _packed_forward_kernel(qplan_ref, qmodes_ref, seg_q_ref, pos_q_ref, seg_k_ref, pos_k_ref,
+                           gate_ref, q_ref, k_ref, v_ref, *refs, scale, block_q, block_k,
+                           num_q_tiles, num_kv_heads, groups, kv_steps, streaming: Streaming,
+                           train: bool):
+  out_refs, (m_fa, l_fa, acc_fa, m_sa, l_sa, acc_sa) = refs[:-6], refs[-6:]
+  b, h, qi, j = (pl.program_id(i) for i in range(4))
+  base = (b * num_q_tiles + qi) * 8
+  mode = qmodes_ref[(b * num_kv_heads + h // groups) * num_q_tiles + qi]
+  tile, n_visit, lo_tile = _packed_kv_schedule(
+      tuple(qplan_ref[base + x] for x in range(4)), mode, j, train)
+
+  @pl.when(j == 0)
+  def _init():
+    for m, l, acc in ((m_fa, l_fa, acc_fa), (m_sa, l_sa, acc_sa)):
+      m[...] = jnp.full(m.shape, MASK_VALUE, jnp.float32)
+      l[...] = jnp.zeros(l.shape, jnp.float32)
+      acc[...] = jnp.zeros(acc.shape, jnp.float32)
+
+  @pl.when(j < n_visit)
+  def _visit():
+    v = v_ref[...]
+    s, full, ssa = _packed_scores(q_ref[...], k_ref[...], qi, tile, seg_q_ref[...],
+                                  pos_q_ref[...], seg_k_ref[...], pos_k_ref[...], scale=scale,
+                                  block_q=block_q, block_k=block_k, streaming=streaming)
+
+    def update(m_ref, l_ref, acc_ref, ok):
+      sm = jnp.where(ok, s, MASK_VALUE)
+      m_prev = m_ref[...]
+      m_new = jnp.maximum(m_prev, sm.max(axis=-1, keepdims=True))
+      p = jnp.where(ok, jnp.exp(sm - m_new), 0.0)
+      corr = jnp.exp(m_prev - m_new)
+      l_ref[...] = l_ref[...] * corr + p.sum(axis=-1, keepdims=True)
+      acc_ref[...] = acc_ref[...] * corr + lax.dot_general(
+          p.astype(v.dtype), v, _NN, preferred_element_type=jnp.float32)
+      m_ref[...] = m_new
+
+    pl.when((mode != MODE_SPARSE) | train)(lambda: update(m_fa, l_fa, acc_fa, full))
+    pl.when(((mode != MODE_FULL) | train) & lo_tile)(lambda: update(m_sa, l_sa, acc_sa, ssa))
+
+  @pl.when(j == kv_steps - 1)
+  def _finish():
+    def out(l, acc):
+      return acc[...] / jnp.where(l[...] == 0.0, 1.0, l[...])
+    rows = gate_ref[...]                                  # [block_q, 1]
+    r = jnp.where(mode == MODE_SPARSE, 0.0, jnp.where(mode == MODE_FULL, 1.0, rows))
+    fa, sa = out(l_fa, acc_fa), out(l_sa, acc_sa)
+    if not train:
+      fa = jnp.where(mode == MODE_SPARSE, 0.0, fa)
+      sa = jnp.where(mode == MODE_FULL, 0.0, sa)
+    else:
+      r = rows
+    o_ref = out_refs[0]
+    o_ref[...] = (r * fa + (1.0 - r) * sa).astype(o_ref.dtype)
+    if train:
+      o_fa_ref, o_sa_ref, lse_ref = out_refs[1:]
+      o_fa_ref[...] = fa.astype(o_fa_ref.dtype)
+      o_sa_ref[...] = sa.astype(o_sa_ref.dtype)
+      for i, (m, l) in enumerate(((m_fa, l_fa), (m_sa, l_sa))):
+        lse_ref[i] = jnp.where(l[...] == 0.0, -MASK_VALUE, m[...] + jnp.log(l[...]))
+
+
+def _packed_operands(q, k, v, gate_btk, segment_ids, positions, streaming, block_q, block_k):
+  """Heads-major padded q, k, v; seg/pos as query columns [B, Tp, 1] and key rows [B, 1, Tp];
+  the gate as per-row columns [B, K, Tp, 1]; the plan flattened for scalar prefetch."""
+  t = q.shape[1]
+  block_q, block_k, tp = _tiles(t, block_q, block_k)
+  qt, kt, vt = _heads_major(tp, q, k, v)
+  seg, pos = pad_packed(segment_ids, positions, tp)
+  gate = pad_to(gate_btk.astype(jnp.float32), 1, tp)                # [B, Tp, K]
+  plan = packed_plan(seg, pos, gate, streaming, block_q, block_k)
+  cols = dict(seg_q=seg[..., None], pos_q=pos[..., None], seg_k=seg[:, None], pos_k=pos[:, None],
+              gate=gate.transpose(0, 2, 1)[..., None])
+  prefetch = [plan[name].reshape(-1) for name in ("q_plan", "q_modes", "k_plan", "k_modes")]
+  return (qt, kt, vt), cols, prefetch, (block_q, block_k, tp)
+
+
+def _packed_specs(block_q, block_k, groups, q_tile, kv_tile, head_of):
+  """BlockSpecs of (seg_q, pos_q, seg_k, pos_k, gate) for index maps giving the query tile,
+  the key tile and the KV head from the grid and the prefetched plan."""
+  col = lambda *a: (a[0], q_tile(*a), 0)
+  row = lambda *a: (a[0], 0, kv_tile(*a))
+  return [pl.BlockSpec((None, block_q, 1), col), pl.BlockSpec((None, block_q, 1), col),
+          pl.BlockSpec((None, 1, block_k), row), pl.BlockSpec((None, 1, block_k), row),
+          pl.BlockSpec((None, None, block_q, 1), lambda *a: (a[0], head_of(*a), q_tile(*a), 0))]
+
+
+def _packed_forward_call(q, k, v, gate_btk, segment_ids, positions, streaming, block_q, block_k,
+                         interpret, train):
+  b, t, n, d = q.shape
+  kh = k.shape[2]
+  groups = n // kh
+  (qt, kt, vt), cols, prefetch, (block_q, block_k, tp) = _packed_operands(
+      q, k, v, gate_btk, segment_ids, positions, streaming, block_q, block_k)
+  nq, nk = tp // block_q, tp // block_k
+
+  def kv_tile(bi, hi, qi, j, qplan, qmodes, *_):
+    base = (bi * nq + qi) * 8
+    mode = qmodes[(bi * kh + hi // groups) * nq + qi]
+    return _packed_kv_schedule(tuple(qplan[base + x] for x in range(4)), mode, j, train)[0]
+
+  q_tile = lambda bi, hi, qi, j, *_: qi
+  q_map = lambda bi, hi, qi, j, *_: (bi, hi, qi, 0)
+  kv_map = lambda bi, hi, qi, j, *p: (bi, hi // groups, kv_tile(bi, hi, qi, j, *p), 0)
+  out_specs = [pl.BlockSpec((None, None, block_q, d), q_map)]
+  out_shape = [jax.ShapeDtypeStruct((b, n, tp, d), q.dtype)]
+  if train:
+    out_specs += [pl.BlockSpec((None, None, block_q, d), q_map)] * 2 + [
+        pl.BlockSpec((None, None, 2, block_q, 1), lambda bi, hi, qi, j, *_: (bi, hi, 0, qi, 0))]
+    out_shape += [jax.ShapeDtypeStruct((b, n, tp, d), q.dtype)] * 2 + [
+        jax.ShapeDtypeStruct((b, n, 2, tp, 1), jnp.float32)]
+  scratch = [pltpu.VMEM((block_q, 1), jnp.float32), pltpu.VMEM((block_q, 1), jnp.float32),
+             pltpu.VMEM((block_q, d), jnp.float32)] * 2
+  kernel = functools.partial(
+      _packed_forward_kernel, scale=d ** -0.5, block_q=block_q, block_k=block_k,
+      num_q_tiles=nq, num_kv_heads=kh, groups=groups, kv_steps=nk, streaming=streaming,
+      train=train)
+  out = pl.pallas_call(
+      kernel,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=2, grid=(b, n, nq, nk),
+          in_specs=_packed_specs(block_q, block_k, groups, q_tile, kv_tile,
+                                 lambda bi, hi, *_: hi // groups)
+          + [pl.BlockSpec((None, None, block_q, d), q_map),
+             pl.BlockSpec((None, None, block_k, d), kv_map),
+             pl.BlockSpec((None, None, block_k, d), kv_map)],
+          out_specs=out_specs, scratch_shapes=scratch),
+      out_shape=out_shape,
+      compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS),
+      interpret=pltpu.InterpretParams() if interpret else False,
+      name="elastic_packed_forward_train_tpu" if train else "elastic_packed_forward_tpu",
+  )(*prefetch[:2], cols["seg_q"], cols["pos_q"], cols["seg_k"], cols["pos_k"], cols["gate"],
+    qt, kt, vt)
+  return out
+
+
+def _packed_dq_kernel(qplan_ref, qmodes_ref, *refs, scale, block_q, block_k, num_q_tiles,
+                      num_kv_heads, groups, kv_steps, streaming: Streaming):
+  (seg_q_ref, pos_q_ref, seg_k_ref, pos_k_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, stats_ref,
+   dq_ref, dq_acc) = refs
+  b, h, qi, j = (pl.program_id(i) for i in range(4))
+  base = (b * num_q_tiles + qi) * 8
+  mode = qmodes_ref[(b * num_kv_heads + h // groups) * num_q_tiles + qi]
+  tile, n_visit, lo_tile = _packed_kv_schedule(
+      tuple(qplan_ref[base + x] for x in range(4)), mode, j, False)
+
+  @pl.when(j == 0)
+  def _init():
+    dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
+
+  def body(use_fa, use_sa, mixed):
+    k = k_ref[...]
+    s, full, ssa = _packed_scores(q_ref[...], k, qi, tile, seg_q_ref[...], pos_q_ref[...],
+                                  seg_k_ref[...], pos_k_ref[...], scale=scale, block_q=block_q,
+                                  block_k=block_k, streaming=streaming)
+    dp = lax.dot_general(do_ref[...], v_ref[...], _NT, preferred_element_type=jnp.float32)
+    _, ds = _backward_terms(s, full, ssa, dp, stats_ref[...], gate_ref[...] if mixed else None,
+                            use_fa, use_sa)
+    dq_acc[...] += lax.dot_general(ds.astype(k.dtype), k, _NN,
+                                   preferred_element_type=jnp.float32)
+
+  _by_mode(mode, j < n_visit, lo_tile, body)
+
+  @pl.when(j == kv_steps - 1)
+  def _finish():
+    dq_ref[...] = (dq_acc[...] * scale).astype(dq_ref.dtype)
+
+
+def _packed_dkv_kernel(qplan_ref, qmodes_ref, kplan_ref, kmodes_ref, *refs, scale, block_q,
+                       block_k, num_k_tiles, num_kv_heads, groups, streaming: Streaming,
+                       steps: int):
+  (seg_q_ref, pos_q_ref, seg_k_ref, pos_k_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, stats_ref,
+   dk_ref, dv_ref, dk_acc, dv_acc) = refs
+  b, h, ki, step = (pl.program_id(i) for i in range(4))
+  base = (b * num_k_tiles + ki) * 4
+  mode = kmodes_ref[(b * num_kv_heads + h) * num_k_tiles + ki]
+  _, qi, n_work, lo_tile = _packed_q_schedule(tuple(kplan_ref[base + x] for x in range(3)),
+                                              mode, step, groups)
+
+  @pl.when(step == 0)
+  def _init():
+    dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+    dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+  def body(use_fa, use_sa, mixed):
+    q, do = q_ref[...], do_ref[...]
+    s, full, ssa = _packed_scores(q, k_ref[...], qi, ki, seg_q_ref[...], pos_q_ref[...],
+                                  seg_k_ref[...], pos_k_ref[...], scale=scale, block_q=block_q,
+                                  block_k=block_k, streaming=streaming)
+    dp = lax.dot_general(do, v_ref[...], _NT, preferred_element_type=jnp.float32)
+    p, ds = _backward_terms(s, full, ssa, dp, stats_ref[...], gate_ref[...] if mixed else None,
+                            use_fa, use_sa)
+    dv_acc[...] += lax.dot_general(p.astype(do.dtype), do, _TN,
+                                   preferred_element_type=jnp.float32)
+    dk_acc[...] += lax.dot_general(ds.astype(q.dtype), q, _TN,
+                                   preferred_element_type=jnp.float32)
+
+  _by_mode(mode, step < n_work, lo_tile, body)
+
+  @pl.when(step == steps - 1)
+  def _finish():
+    dk_ref[...] = (dk_acc[...] * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+
+def _packed_backward(res, d_out, streaming, block_q, block_k, interpret):
+  q, k, v, gate_btk, seg_ids, positions, o_fa, o_sa, lse = res
+  b, t, n, d = q.shape
+  kh = k.shape[2]
+  groups = n // kh
+  (qt, kt, vt), cols, prefetch, (block_q, block_k, tp) = _packed_operands(
+      q, k, v, gate_btk, seg_ids, positions, streaming, block_q, block_k)
+  nq, nk = tp // block_q, tp // block_k
+  up = lambda x: x.astype(jnp.float32)
+  d_fa = jnp.einsum("btnd,btnd->btn", up(d_out), up(o_fa))
+  d_sa = jnp.einsum("btnd,btnd->btn", up(d_out), up(o_sa))
+  d_gate = (d_fa - d_sa).reshape(b, t, kh, groups).sum(-1).astype(gate_btk.dtype)
+  deltas = pad_to(jnp.stack([d_fa, d_sa], axis=1), 2, tp).transpose(0, 3, 1, 2)[..., None]
+  stats = jnp.concatenate([lse, deltas], axis=2)                 # [B, N, 4, Tp, 1]
+  d_out_t, = _heads_major(tp, d_out.astype(q.dtype))
+  common = dict(scale=d ** -0.5, block_q=block_q, block_k=block_k, num_kv_heads=kh,
+                groups=groups, streaming=streaming)
+  params = dict(compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS),
+                interpret=pltpu.InterpretParams() if interpret else False)
+  operands = (cols["seg_q"], cols["pos_q"], cols["seg_k"], cols["pos_k"], cols["gate"], qt, kt,
+              vt, d_out_t, stats)
+
+  def kv_tile(bi, hi, qi, j, qplan, qmodes, *_):
+    base = (bi * nq + qi) * 8
+    mode = qmodes[(bi * kh + hi // groups) * nq + qi]
+    return _packed_kv_schedule(tuple(qplan[base + x] for x in range(4)), mode, j, False)[0]
+
+  q_map = lambda bi, hi, qi, j, *_: (bi, hi, qi, 0)
+  kv_map = lambda bi, hi, qi, j, *p: (bi, hi // groups, kv_tile(bi, hi, qi, j, *p), 0)
+  dq = pl.pallas_call(
+      functools.partial(_packed_dq_kernel, num_q_tiles=nq, kv_steps=nk, **common),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=2, grid=(b, n, nq, nk),
+          in_specs=_packed_specs(block_q, block_k, groups, lambda bi, hi, qi, j, *_: qi,
+                                 kv_tile, lambda bi, hi, *_: hi // groups)
+          + [pl.BlockSpec((None, None, block_q, d), q_map),
+             pl.BlockSpec((None, None, block_k, d), kv_map),
+             pl.BlockSpec((None, None, block_k, d), kv_map),
+             pl.BlockSpec((None, None, block_q, d), q_map),
+             pl.BlockSpec((None, None, 4, block_q, 1),
+                          lambda bi, hi, qi, j, *_: (bi, hi, 0, qi, 0))],
+          out_specs=pl.BlockSpec((None, None, block_q, d), q_map),
+          scratch_shapes=[pltpu.VMEM((block_q, d), jnp.float32)]),
+      out_shape=jax.ShapeDtypeStruct((b, n, tp, d), q.dtype),
+      name="elastic_packed_backward_dq_tpu", **params,
+  )(*prefetch[:2], *operands)
+
+  def q_side(bi, hi, kj, step, qplan, qmodes, kplan, kmodes):
+    base = (bi * nk + kj) * 4
+    mode = kmodes[(bi * kh + hi) * nk + kj]
+    g, qi, _, _ = _packed_q_schedule(tuple(kplan[base + x] for x in range(3)), mode, step,
+                                     groups)
+    return hi * groups + g, qi
+
+  q_tile_t = lambda *a: q_side(*a)[1]
+  q_map_t = lambda bi, hi, kj, step, *p: (bi, *q_side(bi, hi, kj, step, *p), 0)
+  kv_map_t = lambda bi, hi, kj, step, *_: (bi, hi, kj, 0)
+  stats_map_t = lambda bi, hi, kj, step, *p: (bi, q_side(bi, hi, kj, step, *p)[0], 0,
+                                              q_side(bi, hi, kj, step, *p)[1], 0)
+  steps = groups * nq
+  dk, dv = pl.pallas_call(
+      functools.partial(_packed_dkv_kernel, num_k_tiles=nk, steps=steps, **common),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=4, grid=(b, kh, nk, steps),
+          in_specs=_packed_specs(block_q, block_k, groups, q_tile_t,
+                                 lambda bi, hi, kj, *_: kj, lambda bi, hi, *_: hi)
+          + [pl.BlockSpec((None, None, block_q, d), q_map_t),
+             pl.BlockSpec((None, None, block_k, d), kv_map_t),
+             pl.BlockSpec((None, None, block_k, d), kv_map_t),
+             pl.BlockSpec((None, None, block_q, d), q_map_t),
+             pl.BlockSpec((None, None, 4, block_q, 1), stats_map_t)],
+          out_specs=[pl.BlockSpec((None, None, block_k, d), kv_map_t)] * 2,
+          scratch_shapes=[pltpu.VMEM((block_k, d), jnp.float32)] * 2),
+      out_shape=[jax.ShapeDtypeStruct((b, kh, tp, d), k.dtype),
+                 jax.ShapeDtypeStruct((b, kh, tp, d), v.dtype)],
+      name="elastic_packed_backward_dkv_tpu", **params,
+  )(*prefetch, *operands)
+  return _unpad(dq, t), _unpad(dk, t), _unpad(dv, t), d_gate
+
+
+@functools.cache
+def fused_packed_hybrid(block_q: int = 128, block_k: int = 128):
+  """The kernels of packed rows as one differentiable `fn(q, k, v, gate_btk, segment_ids,
+  positions, streaming, interpret)` (gate [B, T, K], constant within a segment)."""
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+  def fn(q, k, v, gate_btk, seg_ids, positions, streaming, interpret):
+    out = _packed_forward_call(q, k, v, gate_btk, seg_ids, positions, streaming, block_q,
+                               block_k, interpret, train=False)
+    return _unpad(out[0], q.shape[1])
+
+  def forward_train(q, k, v, gate_btk, seg_ids, positions, streaming, interpret):
+    t = q.shape[1]
+    out, o_fa, o_sa, lse = _packed_forward_call(q, k, v, gate_btk, seg_ids, positions,
+                                                streaming, block_q, block_k, interpret,
+                                                train=True)
+    return _unpad(out, t), (q, k, v, gate_btk, seg_ids, positions, _unpad(o_fa, t),
+                            _unpad(o_sa, t), lse)
+
+  def backward(streaming, interpret, res, d_out):
+    dq, dk, dv, d_gate = _packed_backward(res, d_out, streaming, block_q, block_k, interpret)
+    zero = lambda x: np.zeros(x.shape, jax.dtypes.float0)
+    return dq, dk, dv, d_gate, zero(res[4]), zero(res[5])
+
+  fn.defvjp(forward_train, backward)
+  return fn
+
+
 _hybrid = fused_hybrid()
 _xa_hybrid = fused_xa_hybrid()
 hybrid_attention = functools.partial(kernel_or_reference, _hybrid, xa_kernel=_xa_hybrid,
-                                     xa_kernel_applies=xa_kernel_applies)
+                                     xa_kernel_applies=xa_kernel_applies,
+                                     packed_kernel=fused_packed_hybrid())
