@@ -297,3 +297,35 @@ def test_packed_train_step_runs_on_the_kernels_not_the_reference(backbone, monke
   jax.make_jaxpr(lambda s, x: train_step(s, backbone, x, attn_impl="reference", **kw))(
       state(), b)
   assert calls                                        # the reference path does call it
+
+
+def test_padded_batches_run_on_the_kernels(backbone, monkeypatch):
+  """Left and right padding (attention masks, as batched evaluation makes them): the routed
+  forward with mixed forced gates and the plain backbone (`full`) run on the packed kernels,
+  never the reference, and give the reference's logits on the real tokens."""
+  from elastic_jax.attention import reference as ref_module
+  from elastic_jax.model import positions_and_segments
+  rng = np.random.default_rng(5)
+  ids = jnp.asarray(rng.integers(0, 64, (2, 40)).astype(np.int32))
+  mask = np.ones((2, 40), np.int32)
+  mask[0, :7] = 0                                    # left padding
+  mask[1, 35:] = 0                                   # right padding
+  pos, seg = positions_and_segments(mask)
+  g = np.zeros((CFG.num_layers, 2, 2, CFG.num_kv_heads), np.float32)
+  g[:, :, 1, ::2] = 1.0                              # half the heads full, half streaming
+  run = lambda impl: forward_routed_jit(
+      backbone, ids, pos, seg, jnp.asarray(mask > 0), cfg=CFG, rcfg=RCFG, attention="forced",
+      forced_gates=jnp.asarray(g), attn_impl=impl, packed=True, num_segments=2)[0]
+  real = mask > 0
+  want = np.asarray(run("reference"))[real]
+  want_full = np.asarray(forward(backbone, ids, pos, seg, cfg=CFG, attn_impl="reference"))[real]
+  calls = []
+  real_attend = ref_module._attend
+  monkeypatch.setattr(ref_module, "_attend",
+                      lambda *a, **k: calls.append(1) or real_attend(*a, **k))
+  got = np.asarray(run("pallas_gpu:interpret"))[real]
+  got_full = np.asarray(forward(backbone, ids, pos, seg, cfg=CFG,
+                                attn_impl="pallas_gpu:interpret"))[real]
+  assert not calls
+  np.testing.assert_allclose(got, want, atol=2e-4)
+  np.testing.assert_allclose(got_full, want_full, atol=2e-4)
