@@ -162,6 +162,23 @@ CASES = {
                                   "cannot be created"),
     "pretrain rows past the positions": ("pretrain", ["--out", "{root}/pt", "--seq-len",
                                                       "8192"], 2, "within the config's"),
+    "mixture data random wordings 2": ("mixture", ["{root}/mix", "--random-wordings", "2"], 2,
+                                       "--random-wordings 2.0: a share in [0, 1]"),
+    "report kernel times without MSR 1": ("report", ["--run", "elastic={root}", "--plots",
+                                                     "{root}/pl", "--kernel-times", "0:5,0.5:3"],
+                                          2, "needs MSR 0 and 1"),
+    "report kernel times not pairs": ("report", ["--run", "elastic={root}", "--plots",
+                                                 "{root}/pl", "--kernel-times", "fast"], 2,
+                                      "expected MSR:ms pairs"),
+    "report kernel times without plots": ("report", ["--run", "elastic={root}", "--out",
+                                                     "{root}/table.md", "--kernel-times",
+                                                     "0:5,1:1"], 2, "pass --plots DIR too"),
+    "report run without a report": ("report", ["--run", "elastic={root}", "--out",
+                                               "{root}/table.md"], 2,
+                                    "cannot read an eval report"),
+    "report run not label=dir": ("report", ["--run", "{root}"], 2, "expected LABEL=DIR"),
+    "report out under a file": ("report", ["--run", "elastic={root}", "--out",
+                                           "{root}/afile/table.md"], 2, "is a file, not a directory"),
 }
 
 
@@ -171,6 +188,12 @@ def _main(entry):
     return main
   if entry == "pretrain":
     from elastic_jax.repro.pretrain import main
+    return main
+  if entry == "mixture":
+    from elastic_jax.eval.mixture import main
+    return main
+  if entry == "report":
+    from elastic_jax.repro.report import main
     return main
   return _module(entry).main
 

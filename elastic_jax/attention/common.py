@@ -66,19 +66,23 @@ def q_tile_range(kv_tile, block_q: int, block_k: int, num_q_tiles, streaming: St
   return lo, jnp.maximum(hi, lo)
 
 
-def row_deltas(d_out, o_fa, o_sa, gate_bk):
+def row_deltas(d_out, o_fa, o_sa, gate):
   """Per-row terms of the backward pass and the gate's gradient.
 
   With O = r * O_FA + (1 - r) * O_SSA: D_FA = rowsum(dO * O_FA) and D_SSA = rowsum(dO * O_SSA),
-  float32 [B, T, N]; dL/dr = sum over rows and the KV head's query heads of D_FA - D_SSA, [B, K].
+  float32 [B, T, N]; dL/dr = D_FA - D_SSA summed over the KV head's query heads and, for a
+  gate per (batch, KV head) [B, K], over the rows too; for a gate per row [B, T, K] (packed
+  rows) it stays per row.
   """
   b, t, n, _ = d_out.shape
-  kh = gate_bk.shape[1]
+  kh = gate.shape[-1]
   up = lambda x: x.astype(jnp.float32)
   d_fa = jnp.einsum("btnd,btnd->btn", up(d_out), up(o_fa))
   d_sa = jnp.einsum("btnd,btnd->btn", up(d_out), up(o_sa))
-  d_gate = (d_fa - d_sa).reshape(b, t, kh, n // kh).sum(axis=(1, 3))
-  return d_fa, d_sa, d_gate.astype(gate_bk.dtype)
+  d_gate = (d_fa - d_sa).reshape(b, t, kh, n // kh).sum(axis=3)
+  if gate.ndim == 2:
+    d_gate = d_gate.sum(axis=1)
+  return d_fa, d_sa, d_gate.astype(gate.dtype)
 
 
 def with_fused_backward(forward: Callable, forward_train: Callable,

@@ -903,9 +903,7 @@ def _packed_backward_call(res, d_out, streaming, interpret, dq_t: Tiles, dkv_t: 
   b, t, n, d = d_out.shape
   tp, dp, kh = qp.shape[1], qp.shape[3], kp.shape[2]
   groups = n // kh
-  d_fa, d_sa = (jnp.einsum("btnd,btnd->btn", d_out.astype(jnp.float32), x.astype(jnp.float32))
-                for x in (o_fa, o_sa))
-  d_gate = (d_fa - d_sa).reshape(b, t, kh, groups).sum(-1).astype(gate_btk.dtype)
+  d_fa, d_sa, d_gate = row_deltas(d_out, o_fa, o_sa, gate_btk)
   d_fa, d_sa = (pad_to(x, 1, tp).transpose(0, 2, 1) for x in (d_fa, d_sa))  # [B, N, Tp]
   do = pad_to(pad_to(d_out.astype(qp.dtype), 1, tp), 3, dp)
   scale = d ** -0.5

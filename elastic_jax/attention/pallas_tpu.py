@@ -660,6 +660,25 @@ def _packed_kv_schedule(plan, mode, j, train: bool):
   return tile, n_visit, (tile < sink_hi) | (tile >= lo2)
 
 
+def _packed_query_tile(qplan, qmodes, b, h, qi, j, *, num_q_tiles, num_kv_heads, groups,
+                       train: bool):
+  """(mode, KV tile at step j, steps with work, streaming tile) of query tile qi of head h:
+  the scalar-prefetched plan read once, for the kernels and their index maps alike."""
+  base = (b * num_q_tiles + qi) * 8
+  mode = qmodes[(b * num_kv_heads + h // groups) * num_q_tiles + qi]
+  return (mode, *_packed_kv_schedule(tuple(qplan[base + x] for x in range(4)), mode, j,
+                                     train))
+
+
+def _packed_key_tile(kplan, kmodes, b, h, kj, step, *, num_k_tiles, num_kv_heads, groups):
+  """(mode, query head within the group, query tile, steps with work, streaming tile) at
+  `step` of KV head h's key tile kj (dK/dV): the plan read once, for kernel and index maps."""
+  base = (b * num_k_tiles + kj) * 4
+  mode = kmodes[(b * num_kv_heads + h) * num_k_tiles + kj]
+  return (mode, *_packed_q_schedule(tuple(kplan[base + x] for x in range(3)), mode, step,
+                                    groups))
+
+
 def _packed_q_schedule(plan, mode, step, groups: int):
   """(query head within the group, query tile, steps with work, whether the query tile sees
   the key tile as a streaming one) at `step` of the dK/dV pass; plan = (q_lo, q_hi_full,
@@ -689,10 +708,9 @@ def _packed_forward_kernel(qplan_ref, qmodes_ref, seg_q_ref, pos_q_ref, seg_k_re
                            train: bool):
   out_refs, (m_fa, l_fa, acc_fa, m_sa, l_sa, acc_sa) = refs[:-6], refs[-6:]
   b, h, qi, j = (pl.program_id(i) for i in range(4))
-  base = (b * num_q_tiles + qi) * 8
-  mode = qmodes_ref[(b * num_kv_heads + h // groups) * num_q_tiles + qi]
-  tile, n_visit, lo_tile = _packed_kv_schedule(
-      tuple(qplan_ref[base + x] for x in range(4)), mode, j, train)
+  mode, tile, n_visit, lo_tile = _packed_query_tile(
+      qplan_ref, qmodes_ref, b, h, qi, j, num_q_tiles=num_q_tiles, num_kv_heads=num_kv_heads,
+      groups=groups, train=train)
 
   @pl.when(j == 0)
   def _init():
@@ -779,9 +797,8 @@ def _packed_forward_call(q, k, v, gate_btk, segment_ids, positions, streaming, b
   nq, nk = tp // block_q, tp // block_k
 
   def kv_tile(bi, hi, qi, j, qplan, qmodes, *_):
-    base = (bi * nq + qi) * 8
-    mode = qmodes[(bi * kh + hi // groups) * nq + qi]
-    return _packed_kv_schedule(tuple(qplan[base + x] for x in range(4)), mode, j, train)[0]
+    return _packed_query_tile(qplan, qmodes, bi, hi, qi, j, num_q_tiles=nq, num_kv_heads=kh,
+                              groups=groups, train=train)[1]
 
   q_tile = lambda bi, hi, qi, j, *_: qi
   q_map = lambda bi, hi, qi, j, *_: (bi, hi, qi, 0)
@@ -823,10 +840,9 @@ def _packed_dq_kernel(qplan_ref, qmodes_ref, *refs, scale, block_q, block_k, num
   (seg_q_ref, pos_q_ref, seg_k_ref, pos_k_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, stats_ref,
    dq_ref, dq_acc) = refs
   b, h, qi, j = (pl.program_id(i) for i in range(4))
-  base = (b * num_q_tiles + qi) * 8
-  mode = qmodes_ref[(b * num_kv_heads + h // groups) * num_q_tiles + qi]
-  tile, n_visit, lo_tile = _packed_kv_schedule(
-      tuple(qplan_ref[base + x] for x in range(4)), mode, j, False)
+  mode, tile, n_visit, lo_tile = _packed_query_tile(
+      qplan_ref, qmodes_ref, b, h, qi, j, num_q_tiles=num_q_tiles, num_kv_heads=num_kv_heads,
+      groups=groups, train=False)
 
   @pl.when(j == 0)
   def _init():
@@ -856,10 +872,9 @@ def _packed_dkv_kernel(qplan_ref, qmodes_ref, kplan_ref, kmodes_ref, *refs, scal
   (seg_q_ref, pos_q_ref, seg_k_ref, pos_k_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, stats_ref,
    dk_ref, dv_ref, dk_acc, dv_acc) = refs
   b, h, ki, step = (pl.program_id(i) for i in range(4))
-  base = (b * num_k_tiles + ki) * 4
-  mode = kmodes_ref[(b * num_kv_heads + h) * num_k_tiles + ki]
-  _, qi, n_work, lo_tile = _packed_q_schedule(tuple(kplan_ref[base + x] for x in range(3)),
-                                              mode, step, groups)
+  mode, _, qi, n_work, lo_tile = _packed_key_tile(
+      kplan_ref, kmodes_ref, b, h, ki, step, num_k_tiles=num_k_tiles,
+      num_kv_heads=num_kv_heads, groups=groups)
 
   @pl.when(step == 0)
   def _init():
@@ -895,10 +910,7 @@ def _packed_backward(res, d_out, streaming, block_q, block_k, interpret):
   (qt, kt, vt), cols, prefetch, (block_q, block_k, tp) = _packed_operands(
       q, k, v, gate_btk, seg_ids, positions, streaming, block_q, block_k)
   nq, nk = tp // block_q, tp // block_k
-  up = lambda x: x.astype(jnp.float32)
-  d_fa = jnp.einsum("btnd,btnd->btn", up(d_out), up(o_fa))
-  d_sa = jnp.einsum("btnd,btnd->btn", up(d_out), up(o_sa))
-  d_gate = (d_fa - d_sa).reshape(b, t, kh, groups).sum(-1).astype(gate_btk.dtype)
+  d_fa, d_sa, d_gate = row_deltas(d_out, o_fa, o_sa, gate_btk)
   deltas = pad_to(jnp.stack([d_fa, d_sa], axis=1), 2, tp).transpose(0, 3, 1, 2)[..., None]
   stats = jnp.concatenate([lse, deltas], axis=2)                 # [B, N, 4, Tp, 1]
   d_out_t, = _heads_major(tp, d_out.astype(q.dtype))
@@ -910,9 +922,8 @@ def _packed_backward(res, d_out, streaming, block_q, block_k, interpret):
               vt, d_out_t, stats)
 
   def kv_tile(bi, hi, qi, j, qplan, qmodes, *_):
-    base = (bi * nq + qi) * 8
-    mode = qmodes[(bi * kh + hi // groups) * nq + qi]
-    return _packed_kv_schedule(tuple(qplan[base + x] for x in range(4)), mode, j, False)[0]
+    return _packed_query_tile(qplan, qmodes, bi, hi, qi, j, num_q_tiles=nq, num_kv_heads=kh,
+                              groups=groups, train=False)[1]
 
   q_map = lambda bi, hi, qi, j, *_: (bi, hi, qi, 0)
   kv_map = lambda bi, hi, qi, j, *p: (bi, hi // groups, kv_tile(bi, hi, qi, j, *p), 0)
@@ -935,10 +946,8 @@ def _packed_backward(res, d_out, streaming, block_q, block_k, interpret):
   )(*prefetch[:2], *operands)
 
   def q_side(bi, hi, kj, step, qplan, qmodes, kplan, kmodes):
-    base = (bi * nk + kj) * 4
-    mode = kmodes[(bi * kh + hi) * nk + kj]
-    g, qi, _, _ = _packed_q_schedule(tuple(kplan[base + x] for x in range(3)), mode, step,
-                                     groups)
+    _, g, qi, _, _ = _packed_key_tile(kplan, kmodes, bi, hi, kj, step, num_k_tiles=nk,
+                                      num_kv_heads=kh, groups=groups)
     return hi * groups + g, qi
 
   q_tile_t = lambda *a: q_side(*a)[1]

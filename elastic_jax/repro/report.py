@@ -24,6 +24,7 @@ import sys
 
 import numpy as np
 
+from elastic_jax.errors import ElasticJaxError
 from elastic_jax.eval import mixture
 
 METHOD_NAMES = {
@@ -44,7 +45,7 @@ def read_run(directory: str) -> dict:
     with open(path, encoding="utf-8") as f:
       return json.load(f)
   except (OSError, ValueError) as e:
-    raise SystemExit(f"error: {path}: cannot read an eval report ({e})")
+    raise ElasticJaxError(f"{path}: cannot read an eval report ({e})") from None
 
 
 def rows_of(runs: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
@@ -215,79 +216,71 @@ def parse_kernel_times(text: str) -> list[tuple[float, float]]:
   try:
     pts = sorted((float(a), float(b)) for a, b in (x.split(":") for x in text.split(",")))
   except ValueError:
-    raise SystemExit(f"error: --kernel-times {text!r}: expected MSR:ms pairs, e.g. "
+    raise ElasticJaxError(f"--kernel-times {text!r}: expected MSR:ms pairs, e.g. "
                      "0:232,0.75:65.4,1:8.12") from None
   if pts[0][0] != 0.0 or pts[-1][0] != 1.0 or any(ms <= 0 for _, ms in pts):
-    raise SystemExit("error: --kernel-times needs MSR 0 and 1 and positive times")
+    raise ElasticJaxError("--kernel-times needs MSR 0 and 1 and positive times")
   return pts
+
+
+def _regime_panels(runs, x_of, xlabel: str, title: str, out_dir: str, name: str,
+                   log_x: bool = False) -> str:
+  """Accuracy of each method (sensitive and robust tasks, one panel each, seen and held-out
+  variants averaged) against x_of(its task rows); one legend beside the panels, so labels
+  never sit on the points."""
+  from elastic_jax.eval.report import save_figure
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+  for ax, group, panel in ((axes[0], mixture.SENSITIVE, "sensitive tasks (kv, hop)"),
+                           (axes[1], tuple(t for t in mixture.TASKS
+                                           if t not in mixture.SENSITIVE),
+                            "robust tasks (summary, pattern, fewshot)")):
+    markers = iter("osD^v<>phX*")
+    for method, body in rows_of(runs):
+      pts = [body["tasks"].get(f"{t}@{v}") for t in group for v in VARIANTS]
+      pts = [p for p in pts if p]
+      if not pts:
+        continue
+      ax.scatter([x_of(pts)], [np.mean([p["score"] for p in pts])], s=40,
+                 marker=next(markers, "o"), label=method)
+    ax.set_title(panel, fontsize=10)
+    ax.set_xlabel(xlabel, fontsize=8 if "\n" in xlabel else None)
+    if log_x:
+      ax.set_xscale("log")
+    else:
+      ax.set_xlim(-0.05, 1.05)
+  axes[0].set_ylabel("accuracy %")
+  handles, labels = axes[0].get_legend_handles_labels()
+  fig.legend(handles, labels, fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
+  fig.suptitle(title, fontsize=11)
+  path = save_figure(fig, out_dir, name)
+  plt.close(fig)
+  return path
 
 
 def plot_kernel_speed(runs, kernel: list[tuple[float, float]], label: str, out_dir: str) -> str:
   """Accuracy (sensitive and robust tasks) against the attention speed-up over full that the
   method's average MSR buys at the scale the kernel times were measured (interpolated
   between measured MSRs)."""
-  from elastic_jax.eval.report import save_figure
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
   ms, ts = np.array([p[0] for p in kernel]), np.array([p[1] for p in kernel])
-  fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-  for ax, group, title in ((axes[0], mixture.SENSITIVE, "sensitive tasks (kv, hop)"),
-                           (axes[1], tuple(t for t in mixture.TASKS
-                                           if t not in mixture.SENSITIVE),
-                            "robust tasks (summary, pattern, fewshot)")):
-    markers = iter("osD^v<>phX*")
-    for name, body in rows_of(runs):
-      pts = [body["tasks"].get(f"{t}@{v}") for t in group for v in VARIANTS]
-      pts = [p for p in pts if p]
-      if not pts:
-        continue
-      m = float(np.mean([p["msr"] for p in pts]))
-      x = ts[0] / float(np.interp(m, ms, ts))
-      ax.scatter([x], [np.mean([p["score"] for p in pts])], s=40,
-                 marker=next(markers, "o"), label=name)
-    ax.set_title(title, fontsize=10)
-    ax.set_xlabel("attention speed-up over full at the method's MSR\n" + label, fontsize=8)
-    ax.set_xscale("log")
-  axes[0].set_ylabel("accuracy %")
-  handles, labels = axes[0].get_legend_handles_labels()
-  fig.legend(handles, labels, fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
-  fig.suptitle("quality against measured attention speed", fontsize=11)
-  path = save_figure(fig, out_dir, "quality_vs_speed.png")
-  plt.close(fig)
-  return path
+  speedup = lambda pts: ts[0] / float(np.interp(np.mean([p["msr"] for p in pts]), ms, ts))
+  return _regime_panels(runs, speedup, "attention speed-up over full at the method's MSR\n"
+                        + label, "quality against measured attention speed", out_dir,
+                        "quality_vs_speed.png", log_x=True)
 
 
 def plot(runs: list[tuple[str, dict]], elastic_dir: str | None, out_dir: str) -> list[str]:
-  from elastic_jax.eval.report import save_figure
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  from elastic_jax.eval.report import save_figure
   os.makedirs(out_dir, exist_ok=True)
-  written = []
-  fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-  for ax, group, title in ((axes[0], mixture.SENSITIVE, "sensitive tasks (kv, hop)"),
-                           (axes[1], tuple(t for t in mixture.TASKS
-                                           if t not in mixture.SENSITIVE),
-                            "robust tasks (summary, pattern, fewshot)")):
-    markers = iter("osD^v<>phX*")
-    for name, body in rows_of(runs):
-      pts = [body["tasks"].get(f"{t}@{v}") for t in group for v in VARIANTS]
-      pts = [p for p in pts if p]
-      if not pts:
-        continue
-      x, y = np.mean([p["esr"] for p in pts]), np.mean([p["score"] for p in pts])
-      ax.scatter([x], [y], s=40, marker=next(markers, "o"), label=name)
-    ax.set_title(title, fontsize=10)
-    ax.set_xlabel("ESR: share of causal attention pruned (last layer)")
-    ax.set_xlim(-0.05, 1.05)
-  axes[0].set_ylabel("accuracy %")
-  # One legend beside the panels: labels never sit on the points, so they cannot collide.
-  handles, labels = axes[0].get_legend_handles_labels()
-  fig.legend(handles, labels, fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
-  fig.suptitle("quality against attention pruned", fontsize=11)
-  written.append(save_figure(fig, out_dir, "quality_vs_sparsity.png"))
-  plt.close(fig)
+  written = [_regime_panels(runs, lambda pts: np.mean([p["esr"] for p in pts]),
+                            "ESR: share of causal attention pruned (last layer)",
+                            "quality against attention pruned", out_dir,
+                            "quality_vs_sparsity.png")]
   if elastic_dir:
     recs = []
     with open(os.path.join(elastic_dir, "predictions.jsonl"), encoding="utf-8") as f:
@@ -332,23 +325,31 @@ def main(argv=None) -> int:
   p.add_argument("--kernel-label", default="",
                  help="where --kernel-times were measured (printed on the plot's axis)")
   args = p.parse_args(argv)
+  # Every argument checked before anything is written.
+  kernel = parse_kernel_times(args.kernel_times) if args.kernel_times else None
+  if kernel and not args.plots:
+    raise ElasticJaxError("--kernel-times draws a plot: pass --plots DIR too")
+  from elastic_jax.files import atomic_write_text, check_creatable
+  if args.out:
+    if os.path.isdir(args.out):
+      raise ElasticJaxError(f"--out {args.out}: is a directory; name the table's file")
+    check_creatable(os.path.dirname(os.path.abspath(args.out)), "--out's folder")
+  if args.plots:
+    check_creatable(args.plots, "--plots")
   runs, dirs = [], {}
   for spec in args.run:
     label, sep, directory = spec.partition("=")
     if not sep or not directory:
-      raise SystemExit(f"error: --run {spec!r}: expected LABEL=DIR")
+      raise ElasticJaxError(f"--run {spec!r}: expected LABEL=DIR")
     runs.append((label, read_run(directory)))
     dirs[label] = directory
   text = table(runs)
   extra = [x for x in (paired_table(runs), targets_table(targets(runs))) if x]
   text = "\n".join([text, *extra])
   if args.out:
-    from elastic_jax.files import atomic_write_text
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     atomic_write_text(args.out, text)
   print(text)
-  kernel = parse_kernel_times(args.kernel_times) if args.kernel_times else None
-  if kernel and not args.plots:
-    raise SystemExit("error: --kernel-times draws a plot: pass --plots DIR too")
   if args.plots:
     paths = plot(runs, dirs.get("elastic"), args.plots)
     if kernel:
@@ -359,4 +360,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from elastic_jax.cli import run_cli
+  sys.exit(run_cli(main))
