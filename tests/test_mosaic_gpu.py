@@ -105,3 +105,40 @@ def test_applies_only_where_its_layout_holds():
   with pytest.raises(ValueError, match="does not take"):
     mosaic_gpu.hybrid_forward_hard(*_inputs(1, 128, 2, 2, 32, jnp.bfloat16),
                                    jnp.ones((1, 2)), st, interpret=True)
+
+
+def _packed_row(lengths, gates_of_segment, k):
+  seg = np.concatenate([[i + 1] * n for i, n in enumerate(lengths)]).astype(np.int32)
+  pos = np.concatenate([np.arange(n) for n in lengths]).astype(np.int32)
+  gate = np.stack([np.broadcast_to(gates_of_segment[s - 1], (k,)) for s in seg])
+  return jnp.asarray(seg[None]), jnp.asarray(pos[None]), jnp.asarray(gate[None], jnp.float32)
+
+
+@pytest.mark.parametrize("n,k,d,lengths,st", [
+    # G = 2, head_dim 128: rows of later segments whose first tiles hold none of their keys
+    # (the masked-tile softmax must cancel exactly), T padded inside.
+    (4, 2, 128, [37, 300, 250, 180, 101], Streaming(1, 1, 128)),
+    (2, 2, 64, [200, 3, 190, 119], Streaming(2, 1, 128)),    # G = 1: two row tiles a program
+])
+def test_packed_forward_matches_reference(n, k, d, lengths, st):
+  """Packed rows on the Mosaic GPU forward: segments of odd lengths, gates per (segment, KV
+  head) in every full/streaming combination (tiles whose rows are routed differently)."""
+  combos = [(0.0, 0.0), (1.0, 0.0), (0.0, 1.0), (1.0, 1.0), (1.0, 0.0)]
+  seg, pos, gate = _packed_row(lengths, [np.asarray(c[:k]) for c in combos], k)
+  q, kk, v = _inputs(1, seg.shape[1], n, k, d, jnp.bfloat16, seed=d)
+  assert bool(mosaic_gpu.packed_rows_apply(seg, pos, gate))
+  got = mosaic_gpu.packed_forward_hard(q, kk, v, gate, seg, pos, st, interpret=INTERPRET)
+  up = [x.astype(jnp.float32) for x in (q, kk, v)]
+  want = hybrid_attention(*up, gate, sink_blocks=st.sink_blocks, local_blocks=st.local_blocks,
+                          block=st.block, segment_ids=seg, positions=pos)
+  err = float(jnp.abs(got.astype(jnp.float32) - want).max())
+  assert err <= TOL[jnp.bfloat16], err
+
+
+def test_packed_rows_apply_only_to_hard_gates_and_counting_positions():
+  seg, pos, gate = _packed_row([5, 7], [np.ones(2), np.zeros(2)], 2)
+  assert bool(mosaic_gpu.packed_rows_apply(seg, pos, gate))
+  assert bool(mosaic_gpu.packed_rows_apply(seg, pos + 3, gate))       # an offset is fine
+  assert not bool(mosaic_gpu.packed_rows_apply(seg, pos, gate.at[0, 0, 0].set(0.5)))
+  assert not bool(mosaic_gpu.packed_rows_apply(seg, pos.at[0, 6].set(0), gate))
+  assert not bool(mosaic_gpu.packed_rows_apply(seg, pos - 1, gate))   # negative positions

@@ -19,9 +19,10 @@ Implementations:
              with every head full.
 The kernels run on CPU with `interpret=True` (implementation "NAME:interpret", e.g.
 "pallas_gpu:interpret") and have fused backward passes. Packed rows (segment ids and
-positions) run on the packed kernels (`pallas_gpu.make_packed_hybrid`, also behind
-mosaic_gpu, and `pallas_tpu.fused_packed_hybrid`); under the XAttention settings they still
-go to the reference.
+positions) run on the packed kernels (`pallas_gpu.make_packed_hybrid`, whose inference
+forward mosaic_gpu replaces by its own where gates are hard and positions count up, and
+`pallas_tpu.fused_packed_hybrid`), under the XAttention settings too
+(`pallas_gpu.make_packed_xa_hybrid`, `pallas_tpu.fused_packed_hybrid(xa=True)`).
 """
 
 import functools

@@ -85,19 +85,24 @@ def row_deltas(d_out, o_fa, o_sa, gate):
   return d_fa, d_sa, d_gate.astype(gate.dtype)
 
 
-def with_fused_backward(forward: Callable, forward_train: Callable,
-                        backward: Callable) -> Callable:
-  """A differentiable `fn(q, k, v, gate_bk, streaming, interpret)` made of kernels.
+def with_fused_backward(forward: Callable, forward_train: Callable, backward: Callable,
+                        num_arrays: int = 4, num_static: int = 2) -> Callable:
+  """A differentiable `fn(q, k, v, gate, ..., streaming, interpret)` made of kernels: the first
+  `num_arrays` arguments are arrays (4: q, k, v and the gate; 6 for packed rows, with segment
+  ids and positions, whose cotangents are float0 zeros; 7 with XAttention's kept blocks), the
+  last `num_static` static (streaming and interpret; with XAttention also the patterns and
+  the block).
 
-  `forward(q, k, v, gate_bk, streaming, interpret)` -> O serves undifferentiated calls (sparse
-  heads skip their far tiles). Under differentiation `forward_train(...)` -> (O, residuals)
-  computes O_FA and O_SSA of every head in one pass (the gate's gradient needs both), and
-  `backward(streaming, interpret, residuals, dO)` -> (dq, dk, dv, d_gate).
+  `forward(*args)` -> O serves undifferentiated calls (sparse heads skip their far tiles).
+  Under differentiation `forward_train(*args)` -> (O, residuals) computes O_FA and O_SSA of
+  every head in one pass (the gate's gradient needs both), and `backward(*static,
+  residuals, dO)` -> the arrays' cotangents (dq, dk, dv, d_gate, ...).
   """
 
-  @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-  def fn(q, k, v, gate_bk, streaming, interpret):
-    return forward(q, k, v, gate_bk, streaming, interpret)
+  @functools.partial(jax.custom_vjp,
+                     nondiff_argnums=tuple(range(num_arrays, num_arrays + num_static)))
+  def fn(*args):
+    return forward(*args)
 
   fn.defvjp(forward_train, backward)
   return fn
@@ -120,36 +125,42 @@ def kernel_or_reference(kernel: Callable, q_btnh, k_btkh, v_btkh, gate_btk,
                         streaming: Streaming, segment_ids_bt=None, positions_bt=None, *,
                         interpret: bool = False, xa_kernel: Callable | None = None,
                         xa_kernel_applies: Callable[[int], bool] = lambda block: False,
-                        packed_kernel: Callable | None = None, **reference_kwargs):
+                        packed_kernel: Callable | None = None,
+                        packed_xa_kernel: Callable | None = None, **reference_kwargs):
   """`reference.hybrid_attention`'s signature, on `kernel` where it applies.
 
   `kernel` takes one gate per (batch, KV head) over unpacked rows; packed segments or custom
   positions go to `packed_kernel(q, k, v, gate_btk, segment_ids, positions, streaming,
   interpret)` where the backend has one (missing segment ids: one segment per row; missing
   positions: 0 .. T-1 along the row, as in the reference), else to the reference. The XAttention
-  settings ("patterns" and "xa_keep" in the keyword arguments) run on `xa_kernel` where the
-  backend has one and `xa_kernel_applies` to the block size, else on the reference.
+  settings ("patterns" and "xa_keep" in the keyword arguments) run on `xa_kernel` (packed rows:
+  `packed_xa_kernel(q, k, v, gate_btk, segment_ids, positions, xa_keep, streaming, patterns,
+  xa_block, interpret)`) where the backend has one and `xa_kernel_applies` to the block size,
+  else on the reference.
   """
   if gate_btk is None:
     gate_btk = jnp.zeros(k_btkh.shape[:3], jnp.float32)
   patterns = reference_kwargs.get("patterns", "fa-ssa")
   xa_block = reference_kwargs.get("xa_block", 128)
   packed = segment_ids_bt is not None or positions_bt is not None
-  if packed and patterns == "fa-ssa" and packed_kernel is not None:
+  xa_ok = patterns == "fa-ssa" or xa_kernel_applies(xa_block)
+  chosen = (packed_kernel if patterns == "fa-ssa" else packed_xa_kernel) if packed else (
+      kernel if patterns == "fa-ssa" else xa_kernel)
+  if chosen is None or not xa_ok:
+    return reference_hybrid(q_btnh, k_btkh, v_btkh, gate_btk, streaming, segment_ids_bt,
+                            positions_bt, **reference_kwargs)
+  xa_args = () if patterns == "fa-ssa" else (reference_kwargs["xa_keep"],)
+  xa_static = () if patterns == "fa-ssa" else (patterns, xa_block)
+  if packed:
     b, t = q_btnh.shape[:2]
     if segment_ids_bt is None:
       segment_ids_bt = jnp.ones((b, t), jnp.int32)
     if positions_bt is None:   # the reference's default: 0 .. T-1 along the row
       positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
-    return packed_kernel(q_btnh, k_btkh, v_btkh, gate_btk, segment_ids_bt, positions_bt,
-                         streaming, interpret)
-  if packed or (patterns != "fa-ssa" and (xa_kernel is None or not xa_kernel_applies(xa_block))):
-    return reference_hybrid(q_btnh, k_btkh, v_btkh, gate_btk, streaming, segment_ids_bt,
-                            positions_bt, **reference_kwargs)
-  if patterns != "fa-ssa":
-    return xa_kernel(q_btnh, k_btkh, v_btkh, gate_btk[:, 0, :], reference_kwargs["xa_keep"],
-                     streaming, patterns, xa_block, interpret)
-  return kernel(q_btnh, k_btkh, v_btkh, gate_btk[:, 0, :], streaming, interpret)
+    return chosen(q_btnh, k_btkh, v_btkh, gate_btk, segment_ids_bt, positions_bt, *xa_args,
+                  streaming, *xa_static, interpret)
+  return chosen(q_btnh, k_btkh, v_btkh, gate_btk[:, 0, :], *xa_args, streaming, *xa_static,
+                interpret)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,7 +191,7 @@ def _mode_of_range(count0, count1, lo, hi):
 
 
 def packed_plan(segment_ids_bt, positions_bt, gate_btk, streaming: Streaming, block_q: int,
-                block_k: int):
+                block_k: int, pair: tuple[str, str] = ("full", "stream")):
   """The tile schedule of packed rows (T a multiple of both tiles; pad rows as a segment).
 
   Returns a dict of int32 arrays:
@@ -200,6 +211,9 @@ def packed_plan(segment_ids_bt, positions_bt, gate_btk, streaming: Streaming, bl
   of any segment whose positions do not gets the full range, masked (correct, not fast).
   Every visited tile is masked by segment, causality and (streaming) positions in the kernel,
   so a schedule only has to be a superset of the tiles that hold visible keys.
+  pair: the pattern pair (`reference.split_patterns`); an XAttention pattern visits the full
+  head's ranges (the kept blocks are masked in) and has no unmasked tiles: with ("full",
+  "xa") a streaming head's ranges become the full one's.
   """
   b, t = segment_ids_bt.shape
   if t % block_q or t % block_k:
@@ -238,6 +252,10 @@ def packed_plan(segment_ids_bt, positions_bt, gate_btk, streaming: Streaming, bl
   grid_ok = blk % block_q == 0 and blk % block_k == 0 and sink_tok % block_k == 0
   sparse_in_hi = jnp.where(single & ~tile_bad & (s0 % max(block_q, block_k) == 0) & grid_ok,
                            in_hi, in_lo)
+  if pair[0] == "xa":
+    in_hi = in_lo
+  if pair[1] == "xa":
+    sink_hi, sparse_in_hi = causal_hi, in_lo
   q_plan = jnp.stack([kv_lo, sink_hi, win_lo, causal_hi, in_lo, in_hi, sparse_in_hi,
                       jnp.zeros_like(kv_lo)], axis=-1).astype(jnp.int32)
 
@@ -250,6 +268,8 @@ def packed_plan(segment_ids_bt, positions_bt, gate_btk, streaming: Streaming, bl
   tile_max = lambda x: x.reshape(b, nk, block_k).max(-1)
   q_hi_full = jnp.maximum(-(-tile_max(reach_full) // block_q), q_lo)
   q_hi_sparse = jnp.clip(-(-tile_max(reach_sparse) // block_q), q_lo, q_hi_full)
+  if pair[1] == "xa":
+    q_hi_sparse = q_hi_full
   k_plan = jnp.stack([q_lo, q_hi_full, q_hi_sparse, jnp.zeros_like(q_lo)], axis=-1).astype(
       jnp.int32)
 

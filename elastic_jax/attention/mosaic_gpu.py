@@ -25,6 +25,10 @@ Its layout constraints (`applies`): bf16 or fp16, head_dim a multiple of 64, the
 block a multiple of the KV tile (128) so the window's edges fall on tile edges, and G even or
 1. T is padded inside. Interpret mode (`interpret=True`) runs it on a CPU.
 
+Packed rows (segment ids and positions, `packed_forward_hard`, end of this file): the walk
+starts at the tile of the segment start of the program's first row (`common.packed_plan`),
+and masked tiles compare each key with three per-row bounds; see the section there.
+
 Shape letters: B batch, T tokens, N query heads, K KV heads, G = N / K, D head dim.
 """
 
@@ -40,9 +44,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from elastic_jax.attention import pallas_gpu
-from elastic_jax.attention.common import (MODE_SPARSE, kernel_or_reference, modes_from_gate,
-                                          pad_to, with_fused_backward)
-from elastic_jax.attention.reference import Streaming
+from elastic_jax.attention.common import (MODE_FULL, MODE_SPARSE, kernel_or_reference,
+                                          modes_from_gate, packed_plan, pad_packed, pad_to,
+                                          segment_bounds, with_fused_backward)
+from elastic_jax.attention.reference import MASK_VALUE, Streaming
 
 try:  # the Mosaic GPU dialect ships with jaxlib; keep the package importable without it
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -51,6 +56,8 @@ except ImportError:  # pragma: no cover
 
 _LOG2E = math.log2(math.e)
 _COMPUTE_WGS = 2
+_PLAN_WIDTH = 8     # entries per query tile of common.packed_plan's q_plan
+_ROW_FIELDS = 3     # per packed row: segment start, end of the sink, start of the window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,19 +112,40 @@ def walk(q_start, rows: int, mode, streaming: Streaming, block_kv: int):
   return steps, sink_end, second_start
 
 
-def _tile_of(step, sink_end, second_start):
-  return jnp.where(step < sink_end, step, second_start + step - sink_end)
+def _tile_of(step, lo, n1, second_start):
+  """The KV tile of step `step` of a walk that reads tiles lo .. lo + n1 - 1, then tiles
+  second_start onwards."""
+  return jnp.where(step < n1, lo + step, second_start + step - n1)
 
 
-def _kernel(modes_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, groups, num_kv_heads,
-            streaming, tiles: MosaicTiles, scale, num_q_tiles):
-  (qo_smem2, k_smem, v_smem, p_smem2), ready, (k_free, v_free), turn = scoped
-  k_ready, v_ready, q_ready = ready
+def packed_walk(plan, mode):
+  """The walk of a program over packed rows from its `common.packed_plan` entries (kv_lo,
+  sink_hi, win_lo, causal_hi, in_lo, in_hi, sparse_in_hi): (steps, lo, n1, second_start,
+  unmasked_lo, unmasked_hi). A full head and a program whose rows are routed differently
+  (MODE_MIX: the per-row window masks decide) read [kv_lo, causal_hi); a streaming head its
+  sink tiles then its window. Tiles [unmasked_lo, unmasked_hi) need no mask (none for MIX)."""
+  kv_lo, sink_hi, win_lo, causal_hi, in_lo, in_hi, sparse_in_hi = plan
+  sparse = mode == MODE_SPARSE
+  n1 = jnp.where(sparse, sink_hi, causal_hi) - kv_lo
+  second = jnp.where(sparse, jnp.maximum(win_lo, sink_hi), causal_hi)
+  unmasked_hi = jnp.where(sparse, sparse_in_hi, jnp.where(mode == MODE_FULL, in_hi, in_lo))
+  return n1 + causal_hi - second, kv_lo, n1, second, in_lo, unmasked_hi
+
+
+def _kernel(modes_ref, plan_ref, q_ref, k_ref, v_ref, rows_ref, out_ref, scoped, *, groups,
+            num_kv_heads, streaming, tiles: MosaicTiles, scale, num_q_tiles):
+  """One program: `rows` query rows of one or two query heads. Unpacked rows (plan_ref None)
+  walk `walk`'s list and mask the causal diagonal; packed rows walk their precomputed
+  `packed_walk` (plan_ref: its six fields' arrays) and mask every tile outside its unmasked
+  range with per-row bounds (rows_ref)."""
+  (qo_smem2, k_smem, v_smem, p_smem2, rows_smem2), ready, (k_free, v_free), turn = scoped
+  k_ready, v_ready, q_ready, rows_ready = ready
   block_q, block_kv, slots = tiles.block_q, tiles.block_kv, tiles.slots
   pair_heads = groups >= 2
   rows = _rows_per_program(groups, tiles)
   head_dim = q_ref.shape[-1]
   dtype = q_ref.dtype
+  packed = plan_ref is not None
 
   b = lax.axis_index("b")
   hp = lax.axis_index("hp")
@@ -127,9 +155,14 @@ def _kernel(modes_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, groups, num_kv_h
   wg = lax.axis_index("wg")
   heads_per_program = _COMPUTE_WGS if pair_heads else 1
   kv_head = lax.div(hp * heads_per_program, jnp.int32(groups))
-  mode = modes_ref[b * num_kv_heads + kv_head]
   q_start = qt * rows
-  steps, sink_end, second_start = walk(q_start, rows, mode, streaming, block_kv)
+  if packed:   # the program's walk, precomputed (`packed_walk`), one array per field
+    at = (b * num_kv_heads + kv_head) * num_q_tiles + qt
+    steps, lo, n1, second_start, unmasked_lo, unmasked_hi = (ref[at] for ref in plan_ref)
+  else:
+    mode = modes_ref[b * num_kv_heads + kv_head]
+    steps, n1, second_start = walk(q_start, rows, mode, streaming, block_kv)
+    lo = jnp.int32(0)
 
   def take_turn():
     plgpu.barrier_arrive(turn)
@@ -143,10 +176,26 @@ def _kernel(modes_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, groups, num_kv_h
     row0 = q_start + (0 if pair_heads else wg * block_q)
     plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, block_q), head], qo_smem,
                             q_ready.at[wg])
+    if packed:   # this warpgroup's rows: segment start, end of the sink, start of the window
+      for x in range(_ROW_FIELDS):
+        plgpu.copy_gmem_to_smem(rows_ref.at[b, kv_head, x, pl.ds(row0, block_q)],
+                                rows_smem2.at[wg, x], rows_ready.at[wg * _ROW_FIELDS + x])
+      bounds = []
+      for x in range(_ROW_FIELDS):
+        plgpu.barrier_wait(rows_ready.at[wg * _ROW_FIELDS + x])
+        bounds.append(plgpu.load(rows_smem2.at[wg, x], layout=plgpu.Layout.WGMMA.reduce(1)))
     plgpu.barrier_wait(q_ready.at[wg])
-    # Steps whose tile may hold keys after this warpgroup's first row need the causal mask;
-    # they are the last ones (the window always reaches the diagonal).
-    masked_from = steps - ((q_start + rows + block_kv - 1) // block_kv - row0 // block_kv)
+
+    def mask(x, tile):
+      shape = (block_q, block_kv)
+      row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
+      col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + (
+          tile * block_kv)
+      ok = row >= col
+      if packed:
+        start, sink_end, window = (lax.broadcast_in_dim(v, shape, [0]) for v in bounds)
+        ok = ok & (col >= start) & ((col < sink_end) | (col >= window))
+      return jnp.where(ok, x, MASK_VALUE)
 
     m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
                             plgpu.Layout.WGMMA.reduce(1))
@@ -168,18 +217,19 @@ def _kernel(modes_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, groups, num_kv_h
 
       x = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
       plgpu.barrier_arrive(k_free.at[slot])
-      if masked:
-        tile = _tile_of(s, sink_end, second_start)
-        row = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0,
-                                     layout=plgpu.Layout.WGMMA)
-        col = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1,
-                                     layout=plgpu.Layout.WGMMA)
-        x = jnp.where(row + row0 >= col + tile * block_kv, x, -jnp.inf)
       # Base-2 softmax with the scale folded in: m is kept scaled, p = exp2(x * c - m) is an FMA.
+      # A masked tile scales first and masks to a finite MASK_VALUE: a row none of whose keys
+      # the tile shows (another segment's) then gets p = exp2(0) weights that the first visible
+      # key's larger maximum scales to zero (an FMA of the huge mask value would not cancel).
       c = scale * _LOG2E
-      m_new = jnp.maximum(m_i, x.max(axis=1) * c)
+      if masked:
+        x = mask(x * c, _tile_of(s, lo, n1, second_start))
+        m_new = jnp.maximum(m_i, x.max(axis=1))
+        p = jnp.exp2(x - lax.broadcast_in_dim(m_new, x.shape, [0]))
+      else:
+        m_new = jnp.maximum(m_i, x.max(axis=1) * c)
+        p = jnp.exp2(x * c - lax.broadcast_in_dim(m_new, x.shape, [0]))
       alpha = jnp.exp2(m_i - m_new)
-      p = jnp.exp2(x * c - lax.broadcast_in_dim(m_new, x.shape, [0]))
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       l_i = l_i * alpha + p.sum(axis=1)
       p_lo = p.astype(dtype)
@@ -209,10 +259,12 @@ def _kernel(modes_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, groups, num_kv_h
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_new, l_i
 
-    carry = lax.fori_loop(0, masked_from, functools.partial(step, masked=False),
-                          (acc, m_i, l_i))
-    acc, m_i, l_i = lax.fori_loop(masked_from, steps, functools.partial(step, masked=True),
-                                  carry)
+    carry = (acc, m_i, l_i)
+    for s_lo, s_hi, masked in _step_ranges(packed, steps, lo, n1, second_start, q_start, rows,
+                                           row0, block_kv, *((unmasked_lo, unmasked_hi)
+                                                             if packed else ())):
+      carry = lax.fori_loop(s_lo, s_hi, functools.partial(step, masked=masked), carry)
+    acc, m_i, l_i = carry
     pl.when(wg == 0)(take_turn)
     acc = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
     qo_smem[...] = acc.astype(dtype)
@@ -225,7 +277,7 @@ def _kernel(modes_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, groups, num_kv_h
     plgpu.set_max_registers(40, action="decrease")
 
     def load(s, slot):
-      rows_kv = pl.ds(_tile_of(s, sink_end, second_start) * block_kv, block_kv)
+      rows_kv = pl.ds(_tile_of(s, lo, n1, second_start) * block_kv, block_kv)
       plgpu.copy_gmem_to_smem(k_ref.at[b, rows_kv, kv_head], k_smem.at[slot], k_ready.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[b, rows_kv, kv_head], v_smem.at[slot], v_ready.at[slot])
 
@@ -246,7 +298,29 @@ def _kernel(modes_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, groups, num_kv_h
       plgpu.barrier_wait(v_free.at[slot])
 
 
-def _call(q, k, v, modes, *, streaming: Streaming, tiles: MosaicTiles, scale, interpret):
+def _step_ranges(packed, steps, lo, n1, second_start, q_start, rows, row0, block_kv,
+                 unmasked_lo=None, unmasked_hi=None):
+  """The walk's steps as (first, end, masked) ranges, run in order. Unpacked: the steps whose
+  tile may hold keys after the warpgroup's first row are masked, the last ones (the window
+  always reaches the diagonal). Packed: in each of the walk's two pieces, the steps of tiles
+  in [unmasked_lo, unmasked_hi) run unmasked, the others masked."""
+  if not packed:
+    masked_from = steps - ((q_start + rows + block_kv - 1) // block_kv - row0 // block_kv)
+    return [(0, masked_from, False), (masked_from, steps, True)]
+  ranges = []
+  for s_lo, s_hi, first_tile in ((0, n1, lo), (n1, steps, second_start)):
+    a = jnp.clip(unmasked_lo - first_tile + s_lo, s_lo, s_hi)
+    z = jnp.clip(unmasked_hi - first_tile + s_lo, a, s_hi)
+    ranges += [(s_lo, a, True), (a, z, False), (z, s_hi, True)]
+  return ranges
+
+
+def _call(q, k, v, modes, *, streaming: Streaming, tiles: MosaicTiles, scale, interpret,
+          walks=None, row_bounds=None):
+  """The kernel over padded inputs. Packed rows: `walks`, the six fields of `packed_walk`,
+  each int32 [B * K * nq] (one array per field: Pallas's GPU interpreter stalls when a kernel
+  reads two scalars of one array), and `row_bounds` [B, K, 3, Tp] int32 (`_row_bounds`);
+  `modes` is unused then."""
   b, tp, n, d = q.shape
   kh = k.shape[2]
   groups = n // kh
@@ -254,13 +328,19 @@ def _call(q, k, v, modes, *, streaming: Streaming, tiles: MosaicTiles, scale, in
   heads_per_program = _COMPUTE_WGS if groups >= 2 else 1
   slots = tiles.slots
   dtype = q.dtype
+  packed = walks is not None
 
-  def entry(modes_ref, q_ref, k_ref, v_ref, out_ref):
+  def entry(*refs):
+    if packed:
+      *plan_ref, q_ref, k_ref, v_ref, rows_ref, out_ref = refs
+      modes_ref = None
+    else:
+      (modes_ref, q_ref, k_ref, v_ref, out_ref), plan_ref, rows_ref = refs, None, None
     item_bits = jnp.dtype(dtype).itemsize * 8
     transforms = (plgpu.TilingTransform((8, 1024 // item_bits)), plgpu.SwizzleTransform(128))
     pl.run_scoped(
-        lambda *scoped: _kernel(modes_ref, q_ref, k_ref, v_ref, out_ref, scoped,
-                                groups=groups, num_kv_heads=kh, streaming=streaming,
+        lambda *scoped: _kernel(modes_ref, plan_ref, q_ref, k_ref, v_ref, rows_ref, out_ref,
+                                scoped, groups=groups, num_kv_heads=kh, streaming=streaming,
                                 tiles=tiles, scale=scale, num_q_tiles=tp // rows),
         (plgpu.SMEM((_COMPUTE_WGS, tiles.block_q, d), dtype, transforms=transforms),
          plgpu.SMEM((slots, tiles.block_kv, d), dtype, transforms=transforms),
@@ -268,15 +348,18 @@ def _call(q, k, v, modes, *, streaming: Streaming, tiles: MosaicTiles, scale, in
          # P goes to the tensor cores from registers; interpret mode's wgmma reads only
          # shared memory, so there P takes a trip through it.
          plgpu.SMEM((_COMPUTE_WGS, tiles.block_q, tiles.block_kv), dtype,
-                    transforms=transforms) if interpret else None),
+                    transforms=transforms) if interpret else None,
+         plgpu.SMEM((_COMPUTE_WGS, _ROW_FIELDS, tiles.block_q), jnp.int32) if packed else None),
         (plgpu.Barrier(num_barriers=slots), plgpu.Barrier(num_barriers=slots),
-         plgpu.Barrier(num_barriers=_COMPUTE_WGS)),
+         plgpu.Barrier(num_barriers=_COMPUTE_WGS),
+         plgpu.Barrier(num_barriers=_COMPUTE_WGS * _ROW_FIELDS) if packed else None),
         (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=slots),) * 2,
         plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
         collective_axes="wg",
     )
 
   kwargs = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
+  operands = (*walks, q, k, v, row_bounds) if packed else (modes, q, k, v)
   return plgpu.kernel(
       entry,
       out_type=jax.ShapeDtypeStruct(q.shape, dtype),
@@ -286,7 +369,7 @@ def _call(q, k, v, modes, *, streaming: Streaming, tiles: MosaicTiles, scale, in
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       **kwargs,
-  )(modes, q, k, v)
+  )(*operands)
 
 
 @functools.partial(jax.jit, static_argnames=("streaming", "tiles", "interpret"))
@@ -330,7 +413,95 @@ def make_hybrid(tiles: MosaicTiles = DEFAULT_TILES):
   return with_fused_backward(forward, forward_train, backward)
 
 
+# ----------------------------------------------------------------------------------------------
+# Packed rows: segment ids and positions at run time
+#
+# The walk comes from `common.packed_plan` over program tiles (tiles of earlier segments are
+# skipped), and a masked tile checks each row's key range with three per-row bounds instead
+# of segment ids and positions: key j is visible to row i iff start_i <= j <= i and
+# (j < sink_end_i or j >= window_i). That holds whenever positions run 0, 1, ... (or any
+# offset, +1 per token) within each segment; other positions and fractional gates run the
+# Triton kernel (decided at run time).
+
+
+def _row_bounds(seg, pos, gate_btk, streaming: Streaming):
+  """[B, K, 3, T] int32: per row and KV head, the segment's start, the end of its sink and
+  the start of the window of a streaming row (the segment's start for a full one)."""
+  start, _ = segment_bounds(seg)
+  t = seg.shape[1]
+  origin = jnp.arange(t, dtype=jnp.int32)[None] - pos          # where position 0 would lie
+  blk = streaming.block
+  sink_end = origin + streaming.sink_blocks * blk
+  window = origin + jnp.maximum(pos // blk - streaming.local_blocks + 1, 0) * blk
+  full = (gate_btk >= 1.0).transpose(0, 2, 1)                     # [B, K, T]
+  per_row = lambda x: jnp.broadcast_to(x[:, None], full.shape)
+  return jnp.stack([per_row(start), per_row(sink_end),
+                    jnp.where(full, start[:, None], window[:, None])], axis=2).astype(jnp.int32)
+
+
+def packed_rows_apply(seg, pos, gate_btk):
+  """Whether this kernel computes packed rows exactly (a traced bool): every gate 0 or 1, and
+  positions that count up by one from a non-negative start within each segment."""
+  start, _ = segment_bounds(seg)
+  offset = pos - jnp.arange(seg.shape[1], dtype=jnp.int32)[None]
+  affine = jnp.all(offset == jnp.take_along_axis(offset, start, axis=1)) & jnp.all(pos >= 0)
+  return affine & jnp.all((gate_btk <= 0.0) | (gate_btk >= 1.0))
+
+
+@functools.partial(jax.jit, static_argnames=("streaming", "rows", "block_kv"))
+def _packed_operands(q, k, v, gate_btk, segment_ids, positions, streaming: Streaming, rows: int,
+                     block_kv: int):
+  """Padded q, k, v, the programs' walks (`packed_walk`'s fields, flat) and `_row_bounds`."""
+  t = q.shape[1]
+  tp = t + (-t % math.lcm(rows, block_kv))
+  q, k, v = (pad_to(x, 1, tp) for x in (q, k, v))
+  seg, pos = pad_packed(segment_ids, positions, tp)
+  gate = pad_to(gate_btk.astype(jnp.float32), 1, tp)
+  plan = packed_plan(seg, pos, gate, streaming, rows, block_kv)
+  q_plan = jnp.broadcast_to(plan["q_plan"][:, None], plan["q_modes"].shape + (_PLAN_WIDTH,))
+  walks = packed_walk([q_plan[..., x] for x in range(7)], plan["q_modes"])
+  return (q, k, v), [x.reshape(-1).astype(jnp.int32) for x in walks], _row_bounds(
+      seg, pos, gate, streaming)
+
+
+def packed_forward_hard(q, k, v, gate_btk, segment_ids, positions, streaming: Streaming, *,
+                        tiles: MosaicTiles = DEFAULT_TILES, interpret: bool = False):
+  """The kernel alone on packed rows (`packed_rows_apply` must hold): q [B, T, N, D], k/v
+  [B, T, K, D], gate [B, T, K] of 0 or 1, segment ids and positions [B, T] int.
+
+  The operands are prepared in one jitted function and the kernel launched apart: Pallas's
+  GPU interpreter can stall when the kernel shares one CPU computation with other work, so
+  interpret-mode callers (tests) call this outside `jax.jit`."""
+  if not applies(q.shape, k.shape, q.dtype, streaming, tiles):
+    raise ValueError(f"the Mosaic GPU kernel does not take q {q.shape} {q.dtype}, k {k.shape}, "
+                     f"{streaming} with {tiles} (see mosaic_gpu.applies)")
+  rows = _rows_per_program(q.shape[2] // k.shape[2], tiles)
+  (qp, kp, vp), walks, bounds = _packed_operands(q, k, v, gate_btk, segment_ids, positions,
+                                                 streaming, rows, tiles.block_kv)
+  out = _call(qp, kp, vp, None, streaming=streaming, tiles=tiles, scale=q.shape[3] ** -0.5,
+              interpret=interpret, walks=walks, row_bounds=bounds)
+  return out[:, :q.shape[1]]
+
+
+def make_packed_hybrid(tiles: MosaicTiles = DEFAULT_TILES):
+  """`pallas_gpu.make_packed_hybrid` with this kernel as the undifferentiated forward where it
+  `applies` and, at run time, `packed_rows_apply` (training keeps the Triton kernels)."""
+  triton_forward, forward_train, backward = pallas_gpu.packed_parts()
+
+  def forward(q, k, v, gate_btk, seg, pos, streaming, interpret):
+    if not applies(q.shape, k.shape, q.dtype, streaming, tiles):
+      return triton_forward(q, k, v, gate_btk, seg, pos, streaming, interpret)
+    return lax.cond(
+        packed_rows_apply(seg, pos, gate_btk),
+        lambda: packed_forward_hard(q, k, v, gate_btk, seg, pos, streaming, tiles=tiles,
+                                    interpret=interpret),
+        lambda: triton_forward(q, k, v, gate_btk, seg, pos, streaming, interpret))
+
+  return with_fused_backward(forward, forward_train, backward, num_arrays=6)
+
+
 hybrid_attention = functools.partial(kernel_or_reference, make_hybrid(),
                                      xa_kernel=pallas_gpu.make_xa_hybrid(),
                                      xa_kernel_applies=pallas_gpu.xa_kernel_applies,
-                                     packed_kernel=pallas_gpu.make_packed_hybrid())
+                                     packed_kernel=make_packed_hybrid(),
+                                     packed_xa_kernel=pallas_gpu.make_packed_xa_hybrid())

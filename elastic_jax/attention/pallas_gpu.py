@@ -682,14 +682,34 @@ def _online_finish(carry):
   return acc / jnp.where(l == 0.0, 1.0, l)[:, None]
 
 
-def _packed_masks(seg_q, pos_q, q_idx, seg_k, pos_k, k_idx, streaming: Streaming):
-  """(full, SSA) masks of a tile of query rows x key columns of packed rows."""
+def _packed_masks(seg_q, pos_q, q_idx, seg_k, pos_k, k_idx, streaming: Streaming,
+                  pair=("full", "stream"), kept=None):
+  """(r = 1, r = 0) pattern masks of a tile of query rows x key columns of packed rows: FA
+  and SSA, or under an XAttention pair the tile's kept bit (`kept`, a scalar) in place of
+  either."""
   full = (k_idx[None, :] <= q_idx[:, None]) & (seg_k[None, :] == seg_q[:, None])
-  return full, full & streaming.allows(pos_q[:, None], pos_k[None, :])
+  ssa = full & streaming.allows(pos_q[:, None], pos_k[None, :])
+  if "xa" not in pair:
+    return full, ssa
+  xa = full & (kept != 0)
+  return (xa if pair[0] == "xa" else full), (xa if pair[1] == "xa" else ssa)
 
 
-def _packed_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, q_ref, k_ref, v_ref,
-                   *out_refs, scale, block_q, block_k, streaming: Streaming, train: bool):
+def _split_keep(refs, pair):
+  """(kept-block row ref or None, the other refs) of a packed kernel's operands."""
+  return (refs[0], refs[1:]) if "xa" in pair else (None, refs)
+
+
+def _kept_at(keep_ref, first: int, xa_block: int):
+  """The kept bit of the XA block holding token `first` in a program's kept row (None
+  without XAttention)."""
+  return None if keep_ref is None else keep_ref[first // xa_block]
+
+
+def _packed_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, *refs, scale, block_q,
+                   block_k, streaming: Streaming, train: bool, pair=("full", "stream"),
+                   xa_block: int = 0):
+  keep_ref, (q_ref, k_ref, v_ref, *out_refs) = _split_keep(refs, pair)
   qi = pl.program_id(0)
   kv_lo, sink_hi, win_lo, causal_hi, in_lo, in_hi, sparse_in_hi = (plan_ref[x]
                                                                   for x in range(7))
@@ -706,7 +726,8 @@ def _packed_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, q_ref, k_ref
     cols = pl.ds(j * block_k, block_k)
     s = jnp.dot(q, k_ref[cols, :].T, preferred_element_type=jnp.float32) * qk_scale
     full, ssa = _packed_masks(seg_q, pos_q, q_idx, seg_ref[cols], pos_ref[cols],
-                              j * block_k + jnp.arange(block_k), streaming)
+                              j * block_k + jnp.arange(block_k), streaming, pair,
+                              _kept_at(keep_ref, j * block_k, xa_block))
     return s, full, ssa, v_ref[cols, :]
 
   def one(use_ssa):
@@ -766,10 +787,11 @@ def _packed_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, q_ref, k_ref
     ref[...] = m + jnp.log2(jnp.maximum(l, 1e-30))
 
 
-def _packed_dq_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, q_ref, k_ref, v_ref,
-                      do_ref, lse_fa_ref, lse_sa_ref, d_fa_ref, d_sa_ref, dq_ref, *, scale,
-                      block_q, block_k, streaming: Streaming):
+def _packed_dq_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, *refs, scale, block_q,
+                      block_k, streaming: Streaming, pair=("full", "stream"), xa_block: int = 0):
   """dQ of one (query tile, batch, query head) of packed rows: the forward's walk."""
+  keep_ref, (q_ref, k_ref, v_ref, do_ref, lse_fa_ref, lse_sa_ref, d_fa_ref, d_sa_ref,
+             dq_ref) = _split_keep(refs, pair)
   qi = pl.program_id(0)
   kv_lo, sink_hi, win_lo, causal_hi = (plan_ref[x] for x in range(4))
   mode = modes_ref[0]
@@ -789,7 +811,8 @@ def _packed_dq_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, q_ref, k_
       s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * qk_scale
       dp = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
       full, ssa = _packed_masks(seg_q, pos_q, q_idx, seg_ref[cols], pos_ref[cols],
-                                j * block_k + jnp.arange(block_k), streaming)
+                                j * block_k + jnp.arange(block_k), streaming, pair,
+                                _kept_at(keep_ref, j * block_k, xa_block))
       ds = _dscores(s, dp, r, full, ssa, lse_fa, lse_sa, d_fa, d_sa, fa, sa)[0]
       return acc + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
     return lax.fori_loop(lo, hi, body, acc)
@@ -804,11 +827,13 @@ def _packed_dq_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, q_ref, k_
   dq_ref[...] = (lax.switch(mode, branches) * scale).astype(dq_ref.dtype)
 
 
-def _packed_dkv_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, q_ref, k_ref, v_ref,
-                       do_ref, lse_fa_ref, lse_sa_ref, d_fa_ref, d_sa_ref, dk_ref, dv_ref, *,
-                       scale, block_q, block_k, groups, streaming: Streaming):
+def _packed_dkv_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, *refs, scale, block_q,
+                       block_k, groups, streaming: Streaming, pair=("full", "stream"),
+                       xa_block: int = 0):
   """dK and dV of one (key tile, batch, KV head) of packed rows, over the G query heads: the
-  query tiles of the plan's transposed ranges."""
+  query tiles of the plan's transposed ranges (keep_ref: the kept column of this key tile)."""
+  keep_ref, (q_ref, k_ref, v_ref, do_ref, lse_fa_ref, lse_sa_ref, d_fa_ref, d_sa_ref, dk_ref,
+             dv_ref) = _split_keep(refs, pair)
   kj = pl.program_id(0)
   q_lo, q_hi_full, q_hi_sparse = (plan_ref[x] for x in range(3))
   mode = modes_ref[0]
@@ -828,7 +853,7 @@ def _packed_dkv_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, q_ref, k
         dp_t = jnp.dot(v, do.T, preferred_element_type=jnp.float32)
         full, ssa = _packed_masks(seg_ref[rows], pos_ref[rows],
                                   i * block_q + jnp.arange(block_q), seg_k, pos_k, k_idx,
-                                  streaming)
+                                  streaming, pair, _kept_at(keep_ref, i * block_q, xa_block))
         row = lambda ref: ref[g, rows][None, :]
         ds_t, p_t = _dscores(s_t, dp_t, gate_ref[rows][None, :], full.T, ssa.T,
                              row(lse_fa_ref), row(lse_sa_ref), row(d_fa_ref), row(d_sa_ref),
@@ -869,12 +894,29 @@ def _packed_specs(tp: int, groups: int, by_kv_head: bool):
   return [row, row, gate]
 
 
+def _keep_spec(keep, xa: "PackedXA", block: int, kh: int, groups: int, by_kv_head: bool):
+  """The BlockSpec of a program's kept row (forward, dQ: keep; dK/dV: its transpose) for a
+  grid (tile, batch, head) of `block`-token tiles."""
+  head = (lambda h: h) if by_kv_head else (lambda h: h // groups)
+  return pl.BlockSpec((None, None, keep.shape[-1]),
+                      lambda i, j, h: (j * kh + head(h), (i * block) // xa.block, 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedXA:
+  """The XAttention setting of a packed call: the pattern pair and the XA block."""
+  pair: tuple[str, str] = ("full", "stream")
+  block: int = 0
+
+
 def _packed_forward_call(q, k, v, seg, pos, gate, plan, *, scale, streaming, tiles: Tiles,
-                         interpret, train):
+                         interpret, train, xa: PackedXA = PackedXA(), keep=None):
   b, tp, n, dp = q.shape
   kh = k.shape[2]
   groups = n // kh
   bq = tiles.block_q
+  keep_specs, keep_ops = (([_keep_spec(keep, xa, bq, kh, groups, False)], [keep])
+                          if keep is not None else ([], []))
   o_spec = pl.BlockSpec((None, bq, None, dp), lambda i, j, h: (j, i, h, 0))
   o_shape = jax.ShapeDtypeStruct((b, tp, n, dp), q.dtype)
   out_specs, out_shape = o_spec, o_shape
@@ -884,22 +926,23 @@ def _packed_forward_call(q, k, v, seg, pos, gate, plan, *, scale, streaming, til
     out_specs, out_shape = [o_spec] * 3 + [lse_spec] * 2, [o_shape] * 3 + [lse_shape] * 2
   return pl.pallas_call(
       functools.partial(_packed_kernel, scale=scale, block_q=bq, block_k=tiles.block_k,
-                        streaming=streaming, train=train),
+                        streaming=streaming, train=train, pair=xa.pair, xa_block=xa.block),
       grid=(tp // bq, b, n),
       in_specs=[pl.BlockSpec((None, None, 8), lambda i, j, h: (j, i, 0)),
                 pl.BlockSpec((None, None, 1), lambda i, j, h: (j, h // groups, i)),
-                *_packed_specs(tp, groups, False),
+                *_packed_specs(tp, groups, False), *keep_specs,
                 pl.BlockSpec((None, bq, None, dp), lambda i, j, h: (j, i, h, 0)),
                 pl.BlockSpec((None, tp, None, dp), lambda i, j, h: (j, 0, h // groups, 0)),
                 pl.BlockSpec((None, tp, None, dp), lambda i, j, h: (j, 0, h // groups, 0))],
       out_specs=out_specs, out_shape=out_shape, compiler_params=tiles.params(dp),
       interpret=interpret,
       name="elastic_packed_forward_train" if train else "elastic_packed_forward",
-  )(plan["q_plan"], plan["q_modes"], seg, pos, gate, q, k, v)
+  )(plan["q_plan"], plan["q_modes"], seg, pos, gate, *keep_ops, q, k, v)
 
 
-def _packed_backward_call(res, d_out, streaming, interpret, dq_t: Tiles, dkv_t: Tiles):
-  qp, kp, vp, seg, pos, gate, gate_btk, o_fa, o_sa, lse_fa, lse_sa = res
+def _packed_backward_call(res, d_out, streaming, interpret, dq_t: Tiles, dkv_t: Tiles,
+                          xa: PackedXA = PackedXA()):
+  qp, kp, vp, seg, pos, gate, keep, gate_btk, o_fa, o_sa, lse_fa, lse_sa = res
   b, t, n, d = d_out.shape
   tp, dp, kh = qp.shape[1], qp.shape[3], kp.shape[2]
   groups = n // kh
@@ -909,42 +952,120 @@ def _packed_backward_call(res, d_out, streaming, interpret, dq_t: Tiles, dkv_t: 
   scale = d ** -0.5
 
   bq, bk = dq_t.block_q, dq_t.block_k
-  plan = packed_plan(seg, pos, gate.transpose(0, 2, 1), streaming, bq, bk)
+  plan = packed_plan(seg, pos, gate.transpose(0, 2, 1), streaming, bq, bk, xa.pair)
+  with_keep = lambda block, by_kv_head, x: (
+      ([_keep_spec(x, xa, block, kh, groups, by_kv_head)], [x]) if keep is not None
+      else ([], []))
+  keep_specs, keep_ops = with_keep(bq, False, keep)
   q_tile = pl.BlockSpec((None, bq, None, dp), lambda i, j, h: (j, i, h, 0))
   kv_all = pl.BlockSpec((None, tp, None, dp), lambda i, j, h: (j, 0, h // groups, 0))
   row_tile = pl.BlockSpec((None, None, bq), lambda i, j, h: (j, h, i))
   dq = pl.pallas_call(
       functools.partial(_packed_dq_kernel, scale=scale, block_q=bq, block_k=bk,
-                        streaming=streaming),
+                        streaming=streaming, pair=xa.pair, xa_block=xa.block),
       grid=(tp // bq, b, n),
       in_specs=[pl.BlockSpec((None, None, 8), lambda i, j, h: (j, i, 0)),
                 pl.BlockSpec((None, None, 1), lambda i, j, h: (j, h // groups, i)),
-                *_packed_specs(tp, groups, False),
+                *_packed_specs(tp, groups, False), *keep_specs,
                 q_tile, kv_all, kv_all, q_tile] + [row_tile] * 4,
       out_specs=q_tile, out_shape=jax.ShapeDtypeStruct(qp.shape, qp.dtype),
       compiler_params=dq_t.params(dp), interpret=interpret, name="elastic_packed_dq",
-  )(plan["q_plan"], plan["q_modes"], seg, pos, gate, qp, kp, vp, do, lse_fa, lse_sa, d_fa,
-    d_sa)
+  )(plan["q_plan"], plan["q_modes"], seg, pos, gate, *keep_ops, qp, kp, vp, do, lse_fa,
+    lse_sa, d_fa, d_sa)
 
   bq, bk = dkv_t.block_q, dkv_t.block_k
-  plan = packed_plan(seg, pos, gate.transpose(0, 2, 1), streaming, bq, bk)
+  plan = packed_plan(seg, pos, gate.transpose(0, 2, 1), streaming, bq, bk, xa.pair)
+  keep_specs, keep_ops = with_keep(bk, True, None if keep is None else keep.swapaxes(1, 2))
   q_group = pl.BlockSpec((None, tp, groups, dp), lambda i, j, h: (j, 0, h, 0))
   kv_tile = pl.BlockSpec((None, bk, None, dp), lambda i, j, h: (j, i, h, 0))
   rows_group = pl.BlockSpec((None, groups, tp), lambda i, j, h: (j, h, 0))
   dk, dv = pl.pallas_call(
       functools.partial(_packed_dkv_kernel, scale=scale, block_q=bq, block_k=bk,
-                        groups=groups, streaming=streaming),
+                        groups=groups, streaming=streaming, pair=xa.pair, xa_block=xa.block),
       grid=(tp // bk, b, kh),
       in_specs=[pl.BlockSpec((None, None, 4), lambda i, j, h: (j, i, 0)),
                 pl.BlockSpec((None, None, 1), lambda i, j, h: (j, h, i)),
-                *_packed_specs(tp, groups, True),
+                *_packed_specs(tp, groups, True), *keep_specs,
                 q_group, kv_tile, kv_tile, q_group] + [rows_group] * 4,
       out_specs=[kv_tile, kv_tile], out_shape=[jax.ShapeDtypeStruct(kp.shape, kp.dtype)] * 2,
       compiler_params=dkv_t.params(dp), interpret=interpret, name="elastic_packed_dkv",
-  )(plan["k_plan"], plan["k_modes"], seg, pos, gate, qp, kp, vp, do, lse_fa, lse_sa, d_fa,
-    d_sa)
+  )(plan["k_plan"], plan["k_modes"], seg, pos, gate, *keep_ops, qp, kp, vp, do, lse_fa,
+    lse_sa, d_fa, d_sa)
   cut = lambda x: x[:, :t, :, :d]
   return cut(dq), cut(dk), cut(dv), d_gate
+
+
+def packed_parts(forward_tiles: Tiles = FORWARD_TILES,
+                 train_forward_tiles: Tiles = TRAIN_FORWARD_TILES,
+                 dq_tiles: Tiles = DQ_TILES, dkv_tiles: Tiles = DKV_TILES, xa: bool = False):
+  """(forward, forward_train, backward) of `make_packed_hybrid` (xa: of
+  `make_packed_xa_hybrid`), for `with_fused_backward` (another inference forward may take
+  `forward`'s place). Under XAttention the tiles are clamped to the XA block."""
+
+  def fit_all(t, tiles, setting: PackedXA):
+    if setting.block:
+      tiles = [dataclasses.replace(x, block_q=min(x.block_q, setting.block),
+                                   block_k=min(x.block_k, setting.block)) for x in tiles]
+    all_tiles = [x.fit(t) for x in tiles]
+    return all_tiles, max(max(x.block_q, x.block_k) for x in all_tiles)
+
+  def run_forward(q, k, v, gate_btk, seg_ids, positions, xa_keep, streaming, setting,
+                  interpret, train):
+    t, d = q.shape[1], q.shape[3]
+    chosen = (train_forward_tiles, dq_tiles, dkv_tiles) if train else (forward_tiles,)
+    (tiles, *_), multiple = fit_all(t, chosen, setting)
+    qp, kp, vp, seg, pos, gate = _packed_inputs(q, k, v, gate_btk, seg_ids, positions,
+                                                multiple)
+    keep = None
+    if xa_keep is not None:
+      nbp = pl.next_power_of_2(max(xa_keep.shape[-1], -(-qp.shape[1] // setting.block)))
+      keep = xa_operands(xa_keep, nbp, xa_keep.shape[0] * xa_keep.shape[1])[2]
+    plan = packed_plan(seg, pos, gate.transpose(0, 2, 1), streaming, tiles.block_q,
+                       tiles.block_k, setting.pair)
+    out = _packed_forward_call(qp, kp, vp, seg, pos, gate, plan, scale=d ** -0.5,
+                               streaming=streaming, tiles=tiles, interpret=interpret,
+                               train=train, xa=setting, keep=keep)
+    return out, (qp, kp, vp, seg, pos, gate, keep)
+
+  def forward(q, k, v, gate_btk, seg_ids, positions, *args):
+    xa_keep, streaming, setting, interpret = _packed_args(args, xa)
+    out, _ = run_forward(q, k, v, gate_btk, seg_ids, positions, xa_keep, streaming, setting,
+                         interpret, False)
+    return out[:, :q.shape[1], :, :q.shape[3]]
+
+  def forward_train(q, k, v, gate_btk, seg_ids, positions, *args):
+    xa_keep, streaming, setting, interpret = _packed_args(args, xa)
+    t, d = q.shape[1], q.shape[3]
+    (o, o_fa, o_sa, lse_fa, lse_sa), inputs = run_forward(
+        q, k, v, gate_btk, seg_ids, positions, xa_keep, streaming, setting, interpret, True)
+    cut = lambda x: x[:, :t, :, :d]
+    return cut(o), (*inputs, gate_btk, cut(o_fa), cut(o_sa), lse_fa, lse_sa, seg_ids,
+                    positions, xa_keep)
+
+  def backward(*args):
+    *static, res, d_out = args
+    _, streaming, setting, interpret = _packed_args((None, *static), xa)
+    *res, seg_ids, positions, xa_keep = res
+    (_, dq_t, dkv_t), _ = fit_all(d_out.shape[1], (train_forward_tiles, dq_tiles, dkv_tiles),
+                                  setting)
+    dq, dk, dv, d_gate = _packed_backward_call(tuple(res), d_out, streaming, interpret, dq_t,
+                                               dkv_t, setting)
+    zero_int = lambda x: np.zeros(x.shape, jax.dtypes.float0)
+    grads = (dq, dk, dv, d_gate, zero_int(seg_ids), zero_int(positions))
+    return grads + ((zero_int(xa_keep),) if xa else ())
+
+  return forward, forward_train, backward
+
+
+def _packed_args(args, xa: bool):
+  """(xa_keep, streaming, PackedXA, interpret) from the arguments after the positions:
+  (streaming, interpret) or, under XAttention, (xa_keep, streaming, patterns, xa_block,
+  interpret)."""
+  if not xa:
+    streaming, interpret = args[-2:]
+    return None, streaming, PackedXA(), interpret
+  xa_keep, streaming, patterns, xa_block, interpret = args
+  return xa_keep, streaming, PackedXA(split_patterns(patterns), xa_block), interpret
 
 
 def make_packed_hybrid(forward_tiles: Tiles = FORWARD_TILES,
@@ -955,50 +1076,23 @@ def make_packed_hybrid(forward_tiles: Tiles = FORWARD_TILES,
   positions [B, T] int (positions counting from 0 at each segment's start for the streaming
   heads' tile skipping; other positions stay correct, at full cost). Differentiable in q, k, v
   and the gate."""
+  return with_fused_backward(*packed_parts(forward_tiles, train_forward_tiles, dq_tiles,
+                                           dkv_tiles), num_arrays=6)
 
-  def fit_all(t, tiles):
-    all_tiles = [x.fit(t) for x in tiles]
-    return all_tiles, max(max(x.block_q, x.block_k) for x in all_tiles)
 
-  def run_forward(q, k, v, gate_btk, seg_ids, positions, streaming, interpret, train):
-    t, d = q.shape[1], q.shape[3]
-    chosen = (train_forward_tiles, dq_tiles, dkv_tiles) if train else (forward_tiles,)
-    (tiles, *_), multiple = fit_all(t, chosen)
-    qp, kp, vp, seg, pos, gate = _packed_inputs(q, k, v, gate_btk, seg_ids, positions,
-                                                multiple)
-    plan = packed_plan(seg, pos, gate.transpose(0, 2, 1), streaming, tiles.block_q,
-                       tiles.block_k)
-    out = _packed_forward_call(qp, kp, vp, seg, pos, gate, plan, scale=d ** -0.5,
-                               streaming=streaming, tiles=tiles, interpret=interpret,
-                               train=train)
-    return out, (qp, kp, vp, seg, pos, gate)
-
-  @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-  def fn(q, k, v, gate_btk, seg_ids, positions, streaming, interpret):
-    out, _ = run_forward(q, k, v, gate_btk, seg_ids, positions, streaming, interpret, False)
-    return out[:, :q.shape[1], :, :q.shape[3]]
-
-  def forward_train(q, k, v, gate_btk, seg_ids, positions, streaming, interpret):
-    t, d = q.shape[1], q.shape[3]
-    (o, o_fa, o_sa, lse_fa, lse_sa), inputs = run_forward(
-        q, k, v, gate_btk, seg_ids, positions, streaming, interpret, True)
-    cut = lambda x: x[:, :t, :, :d]
-    return cut(o), (*inputs, gate_btk, cut(o_fa), cut(o_sa), lse_fa, lse_sa, seg_ids,
-                    positions)
-
-  def backward(streaming, interpret, res, d_out):
-    *res, seg_ids, positions = res
-    (_, dq_t, dkv_t), _ = fit_all(d_out.shape[1], (train_forward_tiles, dq_tiles, dkv_tiles))
-    dq, dk, dv, d_gate = _packed_backward_call(tuple(res), d_out, streaming, interpret, dq_t,
-                                               dkv_t)
-    zero_int = lambda x: np.zeros(x.shape, jax.dtypes.float0)
-    return dq, dk, dv, d_gate, zero_int(seg_ids), zero_int(positions)
-
-  fn.defvjp(forward_train, backward)
-  return fn
+def make_packed_xa_hybrid(forward_tiles: Tiles = FORWARD_TILES,
+                          train_forward_tiles: Tiles = TRAIN_FORWARD_TILES,
+                          dq_tiles: Tiles = DQ_TILES, dkv_tiles: Tiles = DKV_TILES):
+  """Packed rows under the XAttention settings: `fn(q, k, v, gate_btk, segment_ids, positions,
+  xa_keep, streaming, patterns, xa_block, interpret)`, xa_keep [B, K, nb, nb] bool the kept
+  blocks of `xa_block` tokens (`xattention.select` with the segment ids). An XA head visits
+  the full head's tiles of its segment and masks in the kept blocks."""
+  return with_fused_backward(*packed_parts(forward_tiles, train_forward_tiles, dq_tiles,
+                                           dkv_tiles, xa=True), num_arrays=7, num_static=4)
 
 
 hybrid_attention = functools.partial(kernel_or_reference, make_hybrid(),
                                      xa_kernel=make_xa_hybrid(),
                                      xa_kernel_applies=xa_kernel_applies,
-                                     packed_kernel=make_packed_hybrid())
+                                     packed_kernel=make_packed_hybrid(),
+                                     packed_xa_kernel=make_packed_xa_hybrid())

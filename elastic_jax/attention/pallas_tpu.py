@@ -647,6 +647,9 @@ def fused_xa_hybrid(block_q: int = 128, block_k: int = 128):
 # differently runs both states and mixes them row by row).
 
 
+_NO_XA = dict(pair=("full", "stream"), xa_block=0, num_blocks=0)
+
+
 def _packed_kv_schedule(plan, mode, j, train: bool):
   """(KV tile at step j, steps with work, whether the tile is a streaming one) of a query
   tile whose plan is (kv_lo, sink_hi, win_lo, causal_hi)."""
@@ -702,10 +705,24 @@ def _packed_scores(q, k, qi, kv_tile, seg_q, pos_q, seg_k, pos_k, *, scale, bloc
   return s, full, full & streaming.allows(pos_q, pos_k)
 
 
-def _packed_forward_kernel(qplan_ref, qmodes_ref, seg_q_ref, pos_q_ref, seg_k_ref, pos_k_ref,
-                           gate_ref, q_ref, k_ref, v_ref, *refs, scale, block_q, block_k,
-                           num_q_tiles, num_kv_heads, groups, kv_steps, streaming: Streaming,
-                           train: bool):
+def _packed_patterns(s_full_ssa, lo_tile, xa_refs, b, kv_head, qi, kv_tile, *, num_kv_heads,
+                     block_q, block_k, xa):
+  """`_packed_scores`' (s, full, ssa) and the tile's streaming flag under the pattern pair:
+  (s, r = 1 mask, r = 0 mask, whether the tile belongs to the r = 0 pattern's set)."""
+  s, full, ssa = s_full_ssa
+  hi, lo, lo_tile = _pattern_masks(full, ssa, lo_tile, xa_refs, b * num_kv_heads + kv_head,
+                                   qi, kv_tile, block_q=block_q, block_k=block_k, **xa)
+  return s, hi, lo, lo_tile
+
+
+def _packed_forward_kernel(qplan_ref, qmodes_ref, *refs, scale, block_q, block_k, num_q_tiles,
+                           num_kv_heads, groups, kv_steps, streaming: Streaming, train: bool,
+                           xa=None):
+  xa = xa or _NO_XA
+  n_xa = 3 if "xa" in xa["pair"] else 0
+  xa_refs = refs[:n_xa]
+  seg_q_ref, pos_q_ref, seg_k_ref, pos_k_ref, gate_ref, q_ref, k_ref, v_ref = refs[n_xa:n_xa + 8]
+  refs = refs[n_xa + 8:]
   out_refs, (m_fa, l_fa, acc_fa, m_sa, l_sa, acc_sa) = refs[:-6], refs[-6:]
   b, h, qi, j = (pl.program_id(i) for i in range(4))
   mode, tile, n_visit, lo_tile = _packed_query_tile(
@@ -722,9 +739,12 @@ def _packed_forward_kernel(qplan_ref, qmodes_ref, seg_q_ref, pos_q_ref, seg_k_re
   @pl.when(j < n_visit)
   def _visit():
     v = v_ref[...]
-    s, full, ssa = _packed_scores(q_ref[...], k_ref[...], qi, tile, seg_q_ref[...],
-                                  pos_q_ref[...], seg_k_ref[...], pos_k_ref[...], scale=scale,
-                                  block_q=block_q, block_k=block_k, streaming=streaming)
+    s, full, ssa, lo_ok = _packed_patterns(
+        _packed_scores(q_ref[...], k_ref[...], qi, tile, seg_q_ref[...], pos_q_ref[...],
+                       seg_k_ref[...], pos_k_ref[...], scale=scale, block_q=block_q,
+                       block_k=block_k, streaming=streaming),
+        lo_tile, xa_refs, b, h // groups, qi, tile, num_kv_heads=num_kv_heads,
+        block_q=block_q, block_k=block_k, xa=xa)
 
     def update(m_ref, l_ref, acc_ref, ok):
       sm = jnp.where(ok, s, MASK_VALUE)
@@ -738,7 +758,7 @@ def _packed_forward_kernel(qplan_ref, qmodes_ref, seg_q_ref, pos_q_ref, seg_k_re
       m_ref[...] = m_new
 
     pl.when((mode != MODE_SPARSE) | train)(lambda: update(m_fa, l_fa, acc_fa, full))
-    pl.when(((mode != MODE_FULL) | train) & lo_tile)(lambda: update(m_sa, l_sa, acc_sa, ssa))
+    pl.when(((mode != MODE_FULL) | train) & lo_ok)(lambda: update(m_sa, l_sa, acc_sa, ssa))
 
   @pl.when(j == kv_steps - 1)
   def _finish():
@@ -762,15 +782,16 @@ def _packed_forward_kernel(qplan_ref, qmodes_ref, seg_q_ref, pos_q_ref, seg_k_re
         lse_ref[i] = jnp.where(l[...] == 0.0, -MASK_VALUE, m[...] + jnp.log(l[...]))
 
 
-def _packed_operands(q, k, v, gate_btk, segment_ids, positions, streaming, block_q, block_k):
+def _packed_operands(q, k, v, gate_btk, segment_ids, positions, streaming, block_q, block_k,
+                     pair=("full", "stream"), xa_block: int = 0):
   """Heads-major padded q, k, v; seg/pos as query columns [B, Tp, 1] and key rows [B, 1, Tp];
   the gate as per-row columns [B, K, Tp, 1]; the plan flattened for scalar prefetch."""
   t = q.shape[1]
-  block_q, block_k, tp = _tiles(t, block_q, block_k)
+  block_q, block_k, tp = _tile_sizes(t, block_q, block_k, pair, xa_block)
   qt, kt, vt = _heads_major(tp, q, k, v)
   seg, pos = pad_packed(segment_ids, positions, tp)
   gate = pad_to(gate_btk.astype(jnp.float32), 1, tp)                # [B, Tp, K]
-  plan = packed_plan(seg, pos, gate, streaming, block_q, block_k)
+  plan = packed_plan(seg, pos, gate, streaming, block_q, block_k, pair)
   cols = dict(seg_q=seg[..., None], pos_q=pos[..., None], seg_k=seg[:, None], pos_k=pos[:, None],
               gate=gate.transpose(0, 2, 1)[..., None])
   prefetch = [plan[name].reshape(-1) for name in ("q_plan", "q_modes", "k_plan", "k_modes")]
@@ -787,14 +808,24 @@ def _packed_specs(block_q, block_k, groups, q_tile, kv_tile, head_of):
           pl.BlockSpec((None, None, block_q, 1), lambda *a: (a[0], head_of(*a), q_tile(*a), 0))]
 
 
+def _packed_xa(xa_keep, pair, xa_block: int, tp: int, slots: int):
+  """(scalar-prefetch operands, kernel settings) of the XAttention pair (none for FA/SSA)."""
+  if "xa" not in pair:
+    return [], _NO_XA
+  xa_ops, num_blocks = _xa_prefetch(xa_keep, tp, xa_block, slots)
+  return xa_ops, dict(pair=pair, xa_block=xa_block, num_blocks=num_blocks)
+
+
 def _packed_forward_call(q, k, v, gate_btk, segment_ids, positions, streaming, block_q, block_k,
-                         interpret, train):
+                         interpret, train, pair=("full", "stream"), xa_keep=None,
+                         xa_block: int = 0):
   b, t, n, d = q.shape
   kh = k.shape[2]
   groups = n // kh
   (qt, kt, vt), cols, prefetch, (block_q, block_k, tp) = _packed_operands(
-      q, k, v, gate_btk, segment_ids, positions, streaming, block_q, block_k)
+      q, k, v, gate_btk, segment_ids, positions, streaming, block_q, block_k, pair, xa_block)
   nq, nk = tp // block_q, tp // block_k
+  xa_ops, xa = _packed_xa(xa_keep, pair, xa_block, tp, b * kh)
 
   def kv_tile(bi, hi, qi, j, qplan, qmodes, *_):
     return _packed_query_tile(qplan, qmodes, bi, hi, qi, j, num_q_tiles=nq, num_kv_heads=kh,
@@ -815,11 +846,11 @@ def _packed_forward_call(q, k, v, gate_btk, segment_ids, positions, streaming, b
   kernel = functools.partial(
       _packed_forward_kernel, scale=d ** -0.5, block_q=block_q, block_k=block_k,
       num_q_tiles=nq, num_kv_heads=kh, groups=groups, kv_steps=nk, streaming=streaming,
-      train=train)
+      train=train, xa=xa)
   out = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=2, grid=(b, n, nq, nk),
+          num_scalar_prefetch=2 + len(xa_ops), grid=(b, n, nq, nk),
           in_specs=_packed_specs(block_q, block_k, groups, q_tile, kv_tile,
                                  lambda bi, hi, *_: hi // groups)
           + [pl.BlockSpec((None, None, block_q, d), q_map),
@@ -830,15 +861,18 @@ def _packed_forward_call(q, k, v, gate_btk, segment_ids, positions, streaming, b
       compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS),
       interpret=pltpu.InterpretParams() if interpret else False,
       name="elastic_packed_forward_train_tpu" if train else "elastic_packed_forward_tpu",
-  )(*prefetch[:2], cols["seg_q"], cols["pos_q"], cols["seg_k"], cols["pos_k"], cols["gate"],
-    qt, kt, vt)
+  )(*prefetch[:2], *xa_ops, cols["seg_q"], cols["pos_q"], cols["seg_k"], cols["pos_k"],
+    cols["gate"], qt, kt, vt)
   return out
 
 
 def _packed_dq_kernel(qplan_ref, qmodes_ref, *refs, scale, block_q, block_k, num_q_tiles,
-                      num_kv_heads, groups, kv_steps, streaming: Streaming):
+                      num_kv_heads, groups, kv_steps, streaming: Streaming, xa=None):
+  xa = xa or _NO_XA
+  n_xa = 3 if "xa" in xa["pair"] else 0
+  xa_refs = refs[:n_xa]
   (seg_q_ref, pos_q_ref, seg_k_ref, pos_k_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, stats_ref,
-   dq_ref, dq_acc) = refs
+   dq_ref, dq_acc) = refs[n_xa:]
   b, h, qi, j = (pl.program_id(i) for i in range(4))
   mode, tile, n_visit, lo_tile = _packed_query_tile(
       qplan_ref, qmodes_ref, b, h, qi, j, num_q_tiles=num_q_tiles, num_kv_heads=num_kv_heads,
@@ -850,9 +884,12 @@ def _packed_dq_kernel(qplan_ref, qmodes_ref, *refs, scale, block_q, block_k, num
 
   def body(use_fa, use_sa, mixed):
     k = k_ref[...]
-    s, full, ssa = _packed_scores(q_ref[...], k, qi, tile, seg_q_ref[...], pos_q_ref[...],
-                                  seg_k_ref[...], pos_k_ref[...], scale=scale, block_q=block_q,
-                                  block_k=block_k, streaming=streaming)
+    s, full, ssa, _ = _packed_patterns(
+        _packed_scores(q_ref[...], k, qi, tile, seg_q_ref[...], pos_q_ref[...],
+                       seg_k_ref[...], pos_k_ref[...], scale=scale, block_q=block_q,
+                       block_k=block_k, streaming=streaming),
+        lo_tile, xa_refs, b, h // groups, qi, tile, num_kv_heads=num_kv_heads,
+        block_q=block_q, block_k=block_k, xa=xa)
     dp = lax.dot_general(do_ref[...], v_ref[...], _NT, preferred_element_type=jnp.float32)
     _, ds = _backward_terms(s, full, ssa, dp, stats_ref[...], gate_ref[...] if mixed else None,
                             use_fa, use_sa)
@@ -868,9 +905,12 @@ def _packed_dq_kernel(qplan_ref, qmodes_ref, *refs, scale, block_q, block_k, num
 
 def _packed_dkv_kernel(qplan_ref, qmodes_ref, kplan_ref, kmodes_ref, *refs, scale, block_q,
                        block_k, num_k_tiles, num_kv_heads, groups, streaming: Streaming,
-                       steps: int):
+                       steps: int, xa=None):
+  xa = xa or _NO_XA
+  n_xa = 3 if "xa" in xa["pair"] else 0
+  xa_refs = refs[:n_xa]
   (seg_q_ref, pos_q_ref, seg_k_ref, pos_k_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, stats_ref,
-   dk_ref, dv_ref, dk_acc, dv_acc) = refs
+   dk_ref, dv_ref, dk_acc, dv_acc) = refs[n_xa:]
   b, h, ki, step = (pl.program_id(i) for i in range(4))
   mode, _, qi, n_work, lo_tile = _packed_key_tile(
       kplan_ref, kmodes_ref, b, h, ki, step, num_k_tiles=num_k_tiles,
@@ -883,9 +923,12 @@ def _packed_dkv_kernel(qplan_ref, qmodes_ref, kplan_ref, kmodes_ref, *refs, scal
 
   def body(use_fa, use_sa, mixed):
     q, do = q_ref[...], do_ref[...]
-    s, full, ssa = _packed_scores(q, k_ref[...], qi, ki, seg_q_ref[...], pos_q_ref[...],
-                                  seg_k_ref[...], pos_k_ref[...], scale=scale, block_q=block_q,
-                                  block_k=block_k, streaming=streaming)
+    s, full, ssa, _ = _packed_patterns(
+        _packed_scores(q, k_ref[...], qi, ki, seg_q_ref[...], pos_q_ref[...], seg_k_ref[...],
+                       pos_k_ref[...], scale=scale, block_q=block_q, block_k=block_k,
+                       streaming=streaming),
+        lo_tile, xa_refs, b, h, qi, ki, num_kv_heads=num_kv_heads, block_q=block_q,
+        block_k=block_k, xa=xa)
     dp = lax.dot_general(do, v_ref[...], _NT, preferred_element_type=jnp.float32)
     p, ds = _backward_terms(s, full, ssa, dp, stats_ref[...], gate_ref[...] if mixed else None,
                             use_fa, use_sa)
@@ -902,20 +945,22 @@ def _packed_dkv_kernel(qplan_ref, qmodes_ref, kplan_ref, kmodes_ref, *refs, scal
     dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _packed_backward(res, d_out, streaming, block_q, block_k, interpret):
-  q, k, v, gate_btk, seg_ids, positions, o_fa, o_sa, lse = res
+def _packed_backward(res, d_out, streaming, block_q, block_k, interpret, pair=("full", "stream"),
+                     xa_block: int = 0):
+  q, k, v, gate_btk, seg_ids, positions, xa_keep, o_fa, o_sa, lse = res
   b, t, n, d = q.shape
   kh = k.shape[2]
   groups = n // kh
   (qt, kt, vt), cols, prefetch, (block_q, block_k, tp) = _packed_operands(
-      q, k, v, gate_btk, seg_ids, positions, streaming, block_q, block_k)
+      q, k, v, gate_btk, seg_ids, positions, streaming, block_q, block_k, pair, xa_block)
   nq, nk = tp // block_q, tp // block_k
+  xa_ops, xa = _packed_xa(xa_keep, pair, xa_block, tp, b * kh)
   d_fa, d_sa, d_gate = row_deltas(d_out, o_fa, o_sa, gate_btk)
   deltas = pad_to(jnp.stack([d_fa, d_sa], axis=1), 2, tp).transpose(0, 3, 1, 2)[..., None]
   stats = jnp.concatenate([lse, deltas], axis=2)                 # [B, N, 4, Tp, 1]
   d_out_t, = _heads_major(tp, d_out.astype(q.dtype))
   common = dict(scale=d ** -0.5, block_q=block_q, block_k=block_k, num_kv_heads=kh,
-                groups=groups, streaming=streaming)
+                groups=groups, streaming=streaming, xa=xa)
   params = dict(compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS),
                 interpret=pltpu.InterpretParams() if interpret else False)
   operands = (cols["seg_q"], cols["pos_q"], cols["seg_k"], cols["pos_k"], cols["gate"], qt, kt,
@@ -930,7 +975,7 @@ def _packed_backward(res, d_out, streaming, block_q, block_k, interpret):
   dq = pl.pallas_call(
       functools.partial(_packed_dq_kernel, num_q_tiles=nq, kv_steps=nk, **common),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=2, grid=(b, n, nq, nk),
+          num_scalar_prefetch=2 + len(xa_ops), grid=(b, n, nq, nk),
           in_specs=_packed_specs(block_q, block_k, groups, lambda bi, hi, qi, j, *_: qi,
                                  kv_tile, lambda bi, hi, *_: hi // groups)
           + [pl.BlockSpec((None, None, block_q, d), q_map),
@@ -943,9 +988,9 @@ def _packed_backward(res, d_out, streaming, block_q, block_k, interpret):
           scratch_shapes=[pltpu.VMEM((block_q, d), jnp.float32)]),
       out_shape=jax.ShapeDtypeStruct((b, n, tp, d), q.dtype),
       name="elastic_packed_backward_dq_tpu", **params,
-  )(*prefetch[:2], *operands)
+  )(*prefetch[:2], *xa_ops, *operands)
 
-  def q_side(bi, hi, kj, step, qplan, qmodes, kplan, kmodes):
+  def q_side(bi, hi, kj, step, qplan, qmodes, kplan, kmodes, *_):
     _, g, qi, _, _ = _packed_key_tile(kplan, kmodes, bi, hi, kj, step, num_k_tiles=nk,
                                       num_kv_heads=kh, groups=groups)
     return hi * groups + g, qi
@@ -959,7 +1004,7 @@ def _packed_backward(res, d_out, streaming, block_q, block_k, interpret):
   dk, dv = pl.pallas_call(
       functools.partial(_packed_dkv_kernel, num_k_tiles=nk, steps=steps, **common),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=4, grid=(b, kh, nk, steps),
+          num_scalar_prefetch=4 + len(xa_ops), grid=(b, kh, nk, steps),
           in_specs=_packed_specs(block_q, block_k, groups, q_tile_t,
                                  lambda bi, hi, kj, *_: kj, lambda bi, hi, *_: hi)
           + [pl.BlockSpec((None, None, block_q, d), q_map_t),
@@ -972,40 +1017,56 @@ def _packed_backward(res, d_out, streaming, block_q, block_k, interpret):
       out_shape=[jax.ShapeDtypeStruct((b, kh, tp, d), k.dtype),
                  jax.ShapeDtypeStruct((b, kh, tp, d), v.dtype)],
       name="elastic_packed_backward_dkv_tpu", **params,
-  )(*prefetch, *operands)
+  )(*prefetch, *xa_ops, *operands)
   return _unpad(dq, t), _unpad(dk, t), _unpad(dv, t), d_gate
 
 
 @functools.cache
-def fused_packed_hybrid(block_q: int = 128, block_k: int = 128):
+def fused_packed_hybrid(block_q: int = 128, block_k: int = 128, xa: bool = False):
   """The kernels of packed rows as one differentiable `fn(q, k, v, gate_btk, segment_ids,
-  positions, streaming, interpret)` (gate [B, T, K], constant within a segment)."""
+  positions, streaming, interpret)` (gate [B, T, K], constant within a segment); xa: under
+  the XAttention settings, `fn(q, k, v, gate_btk, segment_ids, positions, xa_keep,
+  streaming, patterns, xa_block, interpret)` (an XA head visits the full head's tiles of its
+  segment and masks in its kept blocks)."""
 
-  @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-  def fn(q, k, v, gate_btk, seg_ids, positions, streaming, interpret):
+  def settings(args):
+    if not xa:
+      return None, args[-2], ("full", "stream"), 0, args[-1]
+    xa_keep, streaming, patterns, xa_block, interpret = args
+    return xa_keep, streaming, split_patterns(patterns), xa_block, interpret
+
+  def forward(q, k, v, gate_btk, seg_ids, positions, *args):
+    xa_keep, streaming, pair, xa_block, interpret = settings(args)
     out = _packed_forward_call(q, k, v, gate_btk, seg_ids, positions, streaming, block_q,
-                               block_k, interpret, train=False)
+                               block_k, interpret, train=False, pair=pair, xa_keep=xa_keep,
+                               xa_block=xa_block)
     return _unpad(out[0], q.shape[1])
 
-  def forward_train(q, k, v, gate_btk, seg_ids, positions, streaming, interpret):
+  def forward_train(q, k, v, gate_btk, seg_ids, positions, *args):
+    xa_keep, streaming, pair, xa_block, interpret = settings(args)
     t = q.shape[1]
     out, o_fa, o_sa, lse = _packed_forward_call(q, k, v, gate_btk, seg_ids, positions,
                                                 streaming, block_q, block_k, interpret,
-                                                train=True)
-    return _unpad(out, t), (q, k, v, gate_btk, seg_ids, positions, _unpad(o_fa, t),
+                                                train=True, pair=pair, xa_keep=xa_keep,
+                                                xa_block=xa_block)
+    return _unpad(out, t), (q, k, v, gate_btk, seg_ids, positions, xa_keep, _unpad(o_fa, t),
                             _unpad(o_sa, t), lse)
 
-  def backward(streaming, interpret, res, d_out):
-    dq, dk, dv, d_gate = _packed_backward(res, d_out, streaming, block_q, block_k, interpret)
+  def backward(*args):
+    *static, res, d_out = args
+    _, streaming, pair, xa_block, interpret = settings((None, *static))
+    dq, dk, dv, d_gate = _packed_backward(res, d_out, streaming, block_q, block_k, interpret,
+                                          pair, xa_block)
     zero = lambda x: np.zeros(x.shape, jax.dtypes.float0)
-    return dq, dk, dv, d_gate, zero(res[4]), zero(res[5])
+    return (dq, dk, dv, d_gate, zero(res[4]), zero(res[5])) + ((zero(res[6]),) if xa else ())
 
-  fn.defvjp(forward_train, backward)
-  return fn
+  return with_fused_backward(forward, forward_train, backward, num_arrays=7 if xa else 6,
+                             num_static=4 if xa else 2)
 
 
 _hybrid = fused_hybrid()
 _xa_hybrid = fused_xa_hybrid()
 hybrid_attention = functools.partial(kernel_or_reference, _hybrid, xa_kernel=_xa_hybrid,
                                      xa_kernel_applies=xa_kernel_applies,
-                                     packed_kernel=fused_packed_hybrid())
+                                     packed_kernel=fused_packed_hybrid(),
+                                     packed_xa_kernel=fused_packed_hybrid(xa=True))
