@@ -182,12 +182,13 @@ ROUTERS_FILE = "routers.safetensors"   # our format: the routers under the autho
 
 
 def _generate(self: "ElasticModel", prompts, attention: str | None = None, *,
-              max_new_tokens: int | None = None, sampling=None, eos_ids=None, tokenizer=None,
+              max_new_tokens=None, sampling=None, eos_ids=None, tokenizer=None,
               gates=None, attn_impl: str | None = None, return_logits: bool = False):
   """Generates after each prompt: texts (tokenized with the model directory's tokenizer, or
   `tokenizer`) or lists of token ids. attention: how heads attend (default elastic when the
   model has routers, else full); the rest as `elastic_jax.generate.generate`. EOS ids are the
-  tokenizer's by default. Returns a `Generation` (`.texts` when a tokenizer is at hand)."""
+  tokenizer's by default. max_new_tokens: one limit for every prompt, or a list of one per
+  prompt. Returns a `Generation` (`.texts` when a tokenizer is at hand)."""
   from elastic_jax.generate import SamplingConfig, generate
   texts = isinstance(prompts, str) or (
       isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], str))
@@ -206,6 +207,9 @@ def _generate(self: "ElasticModel", prompts, attention: str | None = None, *,
     eos_ids = () if eos is None else tuple(int(x) for x in np.atleast_1d(eos))
   if attention is None:
     attention = "elastic" if self.router_params is not None else "full"
+  per_request = None
+  if isinstance(max_new_tokens, (list, tuple, np.ndarray)):
+    per_request, max_new_tokens = max_new_tokens, None
   if sampling is None:
     sampling = SamplingConfig(**({} if max_new_tokens is None
                                  else {"max_new_tokens": max_new_tokens}))
@@ -216,7 +220,7 @@ def _generate(self: "ElasticModel", prompts, attention: str | None = None, *,
                   sampling=sampling, eos_ids=eos_ids, tokenizer=tokenizer,
                   attn_impl=attn_impl or ("auto" if self.attn_impl == "reference"
                                           else self.attn_impl),
-                  return_logits=return_logits)
+                  return_logits=return_logits, max_new_tokens=per_request)
 
 
 ElasticModel.generate = _generate

@@ -112,9 +112,21 @@ def _texts(tokens, finish, tokenizer, eos, stop) -> list[str]:
   return texts
 
 
-def _prompt_rows(prompts, cfg: ModelConfig, max_new_tokens: int):
+def _limits(per_request, default: int, b: int) -> np.ndarray:
+  """New-token limits per row [B] int: `per_request` (one per prompt) or `default` for all."""
+  if per_request is None:
+    return np.full(b, default, np.int64)
+  limits = np.asarray(per_request)
+  if (limits.shape != (b,) or not np.issubdtype(limits.dtype, np.integer)
+      or (limits < 1).any()):
+    raise ElasticJaxError(f"max_new_tokens must give one integer >= 1 per prompt ({b}), got "
+                          f"{list(np.atleast_1d(limits))}")
+  return limits.astype(np.int64)
+
+
+def _prompt_rows(prompts, cfg: ModelConfig, max_new_tokens: np.ndarray):
   """(ids [B, T], segments [B, T], lengths [B]) of right-padded prompt rows, T a bucket of
-  128; every check of the prompts in one sentence each."""
+  128; every check of the prompts (and their new-token limits [B]) in one sentence each."""
   if isinstance(prompts, (str, bytes)) or not prompts or any(
       isinstance(p, (str, bytes)) or not hasattr(p, "__len__") for p in prompts):
     raise ElasticJaxError("prompts must be a list of token-id lists (tokenize text first)")
@@ -126,9 +138,12 @@ def _prompt_rows(prompts, cfg: ModelConfig, max_new_tokens: int):
       raise ElasticJaxError(f"prompts must hold integer token ids, got {arr.dtype} "
                             f"{list(arr.shape)}")
   lengths = np.asarray([len(p) for p in prompts], np.int32)
-  if int(lengths.max()) + max_new_tokens > cfg.max_length:
-    raise ElasticJaxError(f"prompt ({int(lengths.max())} tokens) + max_new_tokens "
-                          f"({max_new_tokens}) exceeds the model's {cfg.max_length_text()}")
+  total = lengths + max_new_tokens
+  if int(total.max()) > cfg.max_length:
+    i = int(np.argmax(total))
+    raise ElasticJaxError(f"prompt ({int(lengths[i])} tokens) + max_new_tokens "
+                          f"({int(max_new_tokens[i])}) exceeds the model's "
+                          f"{cfg.max_length_text()}")
   t = _bucket(int(lengths.max()))
   ids = np.zeros((len(prompts), t), np.int32)
   seg = np.zeros((len(prompts), t), np.int32)
@@ -161,7 +176,8 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
              router_params: Params | None = None, gates=None,
              sampling: SamplingConfig = SamplingConfig(), eos_ids: Sequence[int] = (),
              tokenizer=None, attn_impl: str = "auto", unroll_decode: bool = False,
-             return_logits: bool = False) -> Generation:
+             return_logits: bool = False,
+             max_new_tokens: Sequence[int] | None = None) -> Generation:
   """Generate up to `sampling.max_new_tokens` tokens after each prompt (lists of token ids).
 
   attention: "full" (every head full, cache dense), "elastic" (routers decide; needs
@@ -170,6 +186,8 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   unroll_decode: unroll the decode step's loop over layers (`model.decode_step`).
   return_logits: also return the logits of every step (`Generation.logits`; one host copy of
   [B, V] per step).
+  max_new_tokens: a limit per request (one int per prompt) in place of the sampling's; a row
+  that reaches its own stops with finish "length" while the others go on.
   """
   check_attention(attention, FORWARD)
   if sampling.stop and tokenizer is None:
@@ -178,8 +196,9 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
     raise ElasticJaxError("attention='elastic' needs trained routers (router_params)")
   rcfg = rcfg or RouterConfig()
   b, n_layers, kh = len(prompts), cfg.num_layers, cfg.num_kv_heads
-  ids, seg, lengths = _prompt_rows(prompts, cfg, sampling.max_new_tokens)
-  capacity_needed = int(lengths.max()) + sampling.max_new_tokens
+  limits = _limits(max_new_tokens, sampling.max_new_tokens, b)
+  ids, seg, lengths = _prompt_rows(prompts, cfg, limits)
+  capacity_needed = int((lengths + limits).max())
 
   forced = None
   if attention == "forced":
@@ -217,7 +236,7 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   pos = jnp.asarray(lengths)
   start = time.perf_counter()
   step_logits = []
-  for step in range(sampling.max_new_tokens):
+  for step in range(int(limits.max())):
     if return_logits:
       step_logits.append(np.asarray(logits))
     key, sub = jax.random.split(key)
@@ -231,7 +250,9 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
         finish[i] = "eos"
       elif sampling.stop and any(s in tokenizer.decode(out[i]) for s in sampling.stop):
         finish[i] = "stop"
-    if all(finish) or step == sampling.max_new_tokens - 1:
+      elif len(out[i]) == limits[i]:
+        finish[i] = "length"
+    if all(finish):
       break
     logits, cache = decode_step(params, tok, pos, cache, cfg=cfg, rcfg=rcfg,
                                 unroll=unroll_decode)

@@ -191,3 +191,20 @@ def test_bad_requests():
     generate(params, cfg, [[1, 2]], attention="forced", rcfg=RCFG, gates=np.ones((5, 2)))
   with pytest.raises(ElasticJaxError, match="max_new_tokens"):
     dataclasses.replace(SamplingConfig(), max_new_tokens=0)
+
+
+def test_batched_requests_keep_their_own_limits():
+  """Requests of different lengths in one batch, each with its own new-token limit: every row
+  gets the tokens it gets alone (greedy), cut at its own limit, and stops there."""
+  cfg, params = _model("qwen3")
+  prompts = [[5, 9, 1, 33, 2, 8, 8, 14, 3], [7, 2], [40, 41, 42, 43, 44, 45]]
+  run = lambda ps, limits: generate(params, cfg, ps, attention="sparse", rcfg=RCFG,
+                                    attn_impl="reference", max_new_tokens=limits)
+  both = run(prompts, [6, 2, 4])
+  for i, (prompt, limit) in enumerate(zip(prompts, [6, 2, 4])):
+    alone = run([prompt], [6])
+    assert both.tokens[i] == alone.tokens[0][:limit]
+  assert both.finish == ["length"] * 3 and both.info["new_tokens"] == 12
+  for bad in ([2, 0, 1], [1, 2], [1.5, 2, 2]):
+    with pytest.raises(ElasticJaxError, match="one integer >= 1 per prompt"):
+      run(prompts, bad)
