@@ -71,26 +71,8 @@ def _kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, num_kv
     causal = (k_idx[None, :] <= q_idx[:, None]) & (k_idx[None, :] < seq_len)
     return s, causal, causal & streaming.allows(q_idx[:, None], k_idx[None, :])
 
-  def update(carry, s, ok, v):
-    acc, m, l = carry
-    if ok is not None:
-      s = jnp.where(ok, s, MASK_VALUE)
-    m_new = jnp.maximum(m, s.max(axis=-1))
-    p = jnp.exp2(s - m_new[:, None])
-    if ok is not None:
-      p = jnp.where(ok, p, 0.0)
-    corr = jnp.exp2(m - m_new)
-    pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    acc = acc * corr[:, None] + pv
-    return acc, m_new, l * corr + p.sum(axis=-1)
-
-  def init():
-    return (jnp.zeros((block_q, d), jnp.float32),
-            jnp.full((block_q,), MASK_VALUE, jnp.float32), jnp.zeros((block_q,), jnp.float32))
-
-  def finish(carry):
-    acc, _, l = carry
-    return acc / jnp.where(l == 0.0, 1.0, l)[:, None]
+  update, finish = _online_update, _online_finish
+  init = lambda: _online_init(block_q, d)
 
   sink_end, win_start, causal_end = tile_ranges(q_start, block_q, block_k, streaming)
   # Tiles wholly before the diagonal need no causal mask. When tiles align with SSA blocks,

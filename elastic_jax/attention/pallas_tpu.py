@@ -189,6 +189,52 @@ def _tile_sizes(t: int, block_q: int, block_k: int, pair, xa_block: int):
   return block_q, block_k, t + (-t % math.lcm(block_q, block_k))
 
 
+def _state_init(*states):
+  """Resets online-softmax states (m, l, acc) held in VMEM scratch."""
+  for m, l, acc in states:
+    m[...] = jnp.full(m.shape, MASK_VALUE, jnp.float32)
+    l[...] = jnp.zeros(l.shape, jnp.float32)
+    acc[...] = jnp.zeros(acc.shape, jnp.float32)
+
+
+def _state_update(state, s, ok, v):
+  """One KV tile of scores s (masked by ok) and values v into an online-softmax state."""
+  m_ref, l_ref, acc_ref = state
+  sm = jnp.where(ok, s, MASK_VALUE)
+  m_prev = m_ref[...]                      # [block_q, 1]
+  m_new = jnp.maximum(m_prev, sm.max(axis=-1, keepdims=True))
+  p = jnp.where(ok, jnp.exp(sm - m_new), 0.0)
+  corr = jnp.exp(m_prev - m_new)
+  l_ref[...] = l_ref[...] * corr + p.sum(axis=-1, keepdims=True)
+  acc_ref[...] = acc_ref[...] * corr + lax.dot_general(
+      p.astype(v.dtype), v, _NN, preferred_element_type=jnp.float32)
+  m_ref[...] = m_new
+
+
+def _state_finish(out_refs, fa_state, sa_state, mode, r_mixed, train: bool):
+  """Writes the mixed output (and in training both outputs and their log-sum-exps) from the
+  two states; r_mixed is the gate of a mixed head (every gate in training)."""
+  def out(state):
+    _, l, acc = state
+    return acc[...] / jnp.where(l[...] == 0.0, 1.0, l[...])
+  fa, sa = out(fa_state), out(sa_state)
+  if train:
+    r = r_mixed
+  else:  # the skipped output's state was never updated
+    r = jnp.where(mode == MODE_SPARSE, 0.0, jnp.where(mode == MODE_FULL, 1.0, r_mixed))
+    fa = jnp.where(mode == MODE_SPARSE, 0.0, fa)
+    sa = jnp.where(mode == MODE_FULL, 0.0, sa)
+  o_ref = out_refs[0]
+  o_ref[...] = (r * fa + (1.0 - r) * sa).astype(o_ref.dtype)
+  if train:
+    o_fa_ref, o_sa_ref, lse_ref = out_refs[1:]
+    o_fa_ref[...] = fa.astype(o_fa_ref.dtype)
+    o_sa_ref[...] = sa.astype(o_sa_ref.dtype)
+    # Rows with no visible key (padding only) get a huge log-sum-exp: exp(s - lse) = 0.
+    for i, (m, l, _) in enumerate((fa_state, sa_state)):
+      lse_ref[i] = jnp.where(l[...] == 0.0, -MASK_VALUE, m[...] + jnp.log(l[...]))
+
+
 def _forward_kernel(modes_ref, *refs, scale, block_q, block_k, seq_len, num_kv_heads, groups,
                     kv_steps, streaming: Streaming, train: bool, pair=("full", "stream"),
                     xa_block=0, num_blocks=0):
@@ -200,12 +246,8 @@ def _forward_kernel(modes_ref, *refs, scale, block_q, block_k, seq_len, num_kv_h
   slot = b * num_kv_heads + h // groups
   mode = modes_ref[slot]
 
-  @pl.when(j == 0)
-  def _init():
-    for m, l, acc in ((m_fa, l_fa, acc_fa), (m_sa, l_sa, acc_sa)):
-      m[...] = jnp.full(m.shape, MASK_VALUE, jnp.float32)
-      l[...] = jnp.zeros(l.shape, jnp.float32)
-      acc[...] = jnp.zeros(acc.shape, jnp.float32)
+  fa_state, sa_state = (m_fa, l_fa, acc_fa), (m_sa, l_sa, acc_sa)
+  pl.when(j == 0)(lambda: _state_init(fa_state, sa_state))
 
   # Training walks every head's causal tiles: all heads need both outputs.
   tile, n_visit = _head_schedule(mode, slot, qi, j, xa_refs, block_q=block_q, block_k=block_k,
@@ -218,17 +260,6 @@ def _forward_kernel(modes_ref, *refs, scale, block_q, block_k, seq_len, num_kv_h
     s, causal, window = _scores(q_ref[...], k_ref[...], qi, tile, scale=scale, block_q=block_q,
                                 block_k=block_k, seq_len=seq_len, streaming=streaming)
 
-    def update(m_ref, l_ref, acc_ref, ok):
-      sm = jnp.where(ok, s, MASK_VALUE)
-      m_prev = m_ref[...]                      # [block_q, 1]
-      m_new = jnp.maximum(m_prev, sm.max(axis=-1, keepdims=True))
-      p = jnp.where(ok, jnp.exp(sm - m_new), 0.0)
-      corr = jnp.exp(m_prev - m_new)
-      l_ref[...] = l_ref[...] * corr + p.sum(axis=-1, keepdims=True)
-      acc_ref[...] = acc_ref[...] * corr + lax.dot_general(
-          p.astype(v.dtype), v, _NN, preferred_element_type=jnp.float32)
-      m_ref[...] = m_new
-
     # Under the XAttention settings the FA state holds the r = 1 pattern and the SSA state
     # the r = 0 one; an XA pattern masks the tiles its head did not keep.
     hi_ok, lo_ok, lo_tile = _pattern_masks(
@@ -238,31 +269,15 @@ def _forward_kernel(modes_ref, *refs, scale, block_q, block_k, seq_len, num_kv_h
 
     @pl.when((mode != MODE_SPARSE) | train)
     def _full():
-      update(m_fa, l_fa, acc_fa, hi_ok)
+      _state_update(fa_state, s, hi_ok, v)
 
     # A mixed head's walk also passes tiles outside the window: SSA skips them.
     @pl.when(((mode != MODE_FULL) | train) & lo_tile)
     def _sparse():
-      update(m_sa, l_sa, acc_sa, lo_ok)
+      _state_update(sa_state, s, lo_ok, v)
 
-  @pl.when(j == kv_steps - 1)
-  def _finish():
-    def out(l, acc):
-      return acc[...] / jnp.where(l[...] == 0.0, 1.0, l[...])
-    r = jnp.where(mode == MODE_SPARSE, 0.0, jnp.where(mode == MODE_FULL, 1.0, gate_ref[slot]))
-    fa, sa = out(l_fa, acc_fa), out(l_sa, acc_sa)
-    if not train:  # the skipped output's state was never updated
-      fa = jnp.where(mode == MODE_SPARSE, 0.0, fa)
-      sa = jnp.where(mode == MODE_FULL, 0.0, sa)
-    o_ref = out_refs[0]
-    o_ref[...] = (r * fa + (1.0 - r) * sa).astype(o_ref.dtype)
-    if train:
-      o_fa_ref, o_sa_ref, lse_ref = out_refs[1:]
-      o_fa_ref[...] = fa.astype(o_fa_ref.dtype)
-      o_sa_ref[...] = sa.astype(o_sa_ref.dtype)
-      # Rows with no visible key (padding only) get a huge log-sum-exp: exp(s - lse) = 0.
-      for i, (m, l) in enumerate(((m_fa, l_fa), (m_sa, l_sa))):
-        lse_ref[i] = jnp.where(l[...] == 0.0, -MASK_VALUE, m[...] + jnp.log(l[...]))
+  pl.when(j == kv_steps - 1)(
+      lambda: _state_finish(out_refs, fa_state, sa_state, mode, gate_ref[slot], train))
 
 
 def _forward_call(q, k, v, gate_bk, streaming: Streaming, block_q: int, block_k: int,
@@ -729,12 +744,8 @@ def _packed_forward_kernel(qplan_ref, qmodes_ref, *refs, scale, block_q, block_k
       qplan_ref, qmodes_ref, b, h, qi, j, num_q_tiles=num_q_tiles, num_kv_heads=num_kv_heads,
       groups=groups, train=train)
 
-  @pl.when(j == 0)
-  def _init():
-    for m, l, acc in ((m_fa, l_fa, acc_fa), (m_sa, l_sa, acc_sa)):
-      m[...] = jnp.full(m.shape, MASK_VALUE, jnp.float32)
-      l[...] = jnp.zeros(l.shape, jnp.float32)
-      acc[...] = jnp.zeros(acc.shape, jnp.float32)
+  fa_state, sa_state = (m_fa, l_fa, acc_fa), (m_sa, l_sa, acc_sa)
+  pl.when(j == 0)(lambda: _state_init(fa_state, sa_state))
 
   @pl.when(j < n_visit)
   def _visit():
@@ -746,40 +757,11 @@ def _packed_forward_kernel(qplan_ref, qmodes_ref, *refs, scale, block_q, block_k
         lo_tile, xa_refs, b, h // groups, qi, tile, num_kv_heads=num_kv_heads,
         block_q=block_q, block_k=block_k, xa=xa)
 
-    def update(m_ref, l_ref, acc_ref, ok):
-      sm = jnp.where(ok, s, MASK_VALUE)
-      m_prev = m_ref[...]
-      m_new = jnp.maximum(m_prev, sm.max(axis=-1, keepdims=True))
-      p = jnp.where(ok, jnp.exp(sm - m_new), 0.0)
-      corr = jnp.exp(m_prev - m_new)
-      l_ref[...] = l_ref[...] * corr + p.sum(axis=-1, keepdims=True)
-      acc_ref[...] = acc_ref[...] * corr + lax.dot_general(
-          p.astype(v.dtype), v, _NN, preferred_element_type=jnp.float32)
-      m_ref[...] = m_new
+    pl.when((mode != MODE_SPARSE) | train)(lambda: _state_update(fa_state, s, full, v))
+    pl.when(((mode != MODE_FULL) | train) & lo_ok)(lambda: _state_update(sa_state, s, ssa, v))
 
-    pl.when((mode != MODE_SPARSE) | train)(lambda: update(m_fa, l_fa, acc_fa, full))
-    pl.when(((mode != MODE_FULL) | train) & lo_ok)(lambda: update(m_sa, l_sa, acc_sa, ssa))
-
-  @pl.when(j == kv_steps - 1)
-  def _finish():
-    def out(l, acc):
-      return acc[...] / jnp.where(l[...] == 0.0, 1.0, l[...])
-    rows = gate_ref[...]                                  # [block_q, 1]
-    r = jnp.where(mode == MODE_SPARSE, 0.0, jnp.where(mode == MODE_FULL, 1.0, rows))
-    fa, sa = out(l_fa, acc_fa), out(l_sa, acc_sa)
-    if not train:
-      fa = jnp.where(mode == MODE_SPARSE, 0.0, fa)
-      sa = jnp.where(mode == MODE_FULL, 0.0, sa)
-    else:
-      r = rows
-    o_ref = out_refs[0]
-    o_ref[...] = (r * fa + (1.0 - r) * sa).astype(o_ref.dtype)
-    if train:
-      o_fa_ref, o_sa_ref, lse_ref = out_refs[1:]
-      o_fa_ref[...] = fa.astype(o_fa_ref.dtype)
-      o_sa_ref[...] = sa.astype(o_sa_ref.dtype)
-      for i, (m, l) in enumerate(((m_fa, l_fa), (m_sa, l_sa))):
-        lse_ref[i] = jnp.where(l[...] == 0.0, -MASK_VALUE, m[...] + jnp.log(l[...]))
+  pl.when(j == kv_steps - 1)(
+      lambda: _state_finish(out_refs, fa_state, sa_state, mode, gate_ref[...], train))
 
 
 def _packed_operands(q, k, v, gate_btk, segment_ids, positions, streaming, block_q, block_k,
