@@ -251,6 +251,8 @@ def test_python_api_bad_input(world):
   assert not (world / "never").exists()
   with pytest.raises(ej.ElasticJaxError, match="integer token-id lists|token-id lists"):
     generate(m.params, m.config, "a prompt", attention="full")
+  with pytest.raises(ej.ElasticJaxError, match="one integer >= 1 per prompt"):
+    generate(m.params, m.config, [[1, 2], [3]], attention="full", max_new_tokens=[4, 0])
   q, k = jax.numpy.ones((1, 8, 2, 4)), jax.numpy.ones((1, 8, 1, 4))
   for args, kw, words in (
       ((q, k[:, :4], k[:, :4], jax.numpy.ones((1, 1))), {}, "must share batch, length"),
