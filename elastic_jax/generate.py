@@ -16,11 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from elastic_jax import kv_cache
+from elastic_jax import aot, kv_cache
 from elastic_jax.config import ModelConfig
 from elastic_jax.errors import ElasticJaxError
 from elastic_jax.heads import FORWARD, check_attention
-from elastic_jax.model import Params, decode_step, forward_routed, output_head
+from elastic_jax.model import (Params, decode_step_traced, forward_routed, output_head,
+                               split_layers)
 from elastic_jax.router import RouterConfig, esr, msr
 
 
@@ -57,6 +58,9 @@ class Generation:
                                     # compilation excluded (info["prefill_compile_seconds"])
   decode_seconds: float
   info: dict[str, Any] = dataclasses.field(default_factory=dict)
+  # info: new_tokens, capacity, layer_loop, prefill_compile_seconds, decode_compile_seconds, and the
+  # device bytes at the peak of the prefill phase and of a decode loop (prefill_peak_bytes,
+  # decode_peak_bytes: XLA's buffer assignment, `aot.footprint`; None where not reported).
   logits: np.ndarray | None = None  # [steps, B, V] float32, with return_logits: the logits
                                     # each new token was chosen from
 
@@ -64,6 +68,14 @@ class Generation:
 def _bucket(n: int, multiple: int = 128) -> int:
   """Padded prompt length: few distinct shapes, so few compilations."""
   return -(-n // multiple) * multiple
+
+
+def capacity_bucket(n: int) -> int:
+  """The cache capacity for n positions: a multiple of 1/8 of the power of two below n (at
+  least 128), so that a decode compilation serves every request whose prompt and limit fit,
+  for at most 1/8 more memory. The decode kernels read only the live positions."""
+  step = max(128, (1 << max(0, n.bit_length() - 1)) // 8)
+  return _bucket(n, step)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "rcfg", "attention", "attn_impl"))
@@ -81,24 +93,6 @@ def _prefill(params, ids_bt, seg_bt, lengths_b, router_params, forced, *, cfg, r
   gates = (stats["gate"][:, :, 1] if "gate" in stats
            else jnp.zeros((cfg.num_layers,) + ids_bt.shape[:1] + (cfg.num_kv_heads,)))
   return logits, gates, stats.get("xa_kept"), stats["k"], stats["v"]
-
-
-_PREFILL_EXECUTABLES: dict = {}
-
-
-def _compiled_prefill(args: tuple, static: dict):
-  """`_prefill` compiled ahead of time for these argument shapes (kept per shape), so that
-  the timed call runs the executable alone: reported prefill times exclude compilation.
-  Returns (executable, seconds spent compiling now: 0 when it was already compiled)."""
-  leaves, tree = jax.tree.flatten(args)
-  key = (tree, tuple((tuple(x.shape), str(x.dtype), getattr(x, "sharding", None))
-                     for x in leaves),
-         tuple(sorted(static.items())))
-  if key not in _PREFILL_EXECUTABLES:
-    start = time.perf_counter()
-    _PREFILL_EXECUTABLES[key] = _prefill.lower(*args, **static).compile()
-    return _PREFILL_EXECUTABLES[key], time.perf_counter() - start
-  return _PREFILL_EXECUTABLES[key], 0.0
 
 
 def _texts(tokens, finish, tokenizer, eos, stop) -> list[str]:
@@ -155,8 +149,7 @@ def _prompt_rows(prompts, cfg: ModelConfig, max_new_tokens: np.ndarray):
   return ids, seg, lengths
 
 
-@functools.partial(jax.jit, static_argnames=("temperature", "top_p"))
-def _sample(logits_bv, key, *, temperature, top_p):
+def _sample(logits_bv, key, temperature, top_p):
   if temperature == 0:
     return jnp.argmax(logits_bv, -1).astype(jnp.int32)
   logits = logits_bv / temperature
@@ -171,13 +164,95 @@ def _sample(logits_bv, key, *, temperature, top_p):
   return jax.random.categorical(key, logits, -1).astype(jnp.int32)
 
 
+@functools.partial(jax.jit, static_argnames=("temperature", "top_p"))
+def _first_token(logits_bv, key, limits_b, eos, *, temperature, top_p):
+  """The first new token from the prefill's logits: (tokens [B], counts [B], done [B], key)."""
+  key, sub = jax.random.split(key)
+  tok = _sample(logits_bv, sub, temperature, top_p)
+  done = jnp.isin(tok, eos) | (limits_b <= 1)
+  return tok, jnp.ones_like(tok), done, key
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "cfg", "rcfg", "steps", "temperature", "top_p", "unroll", "impl", "keep_logits"),
+    donate_argnames=("cache",))
+def _decode_tokens(params, cache, tok, count, done, key, lengths, limits, eos, *, cfg, rcfg,
+                   steps, temperature, top_p, unroll, impl, keep_logits):
+  """Up to `steps` decode steps in one device loop, which ends early once every row is done.
+
+  tok [B]: each row's last token, not yet fed to the model; count [B]: tokens generated so far
+  (position of tok: lengths + count - 1); done [B]: rows that stopped (EOS, their limit, or a
+  stop string found on the host), which keep feeding their last token at its position, a
+  write that changes nothing. Returns (tok, cache, count, done, key, tokens [steps, B] with -1
+  where a row generated nothing, logits [steps, B, V] or [0, B, V]).
+  """
+  b = tok.shape[0]
+  toks = jnp.full((steps, b), -1, jnp.int32)
+  logits_buf = jnp.zeros((steps if keep_logits else 0, b, cfg.vocab_size), jnp.float32)
+
+  def body(c):
+    i, tok, cache, count, done, key, toks, logits_buf = c
+    logits, cache = decode_step_traced(params, tok, lengths + count - 1, cache, cfg=cfg,
+                                       rcfg=rcfg, unroll=unroll, impl=impl)
+    key, sub = jax.random.split(key)
+    new = _sample(logits, sub, temperature, top_p)
+    live = jnp.logical_not(done)
+    tok = jnp.where(live, new, tok)
+    toks = toks.at[i].set(jnp.where(live, new, -1))
+    if keep_logits:
+      logits_buf = logits_buf.at[i].set(logits)
+    count = count + live
+    done = done | (live & (jnp.isin(new, eos) | (count >= limits)))
+    return i + 1, tok, cache, count, done, key, toks, logits_buf
+
+  def cond(c):
+    return (c[0] < steps) & jnp.logical_not(jnp.all(c[4]))
+
+  _, tok, cache, count, done, key, toks, logits_buf = jax.lax.while_loop(
+      cond, body, (jnp.int32(0), tok, cache, count, done, key, toks, logits_buf))
+  return tok, cache, count, done, key, toks, logits_buf
+
+
+def _phase_peak(prefill_bytes, build_bytes, params) -> int | None:
+  """Device bytes at the prefill phase's peak: the prefill call (weights, the prompt's dense
+  keys and values, temporaries) or the cache build (the dense keys and values in, the cache
+  out) while the weights stay resident; None where the backend reports no footprints."""
+  if prefill_bytes is None or build_bytes is None:
+    return None
+  weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  return max(prefill_bytes, build_bytes + weights)
+
+
+def choose_layer_loop(params: Params, cache_bytes: int) -> str:
+  """"split" where the device reports a memory limit that holds the weights, a second copy of
+  the layer weights and the cache with a quarter to spare (or reports none: a CPU), else
+  "scan"."""
+  stats = jax.devices()[0].memory_stats() or {}
+  limit = stats.get("bytes_limit")
+  if not limit:
+    return "split"
+  weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  layers = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params["layers"]))
+  return "split" if weights + layers + cache_bytes <= 0.75 * limit else "scan"
+
+
+def decode_impl_for(attn_impl: str) -> str:
+  """The decode attention (`attention.decode`) that goes with a prefill implementation."""
+  name, _, mode = attn_impl.partition(":")
+  kernel = {"pallas_gpu": "triton", "mosaic_gpu": "triton", "pallas_tpu": "tpu"}.get(name)
+  if kernel:
+    return kernel + (":" + mode if mode else "")
+  return "auto" if name == "auto" else "reference"
+
+
 def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *,
              attention: str = "elastic", rcfg: RouterConfig | None = None,
              router_params: Params | None = None, gates=None,
              sampling: SamplingConfig = SamplingConfig(), eos_ids: Sequence[int] = (),
              tokenizer=None, attn_impl: str = "auto", unroll_decode: bool = False,
              return_logits: bool = False,
-             max_new_tokens: Sequence[int] | None = None) -> Generation:
+             max_new_tokens: Sequence[int] | None = None, tokens_per_sync: int = 32,
+             decode_impl: str | None = None, layer_loop: str = "auto") -> Generation:
   """Generate up to `sampling.max_new_tokens` tokens after each prompt (lists of token ids).
 
   attention: "full" (every head full, cache dense), "elastic" (routers decide; needs
@@ -188,12 +263,24 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   [B, V] per step).
   max_new_tokens: a limit per request (one int per prompt) in place of the sampling's; a row
   that reaches its own stops with finish "length" while the others go on.
+  tokens_per_sync: decode steps per device loop (`_decode_tokens`): EOS and limits are
+  checked on the device at every step, stop strings on the host after each loop.
+  decode_impl: the decode attention (`attention.decode.attention`); default: the kernel that
+  goes with attn_impl (`decode_impl_for`).
+  layer_loop: how a decode step walks the layers: "scan" over the stacked weights, "split"
+  over a per-layer copy of them made for this call (`model.split_layers`: about 2x faster
+  decoding at small batches on a GPU, for the layer weights' memory once more), "auto":
+  split where the device reports room for the copy (`choose_layer_loop`).
   """
   check_attention(attention, FORWARD)
   if sampling.stop and tokenizer is None:
     raise ElasticJaxError("stop strings need a tokenizer to decode the generated text")
   if attention == "elastic" and router_params is None:
     raise ElasticJaxError("attention='elastic' needs trained routers (router_params)")
+  if tokens_per_sync < 1:
+    raise ElasticJaxError(f"tokens_per_sync must be >= 1, got {tokens_per_sync}")
+  if layer_loop not in ("auto", "scan", "split"):
+    raise ElasticJaxError(f"layer_loop must be auto, scan or split, got {layer_loop!r}")
   rcfg = rcfg or RouterConfig()
   b, n_layers, kh = len(prompts), cfg.num_layers, cfg.num_kv_heads
   limits = _limits(max_new_tokens, sampling.max_new_tokens, b)
@@ -211,8 +298,9 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
 
   args = (params, jnp.asarray(ids), jnp.asarray(seg), jnp.asarray(lengths), router_params,
           forced)
-  prefill, compile_s = _compiled_prefill(args, dict(cfg=cfg, rcfg=rcfg, attention=attention,
-                                                    attn_impl=attn_impl))
+  prefill, compile_s = aot.compiled(_prefill, args, dict(cfg=cfg, rcfg=rcfg,
+                                                         attention=attention,
+                                                         attn_impl=attn_impl))
   jax.block_until_ready(args)
   start = time.perf_counter()
   logits, gates_lbk, xa_kept, k, v = prefill(*args)
@@ -221,43 +309,67 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
     gates_np = np.ones_like(gates_np)
   prefill_s = time.perf_counter() - start
 
-  capacity = _bucket(capacity_needed)
+  capacity = capacity_bucket(capacity_needed)
   # XAttention selects blocks at prefill only: its heads decode as full heads (whole cache).
   cache_gates = np.ones_like(gates_np) if rcfg.patterns == "fa-xa" else gates_np
-  cache = kv_cache.build(k, v, cache_gates, lengths, capacity, rcfg.streaming)
+  cache, build_bytes = kv_cache.build(k, v, cache_gates, lengths, capacity, rcfg.streaming)
   del k, v
   dt = jax.tree.leaves(params)[0].dtype
   dense = kv_cache.dense_cache_bytes(n_layers, b, kh, capacity, cfg.head_dim, dt)
 
-  key = jax.random.key(sampling.seed)
   eos = set(int(x) for x in eos_ids)
+  eos_dev = jnp.asarray(sorted(eos) or [-1], jnp.int32)
+  limits_dev = jnp.asarray(limits, jnp.int32)
+  lengths_dev = jnp.asarray(lengths)
   out: list[list[int]] = [[] for _ in range(b)]
   finish = [""] * b
-  pos = jnp.asarray(lengths)
-  start = time.perf_counter()
-  step_logits = []
-  for step in range(int(limits.max())):
-    if return_logits:
-      step_logits.append(np.asarray(logits))
-    key, sub = jax.random.split(key)
-    tok = _sample(logits, sub, temperature=sampling.temperature, top_p=sampling.top_p)
-    tok_np = np.asarray(tok)
+
+  def take(tokens_b) -> None:
+    """One step's tokens (-1: none) into the rows still open; their finish reasons."""
     for i in range(b):
-      if finish[i]:
+      if finish[i] or tokens_b[i] < 0:
         continue
-      out[i].append(int(tok_np[i]))
-      if tok_np[i] in eos:
+      out[i].append(int(tokens_b[i]))
+      if tokens_b[i] in eos:
         finish[i] = "eos"
       elif sampling.stop and any(s in tokenizer.decode(out[i]) for s in sampling.stop):
         finish[i] = "stop"
       elif len(out[i]) == limits[i]:
         finish[i] = "length"
-    if all(finish):
-      break
-    logits, cache = decode_step(params, tok, pos, cache, cfg=cfg, rcfg=rcfg,
-                                unroll=unroll_decode)
-    pos = pos + 1
-  jax.block_until_ready(logits)
+
+  static = dict(cfg=cfg, rcfg=rcfg, steps=tokens_per_sync, temperature=sampling.temperature,
+                top_p=sampling.top_p, unroll=unroll_decode,
+                impl=decode_impl or decode_impl_for(attn_impl), keep_logits=return_logits)
+  if layer_loop == "auto":
+    layer_loop = choose_layer_loop(params, cache.nbytes)
+  start = time.perf_counter()
+  step_params = split_layers(params) if layer_loop == "split" else params
+  jax.block_until_ready(step_params)
+  split_s = time.perf_counter() - start
+  first_args = (logits, jax.random.key(sampling.seed), limits_dev, eos_dev)
+  first, decode_compile_s = aot.compiled(_first_token, first_args, dict(
+      temperature=sampling.temperature, top_p=sampling.top_p))
+  start = time.perf_counter() - split_s       # the per-layer copy counts as decoding time
+  tok, count, done, key = first(*first_args)
+  step_logits = [np.asarray(logits)] if return_logits else []
+  take(np.asarray(tok))
+  decode_bytes = None
+  while not all(finish):
+    done = jnp.asarray([bool(f) for f in finish])    # stop strings found on the host
+    args = (step_params, cache, tok, count, done, key, lengths_dev, limits_dev, eos_dev)
+    run, compiled_s = aot.compiled(_decode_tokens, args, static)
+    decode_bytes = aot.footprint(run)
+    if decode_bytes is not None and layer_loop == "split":   # the stacked weights stay too
+      decode_bytes += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params["layers"]))
+    decode_compile_s += compiled_s
+    start += compiled_s
+    tok, cache, count, done, key, toks, chunk_logits = run(*args)
+    toks = np.asarray(toks)
+    live = (toks >= 0).any(axis=1)
+    for step in np.nonzero(live)[0]:
+      take(toks[step])
+    if return_logits:
+      step_logits.extend(np.asarray(chunk_logits)[live])
   decode_s = time.perf_counter() - start
   finish = [f or "length" for f in finish]
 
@@ -272,5 +384,7 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
       cache_bytes=cache.nbytes, dense_cache_bytes=dense, prefill_seconds=prefill_s,
       decode_seconds=decode_s,
       info={"new_tokens": sum(len(o) for o in out), "capacity": capacity,
-            "prefill_compile_seconds": compile_s},
+            "layer_loop": layer_loop, "prefill_compile_seconds": compile_s, "decode_compile_seconds": decode_compile_s,
+            "prefill_peak_bytes": _phase_peak(aot.footprint(prefill), build_bytes, params),
+            "decode_peak_bytes": decode_bytes},
       logits=np.stack(step_logits) if return_logits else None)

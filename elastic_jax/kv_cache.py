@@ -13,12 +13,15 @@ Layout (shape letters as in model.py, plus M the cache capacity in tokens):
       end, F = max n_l, so that every layer can read a window of F slots);
   full_start [L]; full_b, full_h [L, F]  row and KV head of each slot of a layer's window
       (row B, out of range, for the window's slots that belong to the next layer);
-  sink_k, sink_v [L, S, sink_len, H]; ring_k, ring_v [L, S, ring, H]; st_b, st_h [L, S]
-      streaming slots, S the most any layer has (a few blocks each, so the padding is small).
+  st_k, st_v [L, S, W, H]; st_b, st_h [L, S]  streaming slots, S the most any layer has (a
+      few blocks each, so the padding is small): per slot the sink (indices < sink_len, one
+      per position) then a ring of `ring` slots (index sink_len + q % ring holds position q),
+      W = sink_len + ring rounded up to a multiple of 16 (the rest never written or read).
 Decoding writes one token per slot in place (`decode_step` carries the cache through its loop
-over layers) and reads the layer's window. A query at position p in block i of a streaming
-head sees the sink positions < min(sink_len, p + 1) and the ring's positions q in
-[sink_len, p] with i - q // block < local_blocks: exactly `Streaming.allows`.
+over layers) and reads the layer's slots in one launch (`attention.decode`). A query at
+position p in block i of a streaming head sees the sink positions < min(sink_len, p + 1) and
+the ring's positions q in [sink_len, p] with i - q // block < local_blocks: exactly
+`Streaming.allows`.
 """
 
 from __future__ import annotations
@@ -31,7 +34,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from elastic_jax import aot
+from elastic_jax.attention import decode
 from elastic_jax.attention.reference import Streaming
+
+
+def stream_width(streaming: Streaming) -> int:
+  """W: the sink and the ring of a streaming slot, rounded up to a multiple of 16."""
+  n = streaming.block * (streaming.sink_blocks + streaming.local_blocks)
+  return -(-n // 16) * 16
 
 
 @flax.struct.dataclass
@@ -41,10 +52,8 @@ class HeadCache:
   full_start: jax.Array
   full_b: jax.Array
   full_h: jax.Array
-  sink_k: jax.Array
-  sink_v: jax.Array
-  ring_k: jax.Array
-  ring_v: jax.Array
+  st_k: jax.Array
+  st_v: jax.Array
   st_b: jax.Array
   st_h: jax.Array
 
@@ -101,14 +110,31 @@ def dense_cache_bytes(n_layers, batch, kv_heads, capacity, head_dim, dtype) -> i
 
 
 def build(k_lbtkh, v_lbtkh, gates_lbk, lengths_b, capacity: int, streaming: Streaming
-          ) -> HeadCache:
+          ) -> tuple[HeadCache, int | None]:
   """The cache after a prefill: keys/values of every layer [L, B, T, K, H] (rows may be
-  right-padded; row b holds lengths_b[b] real tokens) and the decided gates [L, B, K]."""
+  right-padded; row b holds lengths_b[b] real tokens) and the decided gates [L, B, K].
+  Returns (the cache, the device bytes the build holds at its peak: `aot.footprint`)."""
   s = assign_slots(np.asarray(gates_lbk))
   tables = [jnp.asarray(x) for x in (s.full_start, s.full_b, s.full_h, s.pool_l, s.pool_b,
                                       s.pool_h, s.st_b, s.st_h)]
-  return _build(k_lbtkh, v_lbtkh, jnp.asarray(lengths_b, jnp.int32), *tables,
-                capacity=capacity, streaming=streaming)
+  args = (k_lbtkh, v_lbtkh, jnp.asarray(lengths_b, jnp.int32), *tables)
+  run, _ = aot.compiled(_build, args, dict(capacity=capacity, streaming=streaming))
+  return run(*args), aot.footprint(run)
+
+
+def allocate(gates_lbk, capacity: int, streaming: Streaming, head_dim: int, dtype,
+             fill=None) -> HeadCache:
+  """An empty cache for concrete gates [L, B, K] (zeros, or `fill(key_index, shape, dtype)`
+  for each of the four key/value arrays): the tables and shapes `build` gives, without a
+  prefill (benchmarks of decoding, caches filled chunk by chunk)."""
+  s = assign_slots(np.asarray(gates_lbk))
+  n_layers = s.full_start.shape[0]
+  shapes = [(s.pool_b.shape[0], capacity, head_dim)] * 2 + [
+      (n_layers, s.st_b.shape[1], stream_width(streaming), head_dim)] * 2
+  fill = fill or (lambda i, shape, dt: jnp.zeros(shape, dt))
+  fk, fv, sk, sv = (fill(i, shape, dtype) for i, shape in enumerate(shapes))
+  tables = [jnp.asarray(x) for x in (s.full_start, s.full_b, s.full_h, s.st_b, s.st_h)]
+  return HeadCache(fk, fv, *tables[:3], sk, sv, *tables[3:])
 
 
 @functools.partial(jax.jit, static_argnames=("capacity", "streaming"))
@@ -146,65 +172,52 @@ def _build(k_lbtkh, v_lbtkh, lengths_b, full_start, full_b, full_h, pool_l, pool
     got = jnp.take_along_axis(x, jnp.clip(pos, 0, t - 1)[..., None], axis=2)
     return jnp.where(ok[..., None], got, 0)
 
-  return HeadCache(full(k_lbtkh), full(v_lbtkh), full_start, full_b, full_h, sink(k_lbtkh),
-                   sink(v_lbtkh), ring_of(k_lbtkh), ring_of(v_lbtkh), st_b, st_h)
+  def stream(x):                      # [L, S, W, H]: the sink, then the ring
+    x = jnp.concatenate([sink(x), ring_of(x)], axis=2)
+    return jnp.pad(x, ((0, 0), (0, 0), (0, stream_width(streaming) - x.shape[2]), (0, 0)))
+
+  return HeadCache(full(k_lbtkh), full(v_lbtkh), full_start, full_b, full_h, stream(k_lbtkh),
+                   stream(v_lbtkh), st_b, st_h)
 
 
 def attend(q_bnh, k_bkh, v_bkh, pos_b, cache: HeadCache, layer, streaming: Streaming,
-           scale: float) -> tuple[jax.Array, HeadCache]:
+           scale: float, impl: str = "reference") -> tuple[jax.Array, HeadCache]:
   """One decode step of layer `layer` (a traced index): write the new token's key/value at
-  position pos_b into the layer's slots, in place, then attend. Returns (out [B, N, H], the
-  updated cache)."""
+  position pos_b into the layer's slots, in place, then attend (`attention.decode` on
+  `impl`). Returns (out [B, N, H], the updated cache)."""
   b, n, h = q_bnh.shape
   kh = k_bkh.shape[1]
   q_bkgh = q_bnh.reshape(b, kh, n // kh, h)
   pos_b = jnp.concatenate([pos_b, jnp.zeros((1,), pos_b.dtype)])  # the empty row B
   pool, width = cache.full_k.shape[0], cache.full_b.shape[1]
-  sink_len, ring = cache.sink_k.shape[2], cache.ring_k.shape[2]
+  sink_len = streaming.block * streaming.sink_blocks
+  ring = streaming.block * streaming.local_blocks
 
   def pick(x_bk, rb, rh):
     return x_bk[jnp.minimum(rb, b - 1), rh]
 
-  def softmax_out(q_sgh, k_smh, v_smh, ok_sm):
-    s = jnp.einsum("sgh,smh->sgm", q_sgh, k_smh, preferred_element_type=jnp.float32) * scale
-    s = jnp.where(ok_sm[:, None], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
-    return jnp.einsum("sgm,smh->sgh", p.astype(v_smh.dtype), v_smh)
-
-  # Full heads: write at the token's position in the layer's own slots, then read its window.
+  # Full heads: write at the token's position in the layer's own slots.
   fb, fh, start = cache.full_b[layer], cache.full_h[layer], cache.full_start[layer]
   fpos = pos_b[fb]
   slot = jnp.where(fb < b, start + jnp.arange(width), pool)       # pool: out of range, dropped
   full_k = cache.full_k.at[slot, fpos].set(pick(k_bkh, fb, fh), mode="drop")
   full_v = cache.full_v.at[slot, fpos].set(pick(v_bkh, fb, fh), mode="drop")
-  win_k = jax.lax.dynamic_slice_in_dim(full_k, start, width, 0)
-  win_v = jax.lax.dynamic_slice_in_dim(full_v, start, width, 0)
-  ok = jnp.arange(full_k.shape[1])[None] <= fpos[:, None]
-  out_full = softmax_out(pick(q_bkgh, fb, fh), win_k, win_v, ok)
 
   # Streaming heads: the sink holds positions < sink_len, the ring every later one.
   sb, sh = cache.st_b[layer], cache.st_h[layer]
   spos = pos_b[sb]
+  at = jnp.where(spos < sink_len, spos, sink_len + jnp.mod(spos, ring))
+  at = jnp.where(sb < b, at, cache.st_k.shape[2])           # out of range: dropped
   slots = jnp.arange(sb.shape[0])
-  k_new, v_new = pick(k_bkh, sb, sh), pick(v_bkh, sb, sh)
-  in_sink = (spos < sink_len) & (sb < b)
-  sink_at = jnp.where(in_sink, spos, sink_len)              # out of range: dropped
-  ring_at = jnp.where(in_sink | (sb >= b), ring, jnp.mod(spos, ring))
-  sink_k = cache.sink_k.at[layer, slots, sink_at].set(k_new, mode="drop")
-  sink_v = cache.sink_v.at[layer, slots, sink_at].set(v_new, mode="drop")
-  ring_k = cache.ring_k.at[layer, slots, ring_at].set(k_new, mode="drop")
-  ring_v = cache.ring_v.at[layer, slots, ring_at].set(v_new, mode="drop")
-  ring_pos = spos[:, None] - jnp.mod(spos[:, None] - jnp.arange(ring)[None], ring)
-  ring_ok = (ring_pos >= sink_len) & streaming.allows(spos[:, None], ring_pos)
-  sink_ok = jnp.arange(sink_len)[None] <= spos[:, None]
-  out_st = softmax_out(pick(q_bkgh, sb, sh),
-                       jnp.concatenate([sink_k[layer], ring_k[layer]], 1),
-                       jnp.concatenate([sink_v[layer], ring_v[layer]], 1),
-                       jnp.concatenate([sink_ok, ring_ok], 1))
+  st_k = cache.st_k.at[layer, slots, at].set(pick(k_bkh, sb, sh), mode="drop")
+  st_v = cache.st_v.at[layer, slots, at].set(pick(v_bkh, sb, sh), mode="drop")
 
+  out_full, out_st = decode.attention(
+      impl, pick(q_bkgh, fb, fh), pick(q_bkgh, sb, sh), full_k, full_v, start,
+      jnp.where(fb < b, fpos, -1), st_k, st_v, layer, jnp.where(sb < b, spos, -1),
+      sink_len=sink_len, ring=ring, streaming=streaming, scale=scale)
   out = jnp.zeros_like(q_bkgh)
   out = out.at[fb, fh].set(out_full.astype(out.dtype), mode="drop")
   out = out.at[sb, sh].set(out_st.astype(out.dtype), mode="drop")
-  new = cache.replace(full_k=full_k, full_v=full_v, sink_k=sink_k, sink_v=sink_v,
-                      ring_k=ring_k, ring_v=ring_v)
+  new = cache.replace(full_k=full_k, full_v=full_v, st_k=st_k, st_v=st_v)
   return out.reshape(b, n, h), new

@@ -144,9 +144,12 @@ class Attention(nn.Module):
     if "cache" in layer:
       # One decode step (kv_cache.py): the modes were decided at prefill and live in the cache.
       q, kk = apply_rope(q, cos, sin), apply_rope(kk, cos, sin)
+      # Kept apart from the cache writes: XLA would otherwise fuse the key/value projections
+      # into the scatters, one thread per output element (75 us a layer on an H200).
+      q, kk, v = jax.lax.optimization_barrier((q, kk, v))
       out, cache = kv_cache.attend(q[:, 0], kk[:, 0], v[:, 0], ctx.positions[:, 0],
                                    layer["cache"], layer["index"], self.rcfg.streaming,
-                                   h ** -0.5)
+                                   h ** -0.5, layer.get("impl", "reference"))
       return self._out_proj(out[:, None]), {"cache": cache}
     if self.attention == "elastic":
       # The router reads the keys after k-norm and before RoPE (docs/method.md §4).
@@ -396,17 +399,29 @@ forward_routed_jit = jax.jit(forward_routed, static_argnames=(
     "return_hidden", "return_kv"))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "rcfg", "unroll"),
+@functools.partial(jax.jit, static_argnames=("cfg", "rcfg", "unroll", "impl"),
                    donate_argnames=("cache",))
 def decode_step(params: Params, ids_b: jax.Array, positions_b: jax.Array,
                 cache: kv_cache.HeadCache, *, cfg: ModelConfig, rcfg: rt.RouterConfig,
-                unroll: bool = False):
+                unroll: bool = False, impl: str = "reference"):
+  """`decode_step_traced` under jit, the cache donated."""
+  return decode_step_traced(params, ids_b, positions_b, cache, cfg=cfg, rcfg=rcfg,
+                            unroll=unroll, impl=impl)
+
+
+def decode_step_traced(params: Params, ids_b: jax.Array, positions_b: jax.Array,
+                       cache: kv_cache.HeadCache, *, cfg: ModelConfig, rcfg: rt.RouterConfig,
+                       unroll: bool = False, impl: str = "reference"):
   """One token per row through every layer with the per-head cache (the modes it was built
-  with): (float32 logits [B, V], the updated cache, donated).
+  with): (float32 logits [B, V], the updated cache). impl: the decode attention
+  (`attention.decode.attention`: "reference", "auto", a kernel).
 
   The cache is carried through the loop over layers, so each layer writes its new key/value
-  in place instead of the whole cache being rewritten at every step. unroll: the loop over
-  layers unrolled (static layer slices of the weights and the cache; a longer compile).
+  in place instead of the whole cache being rewritten at every step. The loop is a scan over
+  the stacked layer weights (unroll: unrolled; a longer compile), or, where params["layers"]
+  is a list (`split_layers`), a Python loop over separate per-layer arrays: XLA copies a
+  stacked layer's weights out before its matrix products (two extra passes over the weights
+  per token), which separate arrays avoid.
   """
   dtype = jax.tree.leaves(params)[0].dtype
   ids, pos = ids_b[:, None], positions_b[:, None]
@@ -415,18 +430,34 @@ def decode_step(params: Params, ids_b: jax.Array, positions_b: jax.Array,
   ctx = Context(cos, sin, jnp.ones_like(ids), pos)
   layer = DecoderLayer(cfg, dtype, "reference", "full", rcfg)
 
-  def body(carry, xs):
-    x, cache = carry
-    layer_params, index = xs
-    x, stats = layer.apply({"params": layer_params}, x, ctx, {"cache": cache, "index": index})
-    return (x, stats["cache"]), None
+  def one(x, cache, layer_params, index):
+    x, stats = layer.apply({"params": layer_params}, x, ctx,
+                           {"cache": cache, "index": index, "impl": impl})
+    return x, stats["cache"]
 
-  (x, cache), _ = jax.lax.scan(body, (x, cache),
-                               (params["layers"], jnp.arange(cfg.num_layers)), unroll=unroll)
+  if isinstance(params["layers"], (list, tuple)):    # `split_layers`: one array per layer
+    for index, layer_params in enumerate(params["layers"]):
+      x, cache = one(x, cache, layer_params, index)
+  else:
+    (x, cache), _ = jax.lax.scan(lambda c, xs: (one(*c, *xs), None), (x, cache),
+                                 (params["layers"], jnp.arange(cfg.num_layers)),
+                                 unroll=unroll)
   x = RMSNorm("embed", cfg.rms_norm_eps, dtype).apply({"params": params["final_norm"]}, x)
   logits = jnp.einsum("be,ev->bv", x[:, 0], output_head(params, cfg),
                       preferred_element_type=jnp.float32)
   return logits, cache
+
+
+def split_layers(params: Params) -> Params:
+  """`params` with the stacked layer weights [L, ...] as a list of L per-layer trees (copies:
+  the layer weights' memory once more while they live), for `decode_step`."""
+  return dict(params, layers=_unstack(params["layers"]))
+
+
+@jax.jit
+def _unstack(layers):
+  n = jax.tree.leaves(layers)[0].shape[0]
+  return [jax.tree.map(lambda x: x[i], layers) for i in range(n)]
 
 
 def output_head(params: Params, cfg: ModelConfig) -> jax.Array:

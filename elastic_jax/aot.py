@@ -1,0 +1,37 @@
+"""Ahead-of-time compilation kept per argument shapes: timed calls then run the executables
+alone (reported times exclude compilation), and each executable's memory footprint is known
+from XLA's buffer assignment before it runs."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+
+_EXECUTABLES: dict = {}
+
+
+def compiled(fn, args: tuple, static: dict):
+  """`fn` (a jitted function) lowered and compiled for these arguments' shapes, dtypes and
+  shardings and these static arguments, once per process. Returns (executable, seconds spent
+  compiling now: 0 when it was already compiled)."""
+  leaves, tree = jax.tree.flatten(args)
+  key = (fn, tree, tuple((tuple(x.shape), str(x.dtype), getattr(x, "sharding", None))
+                         for x in leaves),
+         tuple(sorted(static.items())))
+  if key not in _EXECUTABLES:
+    start = time.perf_counter()
+    _EXECUTABLES[key] = fn.lower(*args, **static).compile()
+    return _EXECUTABLES[key], time.perf_counter() - start
+  return _EXECUTABLES[key], 0.0
+
+
+def footprint(executable) -> int | None:
+  """Device bytes a call of `executable` holds at its peak: arguments, outputs (less those
+  that reuse a donated argument's buffer) and temporaries. None where the backend does not
+  report it."""
+  m = executable.memory_analysis()
+  if m is None:
+    return None
+  return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+             + m.temp_size_in_bytes)

@@ -1,0 +1,332 @@
+"""Decode attention over the per-head cache (kv_cache.py): one new query token per row.
+
+Each (row, KV head) of a layer is a *slot*, and a program of the kernels serves one slot with
+the G query heads of its KV head (GQA: the slot's keys are read once for the group):
+  full slot       keys 0 .. p of its entry in the pool [P, M, H] (p the row's position; the
+                  layer's entries are start .. start + F - 1);
+  streaming slot  its sink and ring, one row of [L, S, W, H]: index j < sink_len holds position
+                  j, index sink_len + r holds the latest position q <= p with q % ring == r; a
+                  key is visible when its position is in the row's sink or local window
+                  (`stream_visible`, `Streaming.allows`).
+A slot of position -1 is empty (padding of the slot tables) and gets zeros.
+
+Implementations, one launch for every slot of the layer, full and streaming:
+  reference  plain jnp (the spec of the kernels);
+  triton     Pallas on a GPU (Triton backend). Slots are split along their keys
+             (flash-decoding) so that a batch of one fills the GPU: a full slot's programs
+             read only keys below p + 1, so a step reads what is live, not the capacity; a
+             streaming slot's width is cut in pieces of 256 keys. The splits' partial
+             softmaxes combine in jnp;
+  tpu        Pallas on a TPU: grid (slot, key block); blocks past the position repeat the last
+             visible block's index, which the pipeline does not fetch again.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from elastic_jax.attention.reference import MASK_VALUE, Streaming
+
+_LOG2E = math.log2(math.e)
+IMPLS = ("reference", "triton", "tpu")
+
+
+def stream_visible(j, pos, sink_len: int, ring: int, streaming: Streaming):
+  """Whether index j of a streaming slot's row (sink then ring) holds a key that a query at
+  position pos (>= -1) sees; broadcasting."""
+  r = j - sink_len
+  held = pos - jnp.mod(pos - r, ring)                    # the ring index's latest position
+  in_sink = (j < sink_len) & (j <= pos)
+  in_ring = (j >= sink_len) & (r < ring) & (held >= sink_len) & streaming.allows(pos, held)
+  return in_sink | in_ring
+
+
+def _softmax(q_sgh, k_smh, v_smh, ok_sm, scale):
+  s = jnp.einsum("sgh,smh->sgm", q_sgh, k_smh, preferred_element_type=jnp.float32) * scale
+  s = jnp.where(ok_sm[:, None], s, -jnp.inf)
+  m = jnp.max(s, -1, keepdims=True)
+  p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+  l = p.sum(-1, keepdims=True)
+  out = jnp.einsum("sgm,smh->sgh", p.astype(v_smh.dtype), v_smh,
+                   preferred_element_type=jnp.float32)
+  return out / jnp.where(l == 0, 1.0, l)
+
+
+def reference(q_fgh, q_sgh, full_k, full_v, start, full_pos, st_k, st_v, layer, st_pos, *,
+              sink_len: int, ring: int, streaming: Streaming, scale: float):
+  """(out of the full slots [F, G, H], of the streaming slots [S, G, H]), float32."""
+  width = q_fgh.shape[0]
+  win_k = lax.dynamic_slice_in_dim(full_k, start, width, 0)
+  win_v = lax.dynamic_slice_in_dim(full_v, start, width, 0)
+  ok = jnp.arange(full_k.shape[1])[None] <= full_pos[:, None]
+  out_full = _softmax(q_fgh, win_k, win_v, ok, scale)
+  j = jnp.arange(st_k.shape[2])[None]
+  ok = stream_visible(j, st_pos[:, None], sink_len, ring, streaming)
+  out_st = _softmax(q_sgh, st_k[layer], st_v[layer], ok, scale)
+  return out_full, out_st
+
+
+def _pad_rows(x, rows):
+  return jnp.pad(x, ((0, 0), (0, rows - x.shape[1]), (0, 0)))
+
+
+def _pow2(n):
+  return 1 << max(0, (n - 1).bit_length())
+
+
+def _online(carry, s, ok, v):
+  acc, m, l = carry
+  s = jnp.where(ok, s, MASK_VALUE)
+  m_new = jnp.maximum(m, s.max(axis=-1))
+  p = jnp.where(ok, jnp.exp2(s - m_new[:, None]), 0.0)
+  corr = jnp.exp2(m - m_new)
+  pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return acc * corr[:, None] + pv, m_new, l * corr + p.sum(axis=-1)
+
+
+def _triton_kernel(meta_ref, pos_ref, q_ref, fk_ref, fv_ref, sk_ref, sv_ref, o_ref, m_ref,
+                   l_ref, so_ref, sm_ref, sl_ref, *, num_full, splits, chunk, block,
+                   st_splits, st_chunk, st_block, sink_len, ring, streaming, scale):
+  prog = pl.program_id(0)
+  is_full = prog < num_full * splits
+  rest = prog - num_full * splits
+  i = jnp.where(is_full, prog // splits, num_full + rest // st_splits)
+  q = q_ref[i]
+  gp, d = q.shape
+  qk_scale = scale * _LOG2E
+  init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), MASK_VALUE, jnp.float32),
+          jnp.zeros((gp,), jnp.float32))
+  pos = pos_ref[i]
+
+  @pl.when(is_full)
+  def _():
+    split = prog % splits
+    slot = meta_ref[0] + i
+    lo = split * chunk
+    hi = jnp.minimum(lo + chunk, pos + 1)
+
+    def body(j, c):
+      k = fk_ref[slot, pl.ds(j * block, block), :]
+      s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * qk_scale
+      ok = (j * block + jnp.arange(block))[None, :] < hi
+      return _online(c, s, ok, fv_ref[slot, pl.ds(j * block, block), :])
+
+    acc, m, l = lax.fori_loop(lo // block, jnp.maximum(lo, hi + block - 1) // block, body,
+                              init)
+    o_ref[i, split] = acc
+    m_ref[i, split] = m
+    l_ref[i, split] = l
+
+  @pl.when(jnp.logical_not(is_full))
+  def _():
+    st, split = i - num_full, rest % st_splits
+    layer = meta_ref[1]
+
+    def body(j, c):
+      k = sk_ref[layer, st, pl.ds(j * st_block, st_block), :]
+      s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * qk_scale
+      idx = j * st_block + jnp.arange(st_block)
+      ok = stream_visible(idx[None, :], pos, sink_len, ring, streaming)
+      return _online(c, s, ok, sv_ref[layer, st, pl.ds(j * st_block, st_block), :])
+
+    first = split * (st_chunk // st_block)
+    acc, m, l = lax.fori_loop(first, first + st_chunk // st_block, body, init)
+    so_ref[st, split] = acc
+    sm_ref[st, split] = m
+    sl_ref[st, split] = l
+
+
+def _combine(o, m, l):
+  """Partial softmaxes (base 2) [R, splits, ...] of key ranges into one [R, G, H]."""
+  m_all = m.max(axis=1, keepdims=True)
+  w = jnp.exp2(m - m_all) * (l > 0)
+  l_all = (w * l).sum(1)
+  return (w[..., None] * o).sum(1) / jnp.where(l_all == 0, 1.0, l_all)[..., None]
+
+
+def _largest_block(n: int, cap: int) -> int:
+  b = cap
+  while b > 16 and n % b:
+    b //= 2
+  return b
+
+
+@functools.partial(jax.jit, static_argnames=("sink_len", "ring", "streaming", "scale",
+                                             "splits", "block", "num_warps", "num_stages",
+                                             "interpret"))
+def triton(q_fgh, q_sgh, full_k, full_v, start, full_pos, st_k, st_v, layer, st_pos, *,
+           sink_len: int, ring: int, streaming: Streaming, scale: float,
+           splits: int | None = None, block: int = 64, num_warps: int = 4,
+           num_stages: int = 2, interpret: bool = False):
+  """`reference` on the Pallas Triton kernel. Needs a head dim that is a power of two >= 16
+  (`triton_applies`), a capacity M and a streaming width W that are multiples of 16."""
+  from jax.experimental.pallas import triton as plgpu
+
+  f, g, d = q_fgh.shape
+  s_n = q_sgh.shape[0]
+  cap, width = full_k.shape[1], st_k.shape[2]
+  block = _largest_block(cap, block)
+  st_block = _largest_block(width, 64)
+  st_chunk = st_block * max(1, 256 // st_block)        # streaming slots: 256 keys a program
+  st_splits = -(-width // st_chunk)
+  if splits is None:   # about 512 programs of full slots, each at least one block long
+    splits = max(1, min(cap // block, -(-512 // max(f, 1))))
+  chunk = -(-cap // (splits * block)) * block
+  splits = -(-cap // chunk)
+  gp = max(16, _pow2(g))
+  q = jnp.concatenate([_pad_rows(q_fgh, gp), _pad_rows(q_sgh, gp)]).astype(full_k.dtype)
+  pos = jnp.concatenate([full_pos, st_pos]).astype(jnp.int32)
+  rows = _pow2(f + s_n)
+  q = jnp.pad(q, ((0, rows - f - s_n), (0, 0), (0, 0)))
+  pos = jnp.pad(pos, (0, rows - f - s_n), constant_values=-1)
+  meta = jnp.stack([jnp.asarray(start, jnp.int32), jnp.asarray(layer, jnp.int32)])
+  whole = lambda x: pl.BlockSpec(x.shape, lambda p: (0,) * x.ndim)
+  fo, so_n = max(f, 1), max(s_n, 1)
+  out_shape = [jax.ShapeDtypeStruct((fo, splits, gp, d), jnp.float32),
+               jax.ShapeDtypeStruct((fo, splits, gp), jnp.float32),
+               jax.ShapeDtypeStruct((fo, splits, gp), jnp.float32),
+               jax.ShapeDtypeStruct((so_n, st_splits, gp, d), jnp.float32),
+               jax.ShapeDtypeStruct((so_n, st_splits, gp), jnp.float32),
+               jax.ShapeDtypeStruct((so_n, st_splits, gp), jnp.float32)]
+  kernel = functools.partial(
+      _triton_kernel, num_full=f, splits=splits, chunk=chunk, block=block,
+      st_splits=st_splits, st_chunk=st_chunk, st_block=st_block, sink_len=sink_len,
+      ring=ring, streaming=streaming, scale=scale)
+  operands = (meta, pos, q, full_k, full_v, st_k, st_v)
+  o, m, l, so, sm, sl = pl.pallas_call(
+      kernel, grid=(f * splits + s_n * st_splits,),
+      in_specs=[whole(x) for x in operands],
+      out_specs=[whole(jax.ShapeDtypeStruct(s.shape, s.dtype)) for s in out_shape],
+      out_shape=out_shape,
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret, name="elastic_decode_attention",
+  )(*operands)
+  return _combine(o, m, l)[:f, :g], _combine(so, sm, sl)[:s_n, :g]
+
+
+def triton_applies(head_dim: int, capacity: int, width: int) -> bool:
+  return (head_dim >= 16 and head_dim & (head_dim - 1) == 0 and capacity % 16 == 0
+          and width % 16 == 0)
+
+
+def _tpu_kernel(meta_ref, pos_ref, q_ref, fk_ref, fv_ref, sk_ref, sv_ref, o_ref, acc_ref,
+                m_ref, l_ref, *, num_full, block, sink_len, ring, streaming, scale):
+  i, j = pl.program_id(0), pl.program_id(1)
+  pos = pos_ref[i]
+  q = q_ref[...]
+
+  @pl.when(j == 0)
+  def _():
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+    m_ref[...] = jnp.full_like(m_ref, MASK_VALUE)
+    l_ref[...] = jnp.zeros_like(l_ref)
+
+  def update(k, v, ok):
+    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * (scale * _LOG2E)
+    acc, m, l = _online((acc_ref[...], m_ref[...][:, 0], l_ref[...][:, 0]), s, ok, v)
+    acc_ref[...], m_ref[...], l_ref[...] = acc, m[:, None], l[:, None]
+
+  @pl.when((i < num_full) & (j * block <= pos))
+  def _():
+    ok = (j * block + jnp.arange(block))[None, :] <= pos
+    update(fk_ref[...], fv_ref[...], ok)
+
+  @pl.when((i >= num_full) & (j == 0))
+  def _():
+    idx = jnp.arange(sk_ref.shape[0])[None, :]
+    update(sk_ref[...], sv_ref[...], stream_visible(idx, pos, sink_len, ring, streaming))
+
+  @pl.when(j == pl.num_programs(1) - 1)
+  def _():
+    l = l_ref[...]
+    o_ref[...] = acc_ref[...] / jnp.where(l == 0.0, 1.0, l)
+
+
+@functools.partial(jax.jit, static_argnames=("sink_len", "ring", "streaming", "scale",
+                                             "block", "interpret"))
+def tpu(q_fgh, q_sgh, full_k, full_v, start, full_pos, st_k, st_v, layer, st_pos, *,
+        sink_len: int, ring: int, streaming: Streaming, scale: float, block: int = 128,
+        interpret: bool = False):
+  """`reference` on the Pallas TPU kernel (capacity a multiple of 8)."""
+  from jax.experimental.pallas import tpu as pltpu
+
+  f, g, d = q_fgh.shape
+  s_n = q_sgh.shape[0]
+  cap, width = full_k.shape[1], st_k.shape[2]
+  block = _largest_block(cap, block) if cap % 8 == 0 else cap
+  gp = max(8, g)
+  q = jnp.concatenate([_pad_rows(q_fgh, gp), _pad_rows(q_sgh, gp)]).astype(full_k.dtype)
+  pos = jnp.concatenate([full_pos, st_pos]).astype(jnp.int32)
+  meta = jnp.stack([jnp.asarray(start, jnp.int32), jnp.asarray(layer, jnp.int32)])
+  last_f, last_s = max(f - 1, 0), max(s_n - 1, 0)
+
+  def full_map(i, j, meta_ref, pos_ref):   # blocks past the position: the last visible one
+    row = jnp.minimum(i, last_f)
+    top = jnp.maximum(pos_ref[row], 0) // block
+    return meta_ref[0] + row, jnp.where(i < f, jnp.minimum(j, top), 0), 0
+
+  def st_map(i, j, meta_ref, pos_ref):
+    return meta_ref[1], jnp.clip(i - f, 0, last_s), 0, 0
+
+  kernel = functools.partial(_tpu_kernel, num_full=f, block=block, sink_len=sink_len,
+                             ring=ring, streaming=streaming, scale=scale)
+  out = pl.pallas_call(
+      kernel,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=2, grid=(f + s_n, cap // block),
+          in_specs=[pl.BlockSpec((None, gp, d), lambda i, j, *_: (i, 0, 0)),
+                    pl.BlockSpec((None, block, d), full_map),
+                    pl.BlockSpec((None, block, d), full_map),
+                    pl.BlockSpec((None, None, width, d), st_map),
+                    pl.BlockSpec((None, None, width, d), st_map)],
+          out_specs=pl.BlockSpec((None, gp, d), lambda i, j, *_: (i, 0, 0)),
+          scratch_shapes=[pltpu.VMEM((gp, d), jnp.float32), pltpu.VMEM((gp, 1), jnp.float32),
+                          pltpu.VMEM((gp, 1), jnp.float32)]),
+      out_shape=jax.ShapeDtypeStruct((f + s_n, gp, d), jnp.float32),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+      interpret=pltpu.InterpretParams() if interpret else False,
+      name="elastic_decode_attention_tpu",
+  )(meta, pos, q, full_k, full_v, st_k, st_v)
+  return out[:f, :g], out[f:, :g]
+
+
+def attention(impl: str, *args, **kwargs):
+  """Decode attention on `impl` ("reference", "triton", "tpu", "auto", each kernel with
+  ":interpret"); auto: the backend's kernel where it applies, else the reference."""
+  name, _, mode = impl.partition(":")
+  if name == "auto":
+    backend = jax.default_backend()
+    q_fgh, full_k, st_k = args[0], args[2], args[6]
+    if backend == "gpu" and triton_applies(q_fgh.shape[-1], full_k.shape[1], st_k.shape[2]):
+      name = "triton"
+    elif backend == "tpu":
+      name = "tpu"
+    else:
+      name = "reference"
+  if name == "reference":
+    return reference(*args, **kwargs)
+  if name not in IMPLS:
+    raise ValueError(f"decode attention '{impl}' is not one of {', '.join(IMPLS)} or auto")
+  kernel = functools.partial({"triton": triton, "tpu": tpu}[name], **kwargs,
+                             interpret=mode == "interpret")
+  q_fgh, q_sgh, full_k, full_v, start, full_pos, st_k, st_v, layer, st_pos = args
+  f, s_n = q_fgh.shape[0], q_sgh.shape[0]
+  if f == 0 or full_k.shape[0] == 0:     # no full slot in any layer: one empty stand-in
+    d = q_fgh.shape[-1]
+    q_fgh = jnp.zeros((1,) + q_fgh.shape[1:], q_fgh.dtype)
+    full_k = full_v = jnp.zeros((1, 16, d), full_k.dtype)
+    start, full_pos = jnp.int32(0), jnp.full((1,), -1, jnp.int32)
+  if s_n == 0:                           # no streaming slot
+    d = q_sgh.shape[-1]
+    q_sgh = jnp.zeros((1,) + q_sgh.shape[1:], q_sgh.dtype)
+    st_k = st_v = jnp.zeros((1, 1, 16, d), st_k.dtype)
+    layer, st_pos = jnp.int32(0), jnp.full((1,), -1, jnp.int32)
+  out_full, out_st = kernel(q_fgh, q_sgh, full_k, full_v, start, full_pos, st_k, st_v, layer,
+                            st_pos)
+  return out_full[:f], out_st[:s_n]
