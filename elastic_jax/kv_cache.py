@@ -56,6 +56,7 @@ class HeadCache:
   st_v: jax.Array
   st_b: jax.Array
   st_h: jax.Array
+  slot_of: jax.Array
 
   @property
   def nbytes(self) -> int:
@@ -73,6 +74,8 @@ class Slots:
   pool_h: np.ndarray
   st_b: np.ndarray              # [L, S]
   st_h: np.ndarray
+  slot_of: np.ndarray           # [L, B * K] the slot of (row b, KV head h) at b * K + h:
+                                # i < F its full slot i, F + i its streaming slot i
 
 
 def assign_slots(gates_lbk: np.ndarray) -> Slots:
@@ -101,7 +104,16 @@ def assign_slots(gates_lbk: np.ndarray) -> Slots:
     at = slice(start[layer], start[layer] + n)
     pool_l[at], pool_b[at], pool_h[at] = layer, full_b[layer, :n], full_h[layer, :n]
   # A window's slots past the layer's own belong to the next layer (or are spare): row B.
-  return Slots(start, full_b, full_h, pool_l, pool_b, pool_h, st_b, st_h)
+  kh = gates.shape[2]
+  slot_of = np.zeros((n_layers, b * kh), np.int32)
+  for layer in range(n_layers):
+    for i, (rb, rh) in enumerate(zip(full_b[layer], full_h[layer])):
+      if rb < b:
+        slot_of[layer, rb * kh + rh] = i
+    for i, (rb, rh) in enumerate(zip(st_b[layer], st_h[layer])):
+      if rb < b:
+        slot_of[layer, rb * kh + rh] = full_b.shape[1] + i
+  return Slots(start, full_b, full_h, pool_l, pool_b, pool_h, st_b, st_h, slot_of)
 
 
 def dense_cache_bytes(n_layers, batch, kv_heads, capacity, head_dim, dtype) -> int:
@@ -116,7 +128,7 @@ def build(k_lbtkh, v_lbtkh, gates_lbk, lengths_b, capacity: int, streaming: Stre
   Returns (the cache, the device bytes the build holds at its peak: `aot.footprint`)."""
   s = assign_slots(np.asarray(gates_lbk))
   tables = [jnp.asarray(x) for x in (s.full_start, s.full_b, s.full_h, s.pool_l, s.pool_b,
-                                      s.pool_h, s.st_b, s.st_h)]
+                                      s.pool_h, s.st_b, s.st_h, s.slot_of)]
   args = (k_lbtkh, v_lbtkh, jnp.asarray(lengths_b, jnp.int32), *tables)
   run, _ = aot.compiled(_build, args, dict(capacity=capacity, streaming=streaming))
   return run(*args), aot.footprint(run)
@@ -133,13 +145,14 @@ def allocate(gates_lbk, capacity: int, streaming: Streaming, head_dim: int, dtyp
       (n_layers, s.st_b.shape[1], stream_width(streaming), head_dim)] * 2
   fill = fill or (lambda i, shape, dt: jnp.zeros(shape, dt))
   fk, fv, sk, sv = (fill(i, shape, dtype) for i, shape in enumerate(shapes))
-  tables = [jnp.asarray(x) for x in (s.full_start, s.full_b, s.full_h, s.st_b, s.st_h)]
+  tables = [jnp.asarray(x) for x in (s.full_start, s.full_b, s.full_h, s.st_b, s.st_h,
+                                      s.slot_of)]
   return HeadCache(fk, fv, *tables[:3], sk, sv, *tables[3:])
 
 
 @functools.partial(jax.jit, static_argnames=("capacity", "streaming"))
 def _build(k_lbtkh, v_lbtkh, lengths_b, full_start, full_b, full_h, pool_l, pool_b, pool_h,
-           st_b, st_h, *, capacity, streaming):
+           st_b, st_h, slot_of, *, capacity, streaming):
   n_layers, b, t = k_lbtkh.shape[:3]
   if capacity < t:
     raise ValueError(f"cache capacity {capacity} is below the prompt length {t}")
@@ -177,47 +190,27 @@ def _build(k_lbtkh, v_lbtkh, lengths_b, full_start, full_b, full_h, pool_l, pool
     return jnp.pad(x, ((0, 0), (0, 0), (0, stream_width(streaming) - x.shape[2]), (0, 0)))
 
   return HeadCache(full(k_lbtkh), full(v_lbtkh), full_start, full_b, full_h, stream(k_lbtkh),
-                   stream(v_lbtkh), st_b, st_h)
+                   stream(v_lbtkh), st_b, st_h, slot_of)
 
 
 def attend(q_bnh, k_bkh, v_bkh, pos_b, cache: HeadCache, layer, streaming: Streaming,
            scale: float, impl: str = "reference") -> tuple[jax.Array, HeadCache]:
-  """One decode step of layer `layer` (a traced index): write the new token's key/value at
-  position pos_b into the layer's slots, in place, then attend (`attention.decode` on
-  `impl`). Returns (out [B, N, H], the updated cache)."""
+  """One decode step of layer `layer`: write the new token's key/value at position pos_b into
+  the layer's slots, in place, and attend (`attention.decode.attention` on `impl`, which does
+  both). Returns (out [B, N, H], the updated cache)."""
   b, n, h = q_bnh.shape
   kh = k_bkh.shape[1]
-  q_bkgh = q_bnh.reshape(b, kh, n // kh, h)
-  pos_b = jnp.concatenate([pos_b, jnp.zeros((1,), pos_b.dtype)])  # the empty row B
-  pool, width = cache.full_k.shape[0], cache.full_b.shape[1]
-  sink_len = streaming.block * streaming.sink_blocks
-  ring = streaming.block * streaming.local_blocks
-
-  def pick(x_bk, rb, rh):
-    return x_bk[jnp.minimum(rb, b - 1), rh]
-
-  # Full heads: write at the token's position in the layer's own slots.
-  fb, fh, start = cache.full_b[layer], cache.full_h[layer], cache.full_start[layer]
-  fpos = pos_b[fb]
-  slot = jnp.where(fb < b, start + jnp.arange(width), pool)       # pool: out of range, dropped
-  full_k = cache.full_k.at[slot, fpos].set(pick(k_bkh, fb, fh), mode="drop")
-  full_v = cache.full_v.at[slot, fpos].set(pick(v_bkh, fb, fh), mode="drop")
-
-  # Streaming heads: the sink holds positions < sink_len, the ring every later one.
-  sb, sh = cache.st_b[layer], cache.st_h[layer]
-  spos = pos_b[sb]
-  at = jnp.where(spos < sink_len, spos, sink_len + jnp.mod(spos, ring))
-  at = jnp.where(sb < b, at, cache.st_k.shape[2])           # out of range: dropped
-  slots = jnp.arange(sb.shape[0])
-  st_k = cache.st_k.at[layer, slots, at].set(pick(k_bkh, sb, sh), mode="drop")
-  st_v = cache.st_v.at[layer, slots, at].set(pick(v_bkh, sb, sh), mode="drop")
-
-  out_full, out_st = decode.attention(
-      impl, pick(q_bkgh, fb, fh), pick(q_bkgh, sb, sh), full_k, full_v, start,
-      jnp.where(fb < b, fpos, -1), st_k, st_v, layer, jnp.where(sb < b, spos, -1),
-      sink_len=sink_len, ring=ring, streaming=streaming, scale=scale)
-  out = jnp.zeros_like(q_bkgh)
-  out = out.at[fb, fh].set(out_full.astype(out.dtype), mode="drop")
-  out = out.at[sb, sh].set(out_st.astype(out.dtype), mode="drop")
+  pos = jnp.concatenate([pos_b, jnp.zeros((1,), pos_b.dtype)])     # the empty row B
+  fb, fh, sb, sh = (cache.full_b[layer], cache.full_h[layer], cache.st_b[layer],
+                    cache.st_h[layer])
+  (out_full, out_st), (full_k, full_v, st_k, st_v) = decode.attention(
+      impl, q_bnh.reshape(b * kh, n // kh, h), k_bkh.reshape(b * kh, h),
+      v_bkh.reshape(b * kh, h), cache.full_k, cache.full_v, cache.full_start[layer],
+      jnp.where(fb < b, fb * kh + fh, -1), pos[fb], cache.st_k, cache.st_v, layer,
+      jnp.where(sb < b, sb * kh + sh, -1), pos[sb],
+      sink_len=streaming.block * streaming.sink_blocks,
+      ring=streaming.block * streaming.local_blocks, streaming=streaming, scale=scale)
+  # Each (row, KV head) reads its slot's output: full slots first, then streaming ones.
+  out = jnp.concatenate([out_full, out_st]).astype(q_bnh.dtype)[cache.slot_of[layer]]
   new = cache.replace(full_k=full_k, full_v=full_v, st_k=st_k, st_v=st_v)
   return out.reshape(b, n, h), new

@@ -3,8 +3,9 @@ and TPU, interpret mode) against attention recomputed from each row's whole key 
 
 The oracle keeps every position's key and value and applies the streaming rule
 (`Streaming.allows`) to positions directly; it never sees the sink/ring layout, which the test
-fills from the same history the way decoding writes it (index p for p < sink_len, else
-sink_len + p % ring).
+fills from the same history, before the new token, the way decoding writes it (index p for
+p < sink_len, else sink_len + p % ring). The new token's key and value come with the call,
+which must also leave them in the cache at their index.
 """
 
 import numpy as np
@@ -35,27 +36,56 @@ def _oracle(q_gh, hist_k, hist_v, pos, streaming):
   return (p / p.sum(-1, keepdims=True)) @ hist_v[keys]
 
 
-def _case(seed, full_pos, st_pos, capacity=96, pool=7, start=2, layers=3, layer=1):
+def _case(seed, full_pos, st_pos, capacity=96, pool=7, start=2, layers=3, layer=1, batch=4):
+  """Slots of a layer at the given positions (-1: an empty slot), each on its own query row
+  out of batch * K = 4 * 4 rows, in a shuffled order."""
   rng = np.random.default_rng(seed)
   f, s_n = len(full_pos), len(st_pos)
   width = stream_width(ST)
-  full_k, full_v = rng.normal(size=(2, pool, capacity, D))
-  st_k, st_v = rng.normal(size=(2, layers, s_n, width, D))   # stale entries stay as noise
-  want_full, want_st = [], []
-  q_f, q_s = rng.normal(size=(f, G, D)), rng.normal(size=(s_n, G, D))
+  rows = rng.permutation(batch * 4)[:f + s_n]
+  q, k_new, v_new = rng.normal(size=(batch * 4, G, D)), *rng.normal(size=(2, batch * 4, D))
+  full_k, full_v = rng.normal(size=(2, pool, capacity, D))   # stale entries stay as noise
+  st_k, st_v = rng.normal(size=(2, layers, s_n, width, D))
+  want_full, want_st, where = [], [], []
   for i, p in enumerate(full_pos):
-    want_full.append(_oracle(q_f[i], full_k[start + i], full_v[start + i], p, False))
+    r = rows[i]
+    hist_k, hist_v = full_k[start + i].copy(), full_v[start + i].copy()
+    if p >= 0:
+      hist_k[p], hist_v[p] = k_new[r], v_new[r]
+      where.append(("full", start + i, p, r))
+    want_full.append(_oracle(q[r], hist_k, hist_v, p, False))
   for i, p in enumerate(st_pos):
+    r = rows[f + i]
     hist_k, hist_v = rng.normal(size=(2, max(p, 0) + 1, D))
-    for t in range(p + 1):            # what decoding leaves in the slot after position p
+    for t in range(p):                # what decoding left in the slot before position p
       at = t if t < SINK else SINK + t % RING
       st_k[layer, i, at], st_v[layer, i, at] = hist_k[t], hist_v[t]
-    want_st.append(_oracle(q_s[i], hist_k, hist_v, p, True))
+    if p >= 0:
+      hist_k[p], hist_v[p] = k_new[r], v_new[r]
+      where.append(("stream", i, p if p < SINK else SINK + p % RING, r))
+    want_st.append(_oracle(q[r], hist_k, hist_v, p, True))
   f32 = lambda x: jnp.asarray(x, jnp.float32)
-  args = (f32(q_f), f32(q_s), f32(full_k), f32(full_v), jnp.int32(start),
-          jnp.asarray(full_pos, jnp.int32), f32(st_k), f32(st_v), jnp.int32(layer),
-          jnp.asarray(st_pos, jnp.int32))
-  return args, np.stack(want_full), np.stack(want_st)
+  slot_rows = lambda pos, rr: jnp.asarray([r if p >= 0 else -1 for p, r in zip(pos, rr)],
+                                          jnp.int32).reshape(-1)
+  args = (f32(q), f32(k_new), f32(v_new), f32(full_k), f32(full_v), jnp.int32(start),
+          slot_rows(full_pos, rows[:f]), jnp.asarray(full_pos, jnp.int32).reshape(-1),
+          f32(st_k), f32(st_v), jnp.int32(layer), slot_rows(st_pos, rows[f:]),
+          jnp.asarray(st_pos, jnp.int32).reshape(-1))
+  want = (np.stack(want_full) if f else np.zeros((0, G, D)),
+          np.stack(want_st) if s_n else np.zeros((0, G, D)))
+  return args, want, (where, k_new, v_new, layer)
+
+
+def _check(got, want, written):
+  (out_full, out_st), (full_k, full_v, st_k, st_v) = got
+  np.testing.assert_allclose(np.asarray(out_full), want[0], atol=2e-5)
+  np.testing.assert_allclose(np.asarray(out_st), want[1], atol=2e-5)
+  where, k_new, v_new, layer = written
+  for kind, slot, at, r in where:      # the new key and value sit at their index
+    k, v = ((full_k[slot, at], full_v[slot, at]) if kind == "full"
+            else (st_k[layer, slot, at], st_v[layer, slot, at]))
+    np.testing.assert_allclose(np.asarray(k), k_new[r], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(v), v_new[r], rtol=1e-6)
 
 
 KW = dict(sink_len=SINK, ring=RING, streaming=ST, scale=D ** -0.5)
@@ -68,29 +98,17 @@ FULL_POS, ST_POS = [3, 50, -1, 95], [5, 20, 31, 77, -1, 140]
 def test_decode_attention_matches_history(impl):
   if impl == "tpu:interpret" and not jax.devices("cpu"):
     pytest.skip("Pallas TPU interpret mode needs a CPU device")
-  args, want_full, want_st = _case(0, FULL_POS, ST_POS)
-  got_full, got_st = decode.attention(impl, *args, **KW)
-  np.testing.assert_allclose(np.asarray(got_full), want_full, atol=2e-5)
-  np.testing.assert_allclose(np.asarray(got_st), want_st, atol=2e-5)
+  args, want, written = _case(0, FULL_POS, ST_POS)
+  _check(decode.attention(impl, *args, **KW), want, written)
   if impl == "triton:interpret":   # several key splits per slot, small key blocks
-    got_full, got_st = decode.triton(*args, **KW, splits=5, block=16, interpret=True)
-    np.testing.assert_allclose(np.asarray(got_full), want_full, atol=2e-5)
-    np.testing.assert_allclose(np.asarray(got_st), want_st, atol=2e-5)
+    _check(decode.triton(*args, **KW, splits=5, block=16, interpret=True), want, written)
 
 
 @pytest.mark.parametrize("kind", ["no full slot", "no streaming slot"])
 def test_decode_attention_with_one_kind_of_slot(kind):
   full_pos, st_pos = ([], [9, 60]) if kind == "no full slot" else ([7, 40], [])
-  args, want_full, want_st = _case(1, full_pos or [0], st_pos or [0])
-  args = list(args)
-  if not full_pos:
-    args[0], args[5] = args[0][:0], args[5][:0]
-  if not st_pos:
-    args[1], args[9] = args[1][:0], args[9][:0]
+  args, want, written = _case(1, full_pos, st_pos)
   for impl in ("reference", "triton:interpret"):
-    got_full, got_st = decode.attention(impl, *args, **KW)
-    assert got_full.shape == (len(full_pos), G, D) and got_st.shape == (len(st_pos), G, D)
-    if full_pos:
-      np.testing.assert_allclose(np.asarray(got_full), want_full, atol=2e-5)
-    if st_pos:
-      np.testing.assert_allclose(np.asarray(got_st), want_st, atol=2e-5)
+    got = decode.attention(impl, *args, **KW)
+    assert got[0][0].shape == (len(full_pos), G, D) and got[0][1].shape == (len(st_pos), G, D)
+    _check(got, want, written)

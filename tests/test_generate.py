@@ -119,8 +119,9 @@ def test_cache_memory_shrinks_with_msr():
   # A streaming slot keeps its sink and ring, rounded up to a multiple of 16 positions.
   window = -(-RCFG.block * (RCFG.sink_blocks + RCFG.local_blocks) // 16) * 16
   per_pos = 2 * cfg.num_layers * cfg.head_dim * 4              # k and v, float32, per slot
-  # Row and head per slot (int32, L * K slots in all here), and each layer's first pool slot.
-  index = 2 * 4 * cfg.num_layers * cfg.num_kv_heads + 4 * cfg.num_layers
+  # Row and head per slot (int32, L * K slots in all here), each layer's first pool slot, and
+  # the slot of each (row, KV head) of each layer.
+  index = 3 * 4 * cfg.num_layers * cfg.num_kv_heads + 4 * cfg.num_layers
   assert sizes["dense"] == per_pos * 2 * cap + index
   assert sizes["half"] == per_pos * (cap + window) + index
   assert sizes["sparse"] == per_pos * 2 * window + index
@@ -134,6 +135,8 @@ def test_slot_tables():
   assert s.full_b.tolist() == [[0, 2, 2], [0, 0, 1]]
   assert s.full_h.tolist() == [[0, 0, 0], [0, 1, 1]]
   assert s.st_b.tolist() == [[0, 1, 1], [1, 2, 2]] and s.st_h.tolist() == [[1, 0, 1], [0, 0, 0]]
+  # (row, head) b * K + h -> its full slot i, or F + i for its streaming slot i (F = 3)
+  assert s.slot_of.tolist() == [[0, 3, 4, 5], [0, 1, 3, 2]]
   # The pool holds the full heads layer after layer, plus spare slots so that the last
   # layer's window of F = 3 slots stays inside it.
   assert s.full_start.tolist() == [0, 1]

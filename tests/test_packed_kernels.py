@@ -222,10 +222,10 @@ def test_packed_forward_on_tile_aligned_segments_matches_the_reference(g):
 
 
 @needs_cpu
-@pytest.mark.parametrize("n,k", [(2, 2), (8, 2)])
+@pytest.mark.parametrize("n,k", [(8, 2)])
 def test_packed_tpu_kernel_outputs_and_gradients_match_the_reference(n, k):
   """The TPU kernels (interpret mode, slow: short rows) on the same kind of packed rows:
-  outputs, dq, dk, dv, d(gate), GQA 1 and 4."""
+  outputs, dq, dk, dv, d(gate), GQA 4 (GQA 1 runs in the packed XA case below)."""
   from elastic_jax.attention.pallas_tpu import fused_packed_hybrid
   st = Streaming(1, 2, 8)
   q, kk, v, gate, seg, pos = _packed_case(n, k, seed=10 + n, short=True)
