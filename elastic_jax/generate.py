@@ -245,6 +245,67 @@ def decode_impl_for(attn_impl: str) -> str:
   return "auto" if name == "auto" else "reference"
 
 
+class _Rows:
+  """The host's view of the rows being generated: their tokens and why each stopped."""
+
+  def __init__(self, limits, eos: set, stop, tokenizer):
+    self.limits, self.eos, self.stop, self.tokenizer = limits, eos, stop, tokenizer
+    self.tokens: list[list[int]] = [[] for _ in limits]
+    self.finish = [""] * len(limits)
+
+  def take(self, tokens_b) -> None:
+    """One step's tokens (-1: none) into the rows still open; their finish reasons."""
+    for i, (out, tok) in enumerate(zip(self.tokens, tokens_b)):
+      if self.finish[i] or tok < 0:
+        continue
+      out.append(int(tok))
+      if tok in self.eos:
+        self.finish[i] = "eos"
+      elif self.stop and any(s in self.tokenizer.decode(out) for s in self.stop):
+        self.finish[i] = "stop"
+      elif len(out) == self.limits[i]:
+        self.finish[i] = "length"
+
+
+def _decode(params, cache, logits, lengths, rows: _Rows, layer_loop: str, seed: int,
+            static: dict) -> dict:
+  """Decodes until every row stopped, `static["steps"]` steps per device loop, from the
+  prefill's logits; fills `rows`. Returns the decoding seconds (the per-layer weight copy
+  included, compilation excluded), compile seconds, peak device bytes of a loop and, with
+  static["keep_logits"], the logits of every step."""
+  eos = jnp.asarray(sorted(rows.eos) or [-1], jnp.int32)
+  limits, lengths = jnp.asarray(rows.limits, jnp.int32), jnp.asarray(lengths)
+  start = time.perf_counter()
+  step_params = split_layers(params) if layer_loop == "split" else params
+  jax.block_until_ready(step_params)
+  split_s = time.perf_counter() - start
+  first_args = (logits, jax.random.key(seed), limits, eos)
+  first, compile_s = aot.compiled(_first_token, first_args, dict(
+      temperature=static["temperature"], top_p=static["top_p"]))
+  start = time.perf_counter() - split_s
+  tok, count, done, key = first(*first_args)
+  step_logits = [np.asarray(logits)] if static["keep_logits"] else []
+  rows.take(np.asarray(tok))
+  peak = None
+  while not all(rows.finish):
+    done = jnp.asarray([bool(f) for f in rows.finish])    # stop strings found on the host
+    args = (step_params, cache, tok, count, done, key, lengths, limits, eos)
+    run, compiled_s = aot.compiled(_decode_tokens, args, static)
+    compile_s, start = compile_s + compiled_s, start + compiled_s
+    peak = aot.footprint(run)
+    if peak is not None and layer_loop == "split":   # the stacked weights stay too
+      peak += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params["layers"]))
+    tok, cache, count, done, key, toks, chunk_logits = run(*args)
+    toks = np.asarray(toks)
+    live = (toks >= 0).any(axis=1)
+    for step in np.nonzero(live)[0]:
+      rows.take(toks[step])
+    if static["keep_logits"]:
+      step_logits.extend(np.asarray(chunk_logits)[live])
+  return {"seconds": time.perf_counter() - start, "compile_seconds": compile_s,
+          "peak_bytes": peak, "logits": step_logits}
+
+
 def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *,
              attention: str = "elastic", rcfg: RouterConfig | None = None,
              router_params: Params | None = None, gates=None,
@@ -317,61 +378,16 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   dt = jax.tree.leaves(params)[0].dtype
   dense = kv_cache.dense_cache_bytes(n_layers, b, kh, capacity, cfg.head_dim, dt)
 
-  eos = set(int(x) for x in eos_ids)
-  eos_dev = jnp.asarray(sorted(eos) or [-1], jnp.int32)
-  limits_dev = jnp.asarray(limits, jnp.int32)
-  lengths_dev = jnp.asarray(lengths)
-  out: list[list[int]] = [[] for _ in range(b)]
-  finish = [""] * b
-
-  def take(tokens_b) -> None:
-    """One step's tokens (-1: none) into the rows still open; their finish reasons."""
-    for i in range(b):
-      if finish[i] or tokens_b[i] < 0:
-        continue
-      out[i].append(int(tokens_b[i]))
-      if tokens_b[i] in eos:
-        finish[i] = "eos"
-      elif sampling.stop and any(s in tokenizer.decode(out[i]) for s in sampling.stop):
-        finish[i] = "stop"
-      elif len(out[i]) == limits[i]:
-        finish[i] = "length"
-
+  cache_bytes = cache.nbytes
+  if layer_loop == "auto":
+    layer_loop = choose_layer_loop(params, cache_bytes)
+  rows = _Rows(limits, set(int(x) for x in eos_ids), sampling.stop, tokenizer)
   static = dict(cfg=cfg, rcfg=rcfg, steps=tokens_per_sync, temperature=sampling.temperature,
                 top_p=sampling.top_p, unroll=unroll_decode,
                 impl=decode_impl or decode_impl_for(attn_impl), keep_logits=return_logits)
-  if layer_loop == "auto":
-    layer_loop = choose_layer_loop(params, cache.nbytes)
-  start = time.perf_counter()
-  step_params = split_layers(params) if layer_loop == "split" else params
-  jax.block_until_ready(step_params)
-  split_s = time.perf_counter() - start
-  first_args = (logits, jax.random.key(sampling.seed), limits_dev, eos_dev)
-  first, decode_compile_s = aot.compiled(_first_token, first_args, dict(
-      temperature=sampling.temperature, top_p=sampling.top_p))
-  start = time.perf_counter() - split_s       # the per-layer copy counts as decoding time
-  tok, count, done, key = first(*first_args)
-  step_logits = [np.asarray(logits)] if return_logits else []
-  take(np.asarray(tok))
-  decode_bytes = None
-  while not all(finish):
-    done = jnp.asarray([bool(f) for f in finish])    # stop strings found on the host
-    args = (step_params, cache, tok, count, done, key, lengths_dev, limits_dev, eos_dev)
-    run, compiled_s = aot.compiled(_decode_tokens, args, static)
-    decode_bytes = aot.footprint(run)
-    if decode_bytes is not None and layer_loop == "split":   # the stacked weights stay too
-      decode_bytes += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params["layers"]))
-    decode_compile_s += compiled_s
-    start += compiled_s
-    tok, cache, count, done, key, toks, chunk_logits = run(*args)
-    toks = np.asarray(toks)
-    live = (toks >= 0).any(axis=1)
-    for step in np.nonzero(live)[0]:
-      take(toks[step])
-    if return_logits:
-      step_logits.extend(np.asarray(chunk_logits)[live])
-  decode_s = time.perf_counter() - start
-  finish = [f or "length" for f in finish]
+  decoded = _decode(params, cache, logits, lengths, rows, layer_loop, sampling.seed, static)
+  del cache                                   # donated to the decode loop
+  out, finish, eos = rows.tokens, [f or "length" for f in rows.finish], rows.eos
 
   texts = None if tokenizer is None else _texts(out, finish, tokenizer, eos, sampling.stop)
   g = jnp.asarray(gates_np)
@@ -381,10 +397,11 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
       esr=np.asarray(esr(g[-1][:, None], jnp.asarray(lengths)[:, None], rcfg.streaming,
                          patterns=rcfg.patterns if attention != "full" else "fa-ssa",
                          xa_kept_bsk=None if xa_kept is None else xa_kept[-1][:, None]))[:, 0],
-      cache_bytes=cache.nbytes, dense_cache_bytes=dense, prefill_seconds=prefill_s,
-      decode_seconds=decode_s,
+      cache_bytes=cache_bytes, dense_cache_bytes=dense, prefill_seconds=prefill_s,
+      decode_seconds=decoded["seconds"],
       info={"new_tokens": sum(len(o) for o in out), "capacity": capacity,
-            "layer_loop": layer_loop, "prefill_compile_seconds": compile_s, "decode_compile_seconds": decode_compile_s,
+            "layer_loop": layer_loop, "prefill_compile_seconds": compile_s,
+            "decode_compile_seconds": decoded["compile_seconds"],
             "prefill_peak_bytes": _phase_peak(aot.footprint(prefill), build_bytes, params),
-            "decode_peak_bytes": decode_bytes},
-      logits=np.stack(step_logits) if return_logits else None)
+            "decode_peak_bytes": decoded["peak_bytes"]},
+      logits=np.stack(decoded["logits"]) if return_logits else None)
