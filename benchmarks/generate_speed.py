@@ -66,7 +66,7 @@ def read_bandwidth(params) -> float:
   """Bytes/s of one jitted pass that reads every weight array once (a float32 sum of each):
   the access a decode step makes, at its best."""
   f = jax.jit(lambda p: sum(jnp.sum(x, dtype=jnp.float32) for x in jax.tree.leaves(p)))
-  return sum(x.nbytes for x in jax.tree.leaves(params)) / timed(lambda: f(params), 10)
+  return aot.tree_bytes(params) / timed(lambda: f(params), 10)
 
 
 def step_bytes(weights: int, gates_lk: np.ndarray, batch: int, pos: int, kv_bytes_per_pos: int,
@@ -140,7 +140,7 @@ def main(argv=None):
   dtype = jnp.float32 if args.dry_run else jnp.bfloat16
   params = init_params(cfg, jax.random.key(0), jnp.dtype(dtype).name)
   l, k = cfg.num_layers, cfg.num_kv_heads
-  weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  weights = aot.tree_bytes(params)
   read_weights = weights - (0 if cfg.tie_word_embeddings else params["embed"].nbytes)
   kv_per_pos = 2 * cfg.head_dim * jnp.dtype(dtype).itemsize
   width = kv_cache.stream_width(rcfg.streaming)
@@ -158,7 +158,7 @@ def main(argv=None):
     g = np.ones(l * k, np.float32)
     g[rng.permutation(l * k)[:round(m * l * k)]] = 0.0
     settings.append((f"MSR {1 - g.mean():.2f}", g.reshape(l, k)))
-  layers_bytes = sum(x.nbytes for x in jax.tree.leaves(params["layers"]))
+  layers_bytes = aot.tree_bytes(params["layers"])
   step_params, extra = params, 0
   if args.layer_loop == "split":
     step_params, extra = split_layers(params), layers_bytes

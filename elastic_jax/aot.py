@@ -26,6 +26,11 @@ def compiled(fn, args: tuple, static: dict):
   return _EXECUTABLES[key], 0.0
 
 
+def tree_bytes(tree) -> int:
+  """Bytes of every array in a pytree (from shapes and dtypes: donated arrays count too)."""
+  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
 def footprint(executable) -> int | None:
   """Device bytes a call of `executable` holds at its peak: arguments, outputs (less those
   that reuse a donated argument's buffer) and temporaries. None where the backend does not

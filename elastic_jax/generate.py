@@ -20,7 +20,7 @@ from elastic_jax import aot, kv_cache
 from elastic_jax.config import ModelConfig
 from elastic_jax.errors import ElasticJaxError
 from elastic_jax.heads import FORWARD, check_attention
-from elastic_jax.model import (Params, decode_step_traced, forward_routed, output_head,
+from elastic_jax.model import (Params, decode_step, forward_routed, output_head,
                                split_layers)
 from elastic_jax.router import RouterConfig, esr, msr
 
@@ -192,8 +192,8 @@ def _decode_tokens(params, cache, tok, count, done, key, lengths, limits, eos, *
 
   def body(c):
     i, tok, cache, count, done, key, toks, logits_buf = c
-    logits, cache = decode_step_traced(params, tok, lengths + count - 1, cache, cfg=cfg,
-                                       rcfg=rcfg, unroll=unroll, impl=impl)
+    logits, cache = decode_step(params, tok, lengths + count - 1, cache, cfg=cfg, rcfg=rcfg,
+                                unroll=unroll, impl=impl)
     key, sub = jax.random.split(key)
     new = _sample(logits, sub, temperature, top_p)
     live = jnp.logical_not(done)
@@ -219,8 +219,7 @@ def _phase_peak(prefill_bytes, build_bytes, params) -> int | None:
   out) while the weights stay resident; None where the backend reports no footprints."""
   if prefill_bytes is None or build_bytes is None:
     return None
-  weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-  return max(prefill_bytes, build_bytes + weights)
+  return max(prefill_bytes, build_bytes + aot.tree_bytes(params))
 
 
 def choose_layer_loop(params: Params, cache_bytes: int) -> str:
@@ -231,9 +230,8 @@ def choose_layer_loop(params: Params, cache_bytes: int) -> str:
   limit = stats.get("bytes_limit")
   if not limit:
     return "split"
-  weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-  layers = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params["layers"]))
-  return "split" if weights + layers + cache_bytes <= 0.75 * limit else "scan"
+  need = aot.tree_bytes(params) + aot.tree_bytes(params["layers"]) + cache_bytes
+  return "split" if need <= 0.75 * limit else "scan"
 
 
 def decode_impl_for(attn_impl: str) -> str:
@@ -287,14 +285,14 @@ def _decode(params, cache, logits, lengths, rows: _Rows, layer_loop: str, seed: 
   step_logits = [np.asarray(logits)] if static["keep_logits"] else []
   rows.take(np.asarray(tok))
   peak = None
+  stacked = aot.tree_bytes(params["layers"]) if layer_loop == "split" else 0  # stays too
   while not all(rows.finish):
     done = jnp.asarray([bool(f) for f in rows.finish])    # stop strings found on the host
     args = (step_params, cache, tok, count, done, key, lengths, limits, eos)
     run, compiled_s = aot.compiled(_decode_tokens, args, static)
     compile_s, start = compile_s + compiled_s, start + compiled_s
-    peak = aot.footprint(run)
-    if peak is not None and layer_loop == "split":   # the stacked weights stay too
-      peak += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params["layers"]))
+    fp = aot.footprint(run)
+    peak = None if fp is None else fp + stacked
     tok, cache, count, done, key, toks, chunk_logits = run(*args)
     toks = np.asarray(toks)
     live = (toks >= 0).any(axis=1)

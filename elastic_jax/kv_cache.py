@@ -60,7 +60,7 @@ class HeadCache:
 
   @property
   def nbytes(self) -> int:
-    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self)))
+    return aot.tree_bytes(self)
 
 
 @dataclasses.dataclass(frozen=True)

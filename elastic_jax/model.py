@@ -399,21 +399,12 @@ forward_routed_jit = jax.jit(forward_routed, static_argnames=(
     "return_hidden", "return_kv"))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "rcfg", "unroll", "impl"),
-                   donate_argnames=("cache",))
 def decode_step(params: Params, ids_b: jax.Array, positions_b: jax.Array,
                 cache: kv_cache.HeadCache, *, cfg: ModelConfig, rcfg: rt.RouterConfig,
                 unroll: bool = False, impl: str = "reference"):
-  """`decode_step_traced` under jit, the cache donated."""
-  return decode_step_traced(params, ids_b, positions_b, cache, cfg=cfg, rcfg=rcfg,
-                            unroll=unroll, impl=impl)
-
-
-def decode_step_traced(params: Params, ids_b: jax.Array, positions_b: jax.Array,
-                       cache: kv_cache.HeadCache, *, cfg: ModelConfig, rcfg: rt.RouterConfig,
-                       unroll: bool = False, impl: str = "reference"):
   """One token per row through every layer with the per-head cache (the modes it was built
-  with): (float32 logits [B, V], the updated cache). impl: the decode attention
+  with), traced inside the decode loop (`generate._decode_tokens`): (float32 logits [B, V],
+  the updated cache). impl: the decode attention
   (`attention.decode.attention`: "reference", "auto", a kernel).
 
   The cache is carried through the loop over layers, so each layer writes its new key/value

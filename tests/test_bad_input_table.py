@@ -253,6 +253,10 @@ def test_python_api_bad_input(world):
     generate(m.params, m.config, "a prompt", attention="full")
   with pytest.raises(ej.ElasticJaxError, match="one integer >= 1 per prompt"):
     generate(m.params, m.config, [[1, 2], [3]], attention="full", max_new_tokens=[4, 0])
+  with pytest.raises(ej.ElasticJaxError, match="tokens_per_sync must be >= 1, got 0"):
+    generate(m.params, m.config, [[1, 2]], attention="full", tokens_per_sync=0)
+  with pytest.raises(ej.ElasticJaxError, match="layer_loop must be auto, scan or split"):
+    m.generate([[1, 2]], attention="full", layer_loop="unrolled")
   q, k = jax.numpy.ones((1, 8, 2, 4)), jax.numpy.ones((1, 8, 1, 4))
   for args, kw, words in (
       ((q, k[:, :4], k[:, :4], jax.numpy.ones((1, 1))), {}, "must share batch, length"),

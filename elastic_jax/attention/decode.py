@@ -31,16 +31,15 @@ Implementations, one launch for every slot of the layer, full and streaming:
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from elastic_jax.attention.pallas_gpu import _LOG2E, _online_update as _online
 from elastic_jax.attention.reference import MASK_VALUE, Streaming
 
-_LOG2E = math.log2(math.e)
 IMPLS = ("reference", "triton", "tpu")
 
 
@@ -102,20 +101,6 @@ def reference(q_rows, k_rows, v_rows, full_k, full_v, start, full_row, full_pos,
   ok = stream_visible(j, st_pos[:, None], sink_len, ring, streaming) & (st_row[:, None] >= 0)
   out_st = _softmax(q_rows[st_row], st_k[layer], st_v[layer], ok, scale)
   return (out_full, out_st), (full_k, full_v, st_k, st_v)
-
-
-def _pow2(n):
-  return 1 << max(0, (n - 1).bit_length())
-
-
-def _online(carry, s, ok, v):
-  acc, m, l = carry
-  s = jnp.where(ok, s, MASK_VALUE)
-  m_new = jnp.maximum(m, s.max(axis=-1))
-  p = jnp.where(ok, jnp.exp2(s - m_new[:, None]), 0.0)
-  corr = jnp.exp2(m - m_new)
-  pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-  return acc * corr[:, None] + pv, m_new, l * corr + p.sum(axis=-1)
 
 
 def _online_one(carry, q, k, v, qk_scale):
@@ -231,9 +216,9 @@ def triton(q_rows, k_rows, v_rows, full_k, full_v, start, full_row, full_pos, st
     splits = max(1, min(cap // block, -(-512 // max(f, 1))))
   chunk = -(-cap // (splits * block)) * block
   splits = -(-cap // chunk)
-  gp = max(16, _pow2(g))
+  gp = max(16, pl.next_power_of_2(g))
   q = jnp.pad(q_rows, ((0, 0), (0, gp - g), (0, 0))).astype(full_k.dtype)
-  n = _pow2(f + s_n)
+  n = pl.next_power_of_2(f + s_n)
   row = jnp.pad(jnp.concatenate([full_row, st_row]).astype(jnp.int32), (0, n - f - s_n),
                 constant_values=-1)
   pos = jnp.pad(jnp.concatenate([full_pos, st_pos]).astype(jnp.int32), (0, n - f - s_n))
