@@ -2,24 +2,28 @@
 routing at given MSRs, one device, an 8B-shaped backbone with random weights.
 
     python benchmarks/generate_speed.py [--model llama3_8b|qwen3_8b] [--lengths 32768 131072]
-        [--msr 0.5 0.75] [--batches 1 8 32] [--new-tokens 64] [--unroll] [--dry-run]
+        [--msr 0.5 0.75] [--batches 1 8 32] [--new-tokens 64] [--unroll] [--peer] [--dry-run]
 
 Per prompt length and setting ("full": every head full attention, dense cache; "MSR x":
 forced gates with round(x·L·K) of the (layer, KV head) pairs streaming, chosen at random with
 a fixed seed; no trained routers exist here, and what a router chose would cost the same):
-  TTFT       `generate` on one prompt: prefill to the first token's logits (compiled before,
-             timed on the second call);
+  TTFT       `generate` on one prompt: prefill to the first token's logits and the filled
+             cache (compiled before, timed on the second call);
   decode     tokens/s of `generate`'s device decode loop: batch 1 from that call (new tokens
              after the first); batches > 1 (B rows each holding T tokens) on a cache filled
              with random keys and values (`kv_cache.allocate`), the same loop and kernels;
   peak       device bytes at the prefill phase's and the decode loop's peak (XLA's buffer
-             assignment: `aot.footprint`, weights included);
+             assignment: `aot.footprint`, weights included; the prefill's ratio also less
+             the weights). Prompts longer than --prefill-chunk prefill layer by layer
+             (`prefill.by_layer`), as `generate` does by default;
   bound      tokens/s if a step only read the weights and the live cache once, at the
-             bandwidth of bandwidth measured in this run (one jitted pass summing every
+             read bandwidth measured in this run (one jitted pass summing every
              weight array). Streaming slots count their whole sink + ring, full slots the
              keys and values up to the current position.
 Batches whose cache and weights would pass 70% of the device memory are skipped. Ratios
-against full attention of the same length come next, then the routers' cost: every layer's
+against full attention of the same length come next; with --peer, transformers' own
+generation on the same shape and lengths (peer_transformers_generate.py, run first in a
+subprocess) and our rows against it; then the routers' cost: every layer's
 router (pooling and both MLPs) timed alone on one prompt's keys. --dry-run shrinks everything so the
 script runs on a CPU.
 """
@@ -46,7 +50,7 @@ from elastic_jax.generate import (SamplingConfig, _decode_tokens, capacity_bucke
 from elastic_jax.model import init_params, split_layers  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_router import SHAPES  # noqa: E402
+from shapes import SHAPES  # noqa: E402
 
 GiB = 2 ** 30
 
@@ -126,8 +130,15 @@ def main(argv=None):
                  help="decode over a per-layer copy of the weights (generate's default where "
                       "it fits) or a scan over the stacked weights")
   p.add_argument("--attn-impl", default="auto")
+  p.add_argument("--prefill-chunk", default="8192",
+                 help="generate's prefill_chunk: prompts longer than this prefill layer by "
+                      "layer, the MLP this many tokens at a time; 'none': in one call")
+  p.add_argument("--peer", action="store_true",
+                 help="also run transformers' generate on the same shape first "
+                      "(peer_transformers_generate.py, a subprocess; needs torch and CUDA)")
   p.add_argument("--dry-run", action="store_true")
   args = p.parse_args(argv)
+  peer = run_peer(args) if args.peer and not args.dry_run else {}
   hf = dict(SHAPES[args.model], max_position_embeddings=max(args.lengths) + 1024)
   rcfg = rt.RouterConfig()
   if args.dry_run:
@@ -136,6 +147,8 @@ def main(argv=None):
     args.lengths = sorted({min(n, 300) for n in args.lengths})
     args.new_tokens = min(args.new_tokens, 8)
     rcfg = rt.RouterConfig(block=16, local_blocks=4)
+    args.prefill_chunk = "128" if args.prefill_chunk != "none" else "none"
+  chunk = None if args.prefill_chunk == "none" else int(args.prefill_chunk)
   cfg = config_from_hf_dict(hf, f"{args.model} shape")
   dtype = jnp.float32 if args.dry_run else jnp.bfloat16
   params = init_params(cfg, jax.random.key(0), jnp.dtype(dtype).name)
@@ -151,7 +164,8 @@ def main(argv=None):
   print(f"{args.model}: {l} layers, {cfg.num_heads}/{k} heads, weights {weights / GiB:.2f} GiB; "
         f"{dev.device_kind}, jax {jax.__version__}; read bandwidth {bw / 1e12:.2f} TB/s; "
         f"decode attention {decode_impl_for(impl)}; {args.new_tokens} new tokens; "
-        f"layer loop {args.layer_loop}{' unrolled' if args.unroll else ''}", flush=True)
+        f"layer loop {args.layer_loop}{' unrolled' if args.unroll else ''}; prefill chunk "
+        f"{chunk}", flush=True)
   rng = np.random.default_rng(0)
   settings = [("full", np.ones((l, k), np.float32))]
   for m in args.msr:
@@ -170,6 +184,7 @@ def main(argv=None):
             else dict(attention="forced", gates=gates))
       run = lambda: generate(params, cfg, prompt, rcfg=rcfg, attn_impl=impl,
                              unroll_decode=args.unroll, layer_loop=args.layer_loop,
+                             prefill_chunk=chunk,
                              sampling=SamplingConfig(max_new_tokens=args.new_tokens), **kw)
       t0 = time.perf_counter()
       run()
@@ -177,7 +192,7 @@ def main(argv=None):
       gen = run()
       n_new = len(gen.tokens[0])
       row = {"ttft": gen.prefill_seconds, "cache": gen.cache_bytes,
-             "prefill_peak": gen.info["prefill_peak_bytes"],
+             "prefill_peak": gen.info["prefill_peak_bytes"], "prefill": gen.info["prefill"],
              "decode": {1: (n_new - 1) / gen.decode_seconds},
              "decode_peak": {1: gen.info["decode_peak_bytes"]}, "bound": {}}
       mid = t + n_new // 2
@@ -205,7 +220,7 @@ def main(argv=None):
                          f"{row['decode'][b_]:7.1f} tok/s ({row['decode'][b_] / row['bound'][b_]:.0%}"
                          f" of {row['bound'][b_]:.0f}), peak {gib(row['decode_peak'][b_])} GiB")
           for b_ in args.batches)
-      print(f"T={t:>7} {name:<9} TTFT {row['ttft']:7.3f} s  prefill peak "
+      print(f"T={t:>7} {name:<9} TTFT {row['ttft']:7.3f} s  prefill ({row['prefill']}) peak "
             f"{gib(row['prefill_peak'])} GiB  cache {row['cache'] / GiB:.2f} GiB  {dec}  "
             f"[first call {first:.1f} s]", flush=True)
   print("\nratios against full attention of the same length (batch 1 unless named):")
@@ -214,14 +229,44 @@ def main(argv=None):
     for name, _ in settings[1:]:
       r = results[(t, name)]
       peak = ("n/a" if not (r["prefill_peak"] and base["prefill_peak"]) else
-              f"{r['prefill_peak'] / base['prefill_peak']:.2f}x")
+              f"{r['prefill_peak'] / base['prefill_peak']:.2f}x (less the weights "
+              f"{(r['prefill_peak'] - weights) / (base['prefill_peak'] - weights):.2f}x)")
       batch = ", ".join(
           f"B={b_} {r['decode'][b_] / r['decode'][1]:.1f}x B=1" for b_ in args.batches[1:]
           if r["decode"].get(b_))
       print(f"T={t:>7} {name:<9} decode {r['decode'][1] / base['decode'][1]:.2f}x  TTFT "
             f"{r['ttft'] / base['ttft']:.2f}x  prefill peak {peak}  cache "
             f"{r['cache'] / base['cache']:.2f}x  ({batch})")
+  for t, row in sorted(peer.items()):
+    ours = results[(t, "full")]
+    line = (f"T={t:>7} transformers {row['transformers']} (torch {row['torch']}, SDPA, dynamic "
+            f"cache), batch 1: TTFT {row['ttft']:.3f} s, decode {row['decode']:.1f} tok/s, "
+            f"prefill peak {row['prefill_peak'] / GiB:.1f} GiB; ours against it:")
+    for name, _ in settings:
+      r = results[(t, name)]
+      line += (f"\n    {name:<9} decode {r['decode'][1] / row['decode']:.2f}x  TTFT "
+               f"{r['ttft'] / row['ttft']:.2f}x")
+    print(line + f"\n    (full's prefill peak {ours['prefill_peak'] / row['prefill_peak']:.2f}x "
+          "theirs)" if ours["prefill_peak"] else line)
   router_overhead(cfg, rcfg, max(args.lengths), dtype)
+
+
+def run_peer(args) -> dict:
+  """transformers' generation on the same shape and lengths, in a subprocess that ends before
+  JAX takes the device: {length: its JSON row}."""
+  import json
+  import subprocess
+  script = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                        "peer_transformers_generate.py")
+  done = subprocess.run(
+      [sys.executable, script, "--model", args.model, "--new-tokens", str(args.new_tokens),
+       "--lengths", *map(str, args.lengths)], capture_output=True, text=True)
+  if done.returncode:       # reported, and the rest of the run goes on without the peer
+    print(f"the transformers peer failed (exit {done.returncode}): "
+          f"{(done.stderr.strip().splitlines() or [''])[-1]}", flush=True)
+  rows = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+  print("peer: " + "; ".join(json.dumps(r) for r in rows), flush=True)
+  return {r["length"]: r for r in rows}
 
 
 def router_overhead(cfg, rcfg, length: int, dtype) -> None:

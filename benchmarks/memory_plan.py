@@ -8,7 +8,7 @@ The mesh, the batch layout and the shardings are built by the functions train.py
 with (elastic_jax/train/setup.py: `mesh_layout`, `backbone_shardings`, `abstract_train_state`,
 `batch_sharding`, `BATCH_DTYPES`), but on abstract arrays: nothing is
 allocated, so an 8B backbone's plan for 8 GPUs is made on a laptop. The backbone has the
-published shapes of --model (train_router.py's SHAPES; the config's model.path is not read);
+published shapes of --model (shapes.py's SHAPES; the config's model.path is not read);
 everything else comes from --config and its dotted overrides.
 
 For every array the bytes each device holds follow from its sharding (the slice of the array
@@ -47,7 +47,7 @@ from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-if HERE not in sys.path:  # train_router.py is a sibling script, not a package module
+if HERE not in sys.path:  # shapes.py is a sibling module, not part of the package
   sys.path.insert(0, HERE)
 
 MESH_AXES = ("data", "fsdp", "sequence", "tensor")  # elastic_jax.sharding.MESH_AXES
@@ -71,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("overrides", nargs="*", metavar="section.key=value",
                  help="dotted overrides of the config, as train.py takes them")
   p.add_argument("--model", choices=("llama3_8b", "qwen3_8b"), default="llama3_8b",
-                 help="backbone shape (train_router.py SHAPES)")
+                 help="backbone shape (shapes.py)")
   p.add_argument("--devices", type=int, help="plan for N devices (fake CPU devices if no "
                  "accelerator is configured); default: every device jax sees")
   p.add_argument("--mesh", help="axis sizes, e.g. data=1,fsdp=-1,sequence=2,tensor=1; "
@@ -198,8 +198,8 @@ def load_config(args):
 
 
 def model_config(name: str, dry_run: bool):
-  """The ModelConfig of train_router.py's SHAPES[name], shrunk for a dry run."""
-  from train_router import SHAPES
+  """The ModelConfig of shapes.py's SHAPES[name], shrunk for a dry run."""
+  from shapes import SHAPES
   from elastic_jax.config import config_from_hf_dict
   hf = dict(SHAPES[name])
   if dry_run:  # as train_router.py --dry-run

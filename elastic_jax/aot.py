@@ -9,6 +9,7 @@ import time
 import jax
 
 _EXECUTABLES: dict = {}
+_FOOTPRINTS: dict = {}         # id of an executable kept in _EXECUTABLES -> its footprint
 
 
 def compiled(fn, args: tuple, static: dict):
@@ -35,8 +36,12 @@ def footprint(executable) -> int | None:
   """Device bytes a call of `executable` holds at its peak: arguments, outputs (less those
   that reuse a donated argument's buffer) and temporaries. None where the backend does not
   report it."""
-  m = executable.memory_analysis()
-  if m is None:
-    return None
-  return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-             + m.temp_size_in_bytes)
+  key = id(executable)
+  if key not in _FOOTPRINTS:    # asking XLA takes milliseconds: once per executable
+    m = executable.memory_analysis()
+    _FOOTPRINTS[key] = None if m is None else int(
+        m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+        + m.temp_size_in_bytes)
+    if not any(x is executable for x in _EXECUTABLES.values()):
+      return _FOOTPRINTS.pop(key)   # not kept alive here: its id could be reused
+  return _FOOTPRINTS[key]

@@ -16,12 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from elastic_jax import aot, kv_cache
+from elastic_jax import aot, kv_cache, prefill
 from elastic_jax.config import ModelConfig
 from elastic_jax.errors import ElasticJaxError
 from elastic_jax.heads import FORWARD, check_attention
-from elastic_jax.model import (Params, decode_step, forward_routed, output_head,
-                               split_layers)
+from elastic_jax.model import Params, decode_step, split_layers
 from elastic_jax.router import RouterConfig, esr, msr
 
 
@@ -54,11 +53,13 @@ class Generation:
   esr: np.ndarray                   # [B]
   cache_bytes: int                  # the per-head cache, keys and values
   dense_cache_bytes: int            # a cache that keeps every position of every head
-  prefill_seconds: float            # to the first token's logits (time-to-first-token),
-                                    # compilation excluded (info["prefill_compile_seconds"])
+  prefill_seconds: float            # to the first token's logits and the filled cache
+                                    # (time-to-first-token), compilation excluded
+                                    # (info["prefill_compile_seconds"])
   decode_seconds: float
   info: dict[str, Any] = dataclasses.field(default_factory=dict)
-  # info: new_tokens, capacity, layer_loop, prefill_compile_seconds, decode_compile_seconds, and the
+  # info: new_tokens, capacity, layer_loop, prefill ("whole" or "by_layer": `prefill.py`),
+  # prefill_compile_seconds, decode_compile_seconds, and the
   # device bytes at the peak of the prefill phase and of a decode loop (prefill_peak_bytes,
   # decode_peak_bytes: XLA's buffer assignment, `aot.footprint`; None where not reported).
   logits: np.ndarray | None = None  # [steps, B, V] float32, with return_logits: the logits
@@ -76,23 +77,6 @@ def capacity_bucket(n: int) -> int:
   for at most 1/8 more memory. The decode kernels read only the live positions."""
   step = max(128, (1 << max(0, n.bit_length() - 1)) // 8)
   return _bucket(n, step)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "rcfg", "attention", "attn_impl"))
-def _prefill(params, ids_bt, seg_bt, lengths_b, router_params, forced, *, cfg, rcfg, attention,
-             attn_impl):
-  positions = jnp.broadcast_to(jnp.arange(ids_bt.shape[1], dtype=jnp.int32), ids_bt.shape)
-  hidden, stats = forward_routed(
-      params, ids_bt, positions, seg_bt, seg_bt > 0, cfg=cfg, rcfg=rcfg,
-      attention=attention, router_params=router_params,
-      forced_gates=forced, attn_impl=attn_impl, packed=False, return_hidden=True,
-      return_kv=True)
-  last = jnp.take_along_axis(hidden, (lengths_b - 1)[:, None, None], axis=1)[:, 0]
-  logits = jnp.einsum("be,ev->bv", last, output_head(params, cfg),
-                      preferred_element_type=jnp.float32)
-  gates = (stats["gate"][:, :, 1] if "gate" in stats
-           else jnp.zeros((cfg.num_layers,) + ids_bt.shape[:1] + (cfg.num_kv_heads,)))
-  return logits, gates, stats.get("xa_kept"), stats["k"], stats["v"]
 
 
 def _texts(tokens, finish, tokenizer, eos, stop) -> list[str]:
@@ -213,15 +197,6 @@ def _decode_tokens(params, cache, tok, count, done, key, lengths, limits, eos, *
   return tok, cache, count, done, key, toks, logits_buf
 
 
-def _phase_peak(prefill_bytes, build_bytes, params) -> int | None:
-  """Device bytes at the prefill phase's peak: the prefill call (weights, the prompt's dense
-  keys and values, temporaries) or the cache build (the dense keys and values in, the cache
-  out) while the weights stay resident; None where the backend reports no footprints."""
-  if prefill_bytes is None or build_bytes is None:
-    return None
-  return max(prefill_bytes, build_bytes + aot.tree_bytes(params))
-
-
 def choose_layer_loop(params: Params, cache_bytes: int) -> str:
   """"split" where the device reports a memory limit that holds the weights, a second copy of
   the layer weights and the cache with a quarter to spare (or reports none: a CPU), else
@@ -311,7 +286,8 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
              tokenizer=None, attn_impl: str = "auto", unroll_decode: bool = False,
              return_logits: bool = False,
              max_new_tokens: Sequence[int] | None = None, tokens_per_sync: int = 32,
-             decode_impl: str | None = None, layer_loop: str = "auto") -> Generation:
+             decode_impl: str | None = None, layer_loop: str = "auto",
+             prefill_chunk: int | None = 8192) -> Generation:
   """Generate up to `sampling.max_new_tokens` tokens after each prompt (lists of token ids).
 
   attention: "full" (every head full, cache dense), "elastic" (routers decide; needs
@@ -330,6 +306,10 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   over a per-layer copy of them made for this call (`model.split_layers`: about 2x faster
   decoding at small batches on a GPU, for the layer weights' memory once more), "auto":
   split where the device reports room for the copy (`choose_layer_loop`).
+  prefill_chunk: prompts (padded to a multiple of 128) longer than this are prefilled layer
+  by layer, each layer's keys and values going straight into its compact cache, the MLP this
+  many tokens at a time (`prefill.by_layer`: the prefill's peak memory then falls with the
+  MSR); shorter ones, or all with None, in one call (`prefill.whole`). Same tokens either way.
   """
   check_attention(attention, FORWARD)
   if sampling.stop and tokenizer is None:
@@ -338,6 +318,9 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
     raise ElasticJaxError("attention='elastic' needs trained routers (router_params)")
   if tokens_per_sync < 1:
     raise ElasticJaxError(f"tokens_per_sync must be >= 1, got {tokens_per_sync}")
+  if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
+    raise ElasticJaxError(f"prefill_chunk must be None or an integer >= 1, got "
+                          f"{prefill_chunk!r}")
   if layer_loop not in ("auto", "scan", "split"):
     raise ElasticJaxError(f"layer_loop must be auto, scan or split, got {layer_loop!r}")
   rcfg = rcfg or RouterConfig()
@@ -355,35 +338,26 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
                             f"{list(np.shape(gates))}")
     forced = jnp.asarray(np.stack([np.zeros_like(g), g], axis=2))
 
-  args = (params, jnp.asarray(ids), jnp.asarray(seg), jnp.asarray(lengths), router_params,
-          forced)
-  prefill, compile_s = aot.compiled(_prefill, args, dict(cfg=cfg, rcfg=rcfg,
-                                                         attention=attention,
-                                                         attn_impl=attn_impl))
-  jax.block_until_ready(args)
-  start = time.perf_counter()
-  logits, gates_lbk, xa_kept, k, v = prefill(*args)
-  gates_np = np.asarray(jax.device_get(gates_lbk))
-  if attention == "full":     # no routing: every head keeps every position
-    gates_np = np.ones_like(gates_np)
-  prefill_s = time.perf_counter() - start
-
   capacity = capacity_bucket(capacity_needed)
-  # XAttention selects blocks at prefill only: its heads decode as full heads (whole cache).
-  cache_gates = np.ones_like(gates_np) if rcfg.patterns == "fa-xa" else gates_np
-  cache, build_bytes = kv_cache.build(k, v, cache_gates, lengths, capacity, rcfg.streaming)
-  del k, v
+  args = (jnp.asarray(ids), jnp.asarray(seg), jnp.asarray(lengths), router_params, forced)
+  jax.block_until_ready(args)
+  how = dict(attention=attention, rcfg=rcfg, attn_impl=attn_impl, capacity=capacity)
+  if prefill_chunk is not None and ids.shape[1] > prefill_chunk:
+    pre = prefill.by_layer(params, cfg, args, chunk=prefill_chunk, **how)
+  else:
+    pre = prefill.whole(params, cfg, args, **how)
+  cache, gates_np, xa_kept = pre.cache, pre.gates, pre.xa_kept
+  way = "whole" if isinstance(cache, kv_cache.HeadCache) else "by_layer"
   dt = jax.tree.leaves(params)[0].dtype
   dense = kv_cache.dense_cache_bytes(n_layers, b, kh, capacity, cfg.head_dim, dt)
-
-  cache_bytes = cache.nbytes
+  cache_bytes = aot.tree_bytes(cache)
   if layer_loop == "auto":
     layer_loop = choose_layer_loop(params, cache_bytes)
   rows = _Rows(limits, set(int(x) for x in eos_ids), sampling.stop, tokenizer)
   static = dict(cfg=cfg, rcfg=rcfg, steps=tokens_per_sync, temperature=sampling.temperature,
                 top_p=sampling.top_p, unroll=unroll_decode,
                 impl=decode_impl or decode_impl_for(attn_impl), keep_logits=return_logits)
-  decoded = _decode(params, cache, logits, lengths, rows, layer_loop, sampling.seed, static)
+  decoded = _decode(params, cache, pre.logits, lengths, rows, layer_loop, sampling.seed, static)
   del cache                                   # donated to the decode loop
   out, finish, eos = rows.tokens, [f or "length" for f in rows.finish], rows.eos
 
@@ -395,11 +369,12 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
       esr=np.asarray(esr(g[-1][:, None], jnp.asarray(lengths)[:, None], rcfg.streaming,
                          patterns=rcfg.patterns if attention != "full" else "fa-ssa",
                          xa_kept_bsk=None if xa_kept is None else xa_kept[-1][:, None]))[:, 0],
-      cache_bytes=cache_bytes, dense_cache_bytes=dense, prefill_seconds=prefill_s,
+      cache_bytes=cache_bytes, dense_cache_bytes=dense, prefill_seconds=pre.seconds,
       decode_seconds=decoded["seconds"],
       info={"new_tokens": sum(len(o) for o in out), "capacity": capacity,
-            "layer_loop": layer_loop, "prefill_compile_seconds": compile_s,
+            "layer_loop": layer_loop, "prefill": way,
+            "prefill_compile_seconds": pre.compile_seconds,
             "decode_compile_seconds": decoded["compile_seconds"],
-            "prefill_peak_bytes": _phase_peak(aot.footprint(prefill), build_bytes, params),
+            "prefill_peak_bytes": pre.peak_bytes,
             "decode_peak_bytes": decoded["peak_bytes"]},
       logits=np.stack(decoded["logits"]) if return_logits else None)

@@ -122,16 +122,17 @@ def dense_cache_bytes(n_layers, batch, kv_heads, capacity, head_dim, dtype) -> i
 
 
 def build(k_lbtkh, v_lbtkh, gates_lbk, lengths_b, capacity: int, streaming: Streaming
-          ) -> tuple[HeadCache, int | None]:
+          ) -> tuple[HeadCache, int | None, float]:
   """The cache after a prefill: keys/values of every layer [L, B, T, K, H] (rows may be
-  right-padded; row b holds lengths_b[b] real tokens) and the decided gates [L, B, K].
-  Returns (the cache, the device bytes the build holds at its peak: `aot.footprint`)."""
+  right-padded; row b holds lengths_b[b] real tokens) and the decided gates [L, B, K] (one
+  layer's, L = 1, for the prefill that goes layer by layer). Returns (the cache, the device
+  bytes the build holds at its peak: `aot.footprint`, the seconds spent compiling it now)."""
   s = assign_slots(np.asarray(gates_lbk))
   tables = [jnp.asarray(x) for x in (s.full_start, s.full_b, s.full_h, s.pool_l, s.pool_b,
                                       s.pool_h, s.st_b, s.st_h, s.slot_of)]
   args = (k_lbtkh, v_lbtkh, jnp.asarray(lengths_b, jnp.int32), *tables)
-  run, _ = aot.compiled(_build, args, dict(capacity=capacity, streaming=streaming))
-  return run(*args), aot.footprint(run)
+  run, compile_s = aot.compiled(_build, args, dict(capacity=capacity, streaming=streaming))
+  return run(*args), aot.footprint(run), compile_s
 
 
 def allocate(gates_lbk, capacity: int, streaming: Streaming, head_dim: int, dtype,

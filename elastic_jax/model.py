@@ -239,6 +239,8 @@ class DecoderLayer(nn.Module):
   attention: str = "full"
   rcfg: rt.RouterConfig | None = None
   packed: bool = True
+  mlp_chunk: int = 0              # > 0: the MLP (its [B, T, F] hidden layer the widest
+                                  # activation) runs this many tokens at a time
 
   @nn.compact
   def __call__(self, x_bte, ctx: Context, layer: dict):
@@ -247,8 +249,15 @@ class DecoderLayer(nn.Module):
     y, stats = Attention(cfg, self.dtype, self.attn_impl, self.attention, self.rcfg,
                          self.packed, name="attn")(h, ctx, layer)
     x_bte = x_bte + y
-    h = RMSNorm("embed", cfg.rms_norm_eps, self.dtype, name="mlp_norm")(x_bte)
-    x_bte = x_bte + MLP(cfg, self.dtype, name="mlp")(h)
+    norm = RMSNorm("embed", cfg.rms_norm_eps, self.dtype, name="mlp_norm")
+    mlp = MLP(cfg, self.dtype, name="mlp")
+    chunk = self.mlp_chunk
+    if not chunk or chunk >= x_bte.shape[1]:
+      x_bte = x_bte + mlp(norm(x_bte))
+    else:                            # per token, so chunks give the same result
+      for s in range(0, x_bte.shape[1], chunk):
+        part = x_bte[:, s:s + chunk]
+        x_bte = x_bte.at[:, s:s + chunk].set(part + mlp(norm(part)))
     return nn.with_logical_constraint(x_bte, ("batch", "seq", "act_embed")), stats
 
 
@@ -412,7 +421,8 @@ def decode_step(params: Params, ids_b: jax.Array, positions_b: jax.Array,
   the stacked layer weights (unroll: unrolled; a longer compile), or, where params["layers"]
   is a list (`split_layers`), a Python loop over separate per-layer arrays: XLA copies a
   stacked layer's weights out before its matrix products (two extra passes over the weights
-  per token), which separate arrays avoid.
+  per token), which separate arrays avoid. A cache given as one HeadCache per layer (the
+  layer-by-layer prefill, `prefill.by_layer`) is walked by a Python loop too.
   """
   dtype = jax.tree.leaves(params)[0].dtype
   ids, pos = ids_b[:, None], positions_b[:, None]
@@ -426,9 +436,17 @@ def decode_step(params: Params, ids_b: jax.Array, positions_b: jax.Array,
                            {"cache": cache, "index": index, "impl": impl})
     return x, stats["cache"]
 
-  if isinstance(params["layers"], (list, tuple)):    # `split_layers`: one array per layer
-    for index, layer_params in enumerate(params["layers"]):
-      x, cache = one(x, cache, layer_params, index)
+  layers = params["layers"]
+  split = isinstance(layers, (list, tuple))              # `split_layers`: one array per layer
+  if split or isinstance(cache, (list, tuple)):
+    caches = list(cache) if isinstance(cache, (list, tuple)) else None
+    for index in range(cfg.num_layers):
+      layer_params = layers[index] if split else jax.tree.map(lambda a: a[index], layers)
+      if caches is None:                                 # one cache for every layer
+        x, cache = one(x, cache, layer_params, index)
+      else:                                              # one cache per layer (prefill.by_layer)
+        x, caches[index] = one(x, caches[index], layer_params, 0)
+    cache = cache if caches is None else caches
   else:
     (x, cache), _ = jax.lax.scan(lambda c, xs: (one(*c, *xs), None), (x, cache),
                                  (params["layers"], jnp.arange(cfg.num_layers)),

@@ -59,10 +59,12 @@ def _reference(params, cfg, prompts, gates_lbk, steps):
   return out, logits_steps
 
 
-@pytest.mark.parametrize("name,decode_impl,layer_loop,per_sync", [
-    ("qwen3", "triton:interpret", "split", 4),   # the Pallas decode kernel; 3 device loops
-    ("llama", "reference", "scan", 32)])
-def test_forced_mixed_heads_match_recomputation(name, decode_impl, layer_loop, per_sync):
+@pytest.mark.parametrize("name,decode_impl,layer_loop,per_sync,chunk", [
+    # the Pallas decode kernel; 3 device loops; prefilled layer by layer, the MLP 16 tokens
+    # at a time, one cache per layer
+    ("qwen3", "triton:interpret", "split", 4, 16),
+    ("llama", "reference", "scan", 32, None)])     # one prefill call, one pooled cache
+def test_forced_mixed_heads_match_recomputation(name, decode_impl, layer_loop, per_sync, chunk):
   cfg, params = _model(name)
   rng = np.random.default_rng(0)
   prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (37, 21, 5)]
@@ -71,8 +73,10 @@ def test_forced_mixed_heads_match_recomputation(name, decode_impl, layer_loop, p
   steps = 10                                 # decoding crosses several SSA blocks
   gen = generate(params, cfg, prompts, attention="forced", rcfg=RCFG, gates=gates,
                  sampling=SamplingConfig(max_new_tokens=steps), attn_impl="reference",
-                 decode_impl=decode_impl, layer_loop=layer_loop, tokens_per_sync=per_sync)
+                 decode_impl=decode_impl, layer_loop=layer_loop, tokens_per_sync=per_sync,
+                 prefill_chunk=chunk)
   assert gen.info["layer_loop"] == layer_loop
+  assert gen.info["prefill"] == ("whole" if chunk is None else "by_layer")
   want, _ = _reference(params, cfg, prompts, gates, steps)
   assert gen.tokens == want
   assert gen.finish == ["length"] * 3
@@ -93,15 +97,22 @@ def test_full_attention_equals_all_gates_full():
 
 
 def test_elastic_routing_is_decided_once_and_cached():
+  """The routers decide at prefill; the layer-by-layer prefill (each layer's router reading
+  its keys of the whole prompt before its attention) decides the same modes and gives the
+  same logits and tokens as the one-call prefill, and both equal recomputation."""
   cfg, params = _model("qwen3")
   router = init_router_params(cfg, RCFG, jax.random.key(3))
   rng = np.random.default_rng(1)
   prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (30, 44)]
-  gen = generate(params, cfg, prompts, attention="elastic", rcfg=RCFG, router_params=router,
-                 sampling=SamplingConfig(max_new_tokens=10), attn_impl="reference")
-  assert set(np.unique(gen.gates)) <= {0.0, 1.0}
+  kw = dict(attention="elastic", rcfg=RCFG, router_params=router, return_logits=True,
+            sampling=SamplingConfig(max_new_tokens=10), attn_impl="reference")
+  gen = generate(params, cfg, prompts, prefill_chunk=None, **kw)
+  layered = generate(params, cfg, prompts, prefill_chunk=48, layer_loop="scan", **kw)
+  assert set(np.unique(gen.gates)) <= {0.0, 1.0} and 0 < gen.gates.mean() < 1
+  np.testing.assert_array_equal(layered.gates, gen.gates)
+  np.testing.assert_allclose(layered.logits, gen.logits, atol=1e-5)
   want, _ = _reference(params, cfg, prompts, gen.gates, 10)
-  assert gen.tokens == want
+  assert gen.tokens == want and layered.tokens == want
 
 
 def test_cache_memory_shrinks_with_msr():
@@ -153,10 +164,20 @@ def test_cache_pool_holds_only_the_full_heads():
   assert s.pool_b.size == 4 and s.full_b.shape == (3, 2)      # not 3 * 2 = 6 slots
   rng = np.random.default_rng(5)
   prompts = [rng.integers(0, cfg.vocab_size, 29).tolist()]
-  gen = generate(params, cfg, prompts, attention="forced", rcfg=RCFG, gates=gates,
-                 sampling=SamplingConfig(max_new_tokens=9), attn_impl="reference")
+  kw = dict(attention="forced", rcfg=RCFG, gates=gates, attn_impl="reference",
+            sampling=SamplingConfig(max_new_tokens=9))
+  gen = generate(params, cfg, prompts, prefill_chunk=None, **kw)
   want, _ = _reference(params, cfg, prompts, gates[:, None], 9)
   assert gen.tokens == want
+  # Prefilled layer by layer, the cache is one per layer: exactly each layer's own slots
+  # (3 full and 3 streaming in all, no spare), its tables (a start, row and head per slot,
+  # the slot of each (row, head)), and no more.
+  layered = generate(params, cfg, prompts, prefill_chunk=32, **kw)
+  assert layered.tokens == want
+  cap, h, n_layers = layered.info["capacity"], cfg.head_dim, cfg.num_layers
+  width = -(-RCFG.block * (RCFG.sink_blocks + RCFG.local_blocks) // 16) * 16
+  tables = 4 * n_layers + 2 * 4 * 6 + 4 * n_layers * cfg.num_kv_heads
+  assert layered.cache_bytes == 2 * 4 * h * (3 * cap + 3 * width) + tables
 
 
 class _Tok:
