@@ -185,7 +185,7 @@ def _generate(self: "ElasticModel", prompts, attention: str | None = None, *,
               max_new_tokens=None, sampling=None, eos_ids=None, tokenizer=None,
               gates=None, attn_impl: str | None = None, return_logits: bool = False,
               tokens_per_sync: int = 32, layer_loop: str = "auto",
-              prefill_chunk: int | None = 8192):
+              prefill_chunk: int | None = 8192, pack: bool = True):
   """Generates after each prompt: texts (tokenized with the model directory's tokenizer, or
   `tokenizer`) or lists of token ids. attention: how heads attend (default elastic when the
   model has routers, else full); the rest as `elastic_jax.generate.generate`. EOS ids are the
@@ -224,7 +224,7 @@ def _generate(self: "ElasticModel", prompts, attention: str | None = None, *,
                                           else self.attn_impl),
                   return_logits=return_logits, max_new_tokens=per_request,
                   tokens_per_sync=tokens_per_sync, layer_loop=layer_loop,
-                  prefill_chunk=prefill_chunk)
+                  prefill_chunk=prefill_chunk, pack=pack)
 
 
 ElasticModel.generate = _generate

@@ -1,8 +1,9 @@
 """Prefill, then decode with the per-head cache (kv_cache.py): greedy or sampled, batched.
 
 The router decides each (layer, row, KV head)'s mode once, on the prompt, as in the method;
-decoding keeps those modes. Rows of different lengths are right-padded: attention is causal,
-so a row's real tokens never see its padding, and the fused kernels run unpacked.
+decoding keeps those modes. A batch's prompts prefill packed one after the other in one row
+(`prefill.arrange`; the kernels keep them apart by segment), or right-padded to the longest
+(pack=False; attention is causal, so a row's real tokens never see its padding).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class Generation:
   decode_seconds: float
   info: dict[str, Any] = dataclasses.field(default_factory=dict)
   # info: new_tokens, capacity, layer_loop, prefill ("whole" or "by_layer": `prefill.py`),
+  # packed (the prompts prefilled packed in one row),
   # prefill_compile_seconds, decode_compile_seconds, and the
   # device bytes at the peak of the prefill phase and of a decode loop (prefill_peak_bytes,
   # decode_peak_bytes: XLA's buffer assignment, `aot.footprint`; None where not reported).
@@ -102,9 +104,9 @@ def _limits(per_request, default: int, b: int) -> np.ndarray:
   return limits.astype(np.int64)
 
 
-def _prompt_rows(prompts, cfg: ModelConfig, max_new_tokens: np.ndarray):
-  """(ids [B, T], segments [B, T], lengths [B]) of right-padded prompt rows, T a bucket of
-  128; every check of the prompts (and their new-token limits [B]) in one sentence each."""
+def _check_prompts(prompts, cfg: ModelConfig, max_new_tokens: np.ndarray) -> np.ndarray:
+  """Every check of the prompts (and their new-token limits [B]) in one sentence each;
+  returns the prompt lengths [B]."""
   if isinstance(prompts, (str, bytes)) or not prompts or any(
       isinstance(p, (str, bytes)) or not hasattr(p, "__len__") for p in prompts):
     raise ElasticJaxError("prompts must be a list of token-id lists (tokenize text first)")
@@ -115,6 +117,9 @@ def _prompt_rows(prompts, cfg: ModelConfig, max_new_tokens: np.ndarray):
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
       raise ElasticJaxError(f"prompts must hold integer token ids, got {arr.dtype} "
                             f"{list(arr.shape)}")
+    if ((arr < 0) | (arr >= cfg.vocab_size)).any():
+      raise ElasticJaxError(f"a prompt holds a token id outside the vocabulary [0, "
+                            f"{cfg.vocab_size})")
   lengths = np.asarray([len(p) for p in prompts], np.int32)
   total = lengths + max_new_tokens
   if int(total.max()) > cfg.max_length:
@@ -122,15 +127,7 @@ def _prompt_rows(prompts, cfg: ModelConfig, max_new_tokens: np.ndarray):
     raise ElasticJaxError(f"prompt ({int(lengths[i])} tokens) + max_new_tokens "
                           f"({int(max_new_tokens[i])}) exceeds the model's "
                           f"{cfg.max_length_text()}")
-  t = _bucket(int(lengths.max()))
-  ids = np.zeros((len(prompts), t), np.int32)
-  seg = np.zeros((len(prompts), t), np.int32)
-  for i, p in enumerate(prompts):
-    ids[i, :len(p)], seg[i, :len(p)] = p, 1
-  if ((ids < 0) | (ids >= cfg.vocab_size)).any():
-    raise ElasticJaxError(f"a prompt holds a token id outside the vocabulary [0, "
-                          f"{cfg.vocab_size})")
-  return ids, seg, lengths
+  return lengths
 
 
 def _sample(logits_bv, key, temperature, top_p):
@@ -287,7 +284,7 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
              return_logits: bool = False,
              max_new_tokens: Sequence[int] | None = None, tokens_per_sync: int = 32,
              decode_impl: str | None = None, layer_loop: str = "auto",
-             prefill_chunk: int | None = 8192) -> Generation:
+             prefill_chunk: int | None = 8192, pack: bool = True) -> Generation:
   """Generate up to `sampling.max_new_tokens` tokens after each prompt (lists of token ids).
 
   attention: "full" (every head full, cache dense), "elastic" (routers decide; needs
@@ -310,6 +307,9 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   by layer, each layer's keys and values going straight into its compact cache, the MLP this
   many tokens at a time (`prefill.by_layer`: the prefill's peak memory then falls with the
   MSR); shorter ones, or all with None, in one call (`prefill.whole`). Same tokens either way.
+  pack: prefill a batch's prompts packed one after the other in one row (no padding; the
+  kernels keep them apart by segment), not right-padded to the longest; not under XAttention
+  patterns, whose kept fraction is taken per row. Same tokens either way.
   """
   check_attention(attention, FORWARD)
   if sampling.stop and tokenizer is None:
@@ -326,7 +326,7 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   rcfg = rcfg or RouterConfig()
   b, n_layers, kh = len(prompts), cfg.num_layers, cfg.num_kv_heads
   limits = _limits(max_new_tokens, sampling.max_new_tokens, b)
-  ids, seg, lengths = _prompt_rows(prompts, cfg, limits)
+  lengths = _check_prompts(prompts, cfg, limits)
   capacity_needed = int((lengths + limits).max())
 
   forced = None
@@ -336,16 +336,18 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
     if g.shape != (n_layers, b, kh):
       raise ElasticJaxError(f"gates must be [L, K] or [L, B, K] = {[n_layers, b, kh]}, got "
                             f"{list(np.shape(gates))}")
-    forced = jnp.asarray(np.stack([np.zeros_like(g), g], axis=2))
+    forced = jnp.asarray(g)
 
   capacity = capacity_bucket(capacity_needed)
-  args = (jnp.asarray(ids), jnp.asarray(seg), jnp.asarray(lengths), router_params, forced)
-  jax.block_until_ready(args)
+  # XAttention's kept fraction is taken per row: its requests keep a row each.
+  arranged = prefill.arrange(prompts, pack and b > 1 and not rcfg.uses_xattention)
+  jax.block_until_ready(arranged)
   how = dict(attention=attention, rcfg=rcfg, attn_impl=attn_impl, capacity=capacity)
-  if prefill_chunk is not None and ids.shape[1] > prefill_chunk:
-    pre = prefill.by_layer(params, cfg, args, chunk=prefill_chunk, **how)
+  if prefill_chunk is not None and arranged.ids.shape[1] > prefill_chunk:
+    pre = prefill.by_layer(params, cfg, arranged, router_params, forced, chunk=prefill_chunk,
+                           **how)
   else:
-    pre = prefill.whole(params, cfg, args, **how)
+    pre = prefill.whole(params, cfg, arranged, router_params, forced, **how)
   cache, gates_np, xa_kept = pre.cache, pre.gates, pre.xa_kept
   way = "whole" if isinstance(cache, kv_cache.HeadCache) else "by_layer"
   dt = jax.tree.leaves(params)[0].dtype
@@ -372,7 +374,7 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
       cache_bytes=cache_bytes, dense_cache_bytes=dense, prefill_seconds=pre.seconds,
       decode_seconds=decoded["seconds"],
       info={"new_tokens": sum(len(o) for o in out), "capacity": capacity,
-            "layer_loop": layer_loop, "prefill": way,
+            "layer_loop": layer_loop, "prefill": way, "packed": arranged.packed,
             "prefill_compile_seconds": pre.compile_seconds,
             "decode_compile_seconds": decoded["compile_seconds"],
             "prefill_peak_bytes": pre.peak_bytes,

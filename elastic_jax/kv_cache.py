@@ -17,7 +17,9 @@ Layout (shape letters as in model.py, plus M the cache capacity in tokens):
       few blocks each, so the padding is small): per slot the sink (indices < sink_len, one
       per position) then a ring of `ring` slots (index sink_len + q % ring holds position q),
       W = sink_len + ring rounded up to a multiple of 16 (the rest never written or read).
-Decoding writes one token per slot in place (`decode_step` carries the cache through its loop
+The layer-by-layer prefill (prefill.py) gives instead a list of one such cache per layer
+(L = 1 each, its pool exactly that layer's full heads), as it decides a layer's modes only
+once the earlier layers ran. Decoding writes one token per slot in place (`decode_step` carries the cache through its loop
 over layers) and reads the layer's slots in one launch (`attention.decode`). A query at
 position p in block i of a streaming head sees the sink positions < min(sink_len, p + 1) and
 the ring's positions q in [sink_len, p] with i - q // block < local_blocks: exactly
@@ -121,16 +123,21 @@ def dense_cache_bytes(n_layers, batch, kv_heads, capacity, head_dim, dtype) -> i
   return 2 * n_layers * batch * kv_heads * capacity * head_dim * jnp.dtype(dtype).itemsize
 
 
-def build(k_lbtkh, v_lbtkh, gates_lbk, lengths_b, capacity: int, streaming: Streaming
-          ) -> tuple[HeadCache, int | None, float]:
-  """The cache after a prefill: keys/values of every layer [L, B, T, K, H] (rows may be
-  right-padded; row b holds lengths_b[b] real tokens) and the decided gates [L, B, K] (one
-  layer's, L = 1, for the prefill that goes layer by layer). Returns (the cache, the device
+def build(k_lrtkh, v_lrtkh, gates_lbk, lengths_b, capacity: int, streaming: Streaming,
+          row_b=None, offset_b=None) -> tuple[HeadCache, int | None, float]:
+  """The cache after a prefill: keys/values of every layer [L, R, T, K, H] and the decided
+  gates [L, B, K] (one layer's, L = 1, for the prefill that goes layer by layer). Request b
+  holds lengths_b[b] tokens from index offset_b[b] of row row_b[b] (default: row b from index
+  0, right-padded rows; packed rows hold several requests). Returns (the cache, the device
   bytes the build holds at its peak: `aot.footprint`, the seconds spent compiling it now)."""
   s = assign_slots(np.asarray(gates_lbk))
+  b = np.asarray(gates_lbk).shape[1]
+  row_b = np.arange(b) if row_b is None else row_b
+  offset_b = np.zeros(b, np.int32) if offset_b is None else offset_b
   tables = [jnp.asarray(x) for x in (s.full_start, s.full_b, s.full_h, s.pool_l, s.pool_b,
                                       s.pool_h, s.st_b, s.st_h, s.slot_of)]
-  args = (k_lbtkh, v_lbtkh, jnp.asarray(lengths_b, jnp.int32), *tables)
+  args = (k_lrtkh, v_lrtkh, *(jnp.asarray(x, jnp.int32) for x in (lengths_b, row_b, offset_b)),
+          *tables)
   run, compile_s = aot.compiled(_build, args, dict(capacity=capacity, streaming=streaming))
   return run(*args), aot.footprint(run), compile_s
 
@@ -152,46 +159,41 @@ def allocate(gates_lbk, capacity: int, streaming: Streaming, head_dim: int, dtyp
 
 
 @functools.partial(jax.jit, static_argnames=("capacity", "streaming"))
-def _build(k_lbtkh, v_lbtkh, lengths_b, full_start, full_b, full_h, pool_l, pool_b, pool_h,
-           st_b, st_h, slot_of, *, capacity, streaming):
-  n_layers, b, t = k_lbtkh.shape[:3]
-  if capacity < t:
-    raise ValueError(f"cache capacity {capacity} is below the prompt length {t}")
+def _build(k_lrtkh, v_lrtkh, lengths_b, row_b, offset_b, full_start, full_b, full_h, pool_l,
+           pool_b, pool_h, st_b, st_h, slot_of, *, capacity, streaming):
+  n_layers, _, t = k_lrtkh.shape[:3]
+  span = min(t, capacity)             # a request's positions fit both
   sink_len = streaming.sink_blocks * streaming.block
   ring = streaming.local_blocks * streaming.block
-  lengths_b = jnp.concatenate([lengths_b, jnp.zeros((1,), jnp.int32)])  # the empty row B
+  # The empty row B (slots of no request): no tokens.
+  lengths_b, row_b, offset_b = (jnp.concatenate([x.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])
+                                for x in (lengths_b, row_b, offset_b))
   layer = jnp.arange(n_layers)[:, None]
 
-  def gather(x_lbtkh, rl, rb, rh):    # -> [..., T, H]; rows B read row 0, zeroed
-    got = x_lbtkh[rl, jnp.minimum(rb, b - 1), :, rh]
-    return jnp.where((rb < b)[..., None, None], got, 0)
-
-  def full(x):                        # the pool [P, M, H]
-    x = gather(x, pool_l, pool_b, pool_h)
-    x = jnp.where((jnp.arange(t)[None] < lengths_b[pool_b][:, None])[..., None], x, 0)
-    return jnp.pad(x, ((0, 0), (0, capacity - t), (0, 0)))
-
-  def sink(x):
-    x = gather(x, layer, st_b, st_h)[:, :, :min(sink_len, t)]
-    pos = jnp.arange(x.shape[2])[None, None]
-    x = jnp.where((pos < lengths_b[st_b][..., None])[..., None], x, 0)
-    return jnp.pad(x, ((0, 0), (0, 0), (0, sink_len - x.shape[2]), (0, 0)))
-
-  def ring_of(x):
-    x = gather(x, layer, st_b, st_h)
-    last = lengths_b[st_b] - 1                                            # [L, S]
-    slot = jnp.arange(ring)[None, None]
-    pos = last[..., None] - jnp.mod(last[..., None] - slot, ring)          # [L, S, ring]
-    ok = (pos >= sink_len) & (pos >= 0)
-    got = jnp.take_along_axis(x, jnp.clip(pos, 0, t - 1)[..., None], axis=2)
+  def gather(x_lrtkh, rl, rb, rh, pos):
+    """Request rb's keys or values at positions pos [..., n] of layer rl, KV head rh (slot
+    tables [...]): [..., n, H], zero where the request has no token."""
+    at = jnp.clip(offset_b[rb][..., None] + pos, 0, t - 1)
+    got = x_lrtkh[rl[..., None], row_b[rb][..., None], at, rh[..., None]]
+    ok = (pos >= 0) & (pos < lengths_b[rb][..., None])
     return jnp.where(ok[..., None], got, 0)
 
+  def full(x):                        # the pool [P, M, H]
+    x = gather(x, pool_l, pool_b, pool_h, jnp.arange(span)[None])
+    return jnp.pad(x, ((0, 0), (0, capacity - span), (0, 0)))
+
   def stream(x):                      # [L, S, W, H]: the sink, then the ring
-    x = jnp.concatenate([sink(x), ring_of(x)], axis=2)
+    rl = jnp.broadcast_to(layer, st_b.shape)
+    sink = gather(x, rl, st_b, st_h, jnp.arange(min(sink_len, span))[None, None])
+    sink = jnp.pad(sink, ((0, 0), (0, 0), (0, sink_len - sink.shape[2]), (0, 0)))
+    last = lengths_b[st_b][..., None] - 1                                # [L, S, 1]
+    pos = last - jnp.mod(last - jnp.arange(ring)[None, None], ring)      # [L, S, ring]
+    ring_x = gather(x, rl, st_b, st_h, jnp.where(pos >= sink_len, pos, -1))
+    x = jnp.concatenate([sink, ring_x], axis=2)
     return jnp.pad(x, ((0, 0), (0, 0), (0, stream_width(streaming) - x.shape[2]), (0, 0)))
 
-  return HeadCache(full(k_lbtkh), full(v_lbtkh), full_start, full_b, full_h, stream(k_lbtkh),
-                   stream(v_lbtkh), st_b, st_h, slot_of)
+  return HeadCache(full(k_lrtkh), full(v_lrtkh), full_start, full_b, full_h, stream(k_lrtkh),
+                   stream(v_lrtkh), st_b, st_h, slot_of)
 
 
 def attend(q_bnh, k_bkh, v_bkh, pos_b, cache: HeadCache, layer, streaming: Streaming,

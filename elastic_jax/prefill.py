@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import time
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,79 +61,135 @@ def _cache_gates(gates_lbk: np.ndarray, attention: str, rcfg: RouterConfig) -> n
   return gates_lbk
 
 
-def _decided(stats, n_layers_and_b_k):
-  return (stats["gate"][..., 1, :] if "gate" in stats
-          else jnp.zeros(n_layers_and_b_k, jnp.float32))
+@flax.struct.dataclass
+class Rows:
+  """The prompts as the model reads them (device arrays): right-padded, one request a row, or
+  packed, every request one after the other in a single row (no padding between them; the
+  kernels keep the requests apart by segment). Request b holds lengths[b] tokens from index
+  offset[b] of row row[b], as segment seg_of[b]."""
+  ids: jax.Array                  # [R, T]
+  seg: jax.Array                  # [R, T] segment of each token, 0 = padding
+  pos: jax.Array                  # [R, T] position within its request
+  lengths: jax.Array              # [B]
+  row: jax.Array                  # [B]
+  offset: jax.Array               # [B]
+  seg_of: jax.Array               # [B]
+  packed: bool = flax.struct.field(pytree_node=False, default=False)
+
+  @property
+  def num_segments(self) -> int:
+    return self.lengths.shape[0] + 1 if self.packed else 2
+
+
+def arrange(prompts, pack: bool, multiple: int = 128) -> Rows:
+  """Rows for token-id lists: packed into one row (pack), else right-padded to a common
+  length; the row length a multiple of `multiple` (few distinct shapes, few compilations)."""
+  lengths = np.asarray([len(p) for p in prompts], np.int32)
+  b = len(prompts)
+  if pack:
+    offset = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int32)
+    row, seg_of = np.zeros(b, np.int32), np.arange(1, b + 1, dtype=np.int32)
+  else:
+    offset, row, seg_of = np.zeros(b, np.int32), np.arange(b, dtype=np.int32), np.ones(b, np.int32)
+  width = int((offset + lengths).max())
+  width = -(-width // multiple) * multiple
+  ids, seg, pos = (np.zeros((1 if pack else b, width), np.int32) for _ in range(3))
+  for i, p in enumerate(prompts):
+    at = (row[i], slice(offset[i], offset[i] + lengths[i]))
+    ids[at], seg[at], pos[at] = p, seg_of[i], np.arange(lengths[i])
+  return Rows(*(jnp.asarray(x) for x in (ids, seg, pos, lengths, row, offset, seg_of)),
+              packed=pack)
+
+
+def _segment_gates(forced_lbk, rows: Rows):
+  """Forced gates per request [L, B, K] as the routed forward takes them: [L, R, S, K]."""
+  if forced_lbk is None:
+    return None
+  n_layers, _, k = forced_lbk.shape
+  out = jnp.zeros((n_layers, rows.ids.shape[0], rows.num_segments, k), forced_lbk.dtype)
+  return out.at[:, rows.row, rows.seg_of].set(forced_lbk)
+
+
+def _decided(stats, rows: Rows, shape):
+  """Each request's decided gates ([..., R, S, K] -> [..., B, K]); zeros where none."""
+  if "gate" not in stats:
+    return jnp.zeros(shape, jnp.float32)
+  return stats["gate"][..., rows.row, rows.seg_of, :]
+
+
+def _last(x_rte, rows: Rows):
+  """Each request's last prompt token [B, E]."""
+  return x_rte[rows.row, rows.offset + rows.lengths - 1]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "rcfg", "attention", "attn_impl"))
-def _whole(params, ids_bt, seg_bt, lengths_b, router_params, forced, *, cfg, rcfg, attention,
-           attn_impl):
-  positions = jnp.broadcast_to(jnp.arange(ids_bt.shape[1], dtype=jnp.int32), ids_bt.shape)
+def _whole(params, rows, router_params, forced_lbk, *, cfg, rcfg, attention, attn_impl):
   hidden, stats = forward_routed(
-      params, ids_bt, positions, seg_bt, seg_bt > 0, cfg=cfg, rcfg=rcfg,
+      params, rows.ids, rows.pos, rows.seg, rows.seg > 0, cfg=cfg, rcfg=rcfg,
       attention=attention, router_params=router_params,
-      forced_gates=forced, attn_impl=attn_impl, packed=False, return_hidden=True,
+      forced_gates=_segment_gates(forced_lbk, rows), attn_impl=attn_impl,
+      packed=rows.packed, num_segments=rows.num_segments, return_hidden=True,
       return_kv=True)
-  last = jnp.take_along_axis(hidden, (lengths_b - 1)[:, None, None], axis=1)[:, 0]
-  logits = jnp.einsum("be,ev->bv", last, output_head(params, cfg),
+  logits = jnp.einsum("be,ev->bv", _last(hidden, rows), output_head(params, cfg),
                       preferred_element_type=jnp.float32)
-  gates = _decided(stats, (cfg.num_layers,) + ids_bt.shape[:1] + (cfg.num_kv_heads,))
+  gates = _decided(stats, rows, (cfg.num_layers,) + rows.lengths.shape + (cfg.num_kv_heads,))
   return logits, gates, stats.get("xa_kept"), stats["k"], stats["v"]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _embed(params, ids_bt, seg_bt, *, cfg):
-  dtype = params["embed"].dtype
-  positions = jnp.broadcast_to(jnp.arange(ids_bt.shape[1], dtype=jnp.int32), ids_bt.shape)
-  cos, sin = rope_tables(cfg, positions, dtype, seg_bt > 0)
-  return jnp.take(params["embed"], ids_bt, axis=0), cos, sin
+def _embed(params, rows, *, cfg):
+  cos, sin = rope_tables(cfg, rows.pos, params["embed"].dtype, rows.seg > 0)
+  return jnp.take(params["embed"], rows.ids, axis=0), cos, sin
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "rcfg", "attention", "attn_impl", "chunk"),
-                   donate_argnames=("x_bte",))
-def _layer(layers, index, x_bte, cos, sin, seg_bt, router_params, forced, *, cfg, rcfg,
+                   donate_argnames=("x_rte",))
+def _layer(layers, index, x_rte, cos, sin, rows, router_params, forced_lbk, *, cfg, rcfg,
            attention, attn_impl, chunk):
   """Layer `index` (traced: one compilation serves every layer) over the whole prompt:
   (hidden states, decided gates [B, K], XAttention's kept fraction or None, keys and values
-  [1, B, T, K, H])."""
+  [1, R, T, K, H])."""
   take = lambda tree: jax.tree.map(lambda a: a[index], tree)
   per_layer = {}
   if attention == "elastic":
     per_layer["router"] = take(router_params)
   elif attention == "forced":
-    per_layer["gate"] = forced[index]
-  positions = jnp.broadcast_to(jnp.arange(seg_bt.shape[1], dtype=jnp.int32), seg_bt.shape)
-  ctx = Context(cos, sin, seg_bt, positions, seg_bt > 0, jnp.float32(1.0), return_kv=True)
-  layer = DecoderLayer(cfg, x_bte.dtype, attn_impl, attention, rcfg, packed=False,
+    per_layer["gate"] = _segment_gates(forced_lbk, rows)[index]
+  ctx = Context(cos, sin, rows.seg, rows.pos, rows.seg > 0, jnp.float32(1.0), return_kv=True,
+                num_segments=rows.num_segments)
+  layer = DecoderLayer(cfg, x_rte.dtype, attn_impl, attention, rcfg, packed=rows.packed,
                        mlp_chunk=chunk)
-  x_bte, stats = layer.apply({"params": take(layers)}, x_bte, ctx, per_layer)
-  gates = _decided(stats, (x_bte.shape[0], cfg.num_kv_heads))
-  return x_bte, gates, stats.get("xa_kept"), stats["k"][None], stats["v"][None]
+  x_rte, stats = layer.apply({"params": take(layers)}, x_rte, ctx, per_layer)
+  gates = _decided(stats, rows, rows.lengths.shape + (cfg.num_kv_heads,))
+  return x_rte, gates, stats.get("xa_kept"), stats["k"][None], stats["v"][None]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _head(params, x_bte, lengths_b, *, cfg):
-  last = jnp.take_along_axis(x_bte, (lengths_b - 1)[:, None, None], axis=1)
-  last = RMSNorm("embed", cfg.rms_norm_eps, last.dtype).apply(
-      {"params": params["final_norm"]}, last)[:, 0]
+def _head(params, x_rte, rows, *, cfg):
+  last = RMSNorm("embed", cfg.rms_norm_eps, x_rte.dtype).apply(
+      {"params": params["final_norm"]}, _last(x_rte, rows))
   return jnp.einsum("be,ev->bv", last, output_head(params, cfg),
                     preferred_element_type=jnp.float32)
 
 
-def whole(params: Params, cfg: ModelConfig, args: tuple, *, attention: str, rcfg: RouterConfig,
-          attn_impl: str, capacity: int) -> Prefilled:
-  """The one-call prefill; args = (ids [B, T], segments [B, T], lengths [B], router params,
-  forced gates [L, B, 2, K] or None) as device arrays."""
-  run, compile_s = aot.compiled(_whole, (params, *args), dict(
+def _build(k, v, gates, rows: Rows, attention, rcfg, capacity):
+  return kv_cache.build(k, v, _cache_gates(gates, attention, rcfg), rows.lengths, capacity,
+                        rcfg.streaming, rows.row, rows.offset)
+
+
+def whole(params: Params, cfg: ModelConfig, rows: Rows, router_params, forced_lbk, *,
+          attention: str, rcfg: RouterConfig, attn_impl: str, capacity: int) -> Prefilled:
+  """The one-call prefill of `rows` (router params for elastic attention, forced gates
+  [L, B, K] for forced)."""
+  args = (params, rows, router_params, forced_lbk)
+  run, compile_s = aot.compiled(_whole, args, dict(
       cfg=cfg, rcfg=rcfg, attention=attention, attn_impl=attn_impl))
   start = time.perf_counter()
-  logits, gates, xa_kept, k, v = run(params, *args)
+  logits, gates, xa_kept, k, v = run(*args)
   gates_np = np.asarray(jax.device_get(gates))
   if attention == "full":       # no routing: every head keeps every position
     gates_np = np.ones_like(gates_np)
-  cache, build_bytes, build_compile = kv_cache.build(
-      k, v, _cache_gates(gates_np, attention, rcfg), args[2], capacity, rcfg.streaming)
+  cache, build_bytes, build_compile = _build(k, v, gates_np, rows, attention, rcfg, capacity)
   del k, v
   jax.block_until_ready((logits, cache))
   seconds = time.perf_counter() - start - build_compile
@@ -142,25 +199,25 @@ def whole(params: Params, cfg: ModelConfig, args: tuple, *, attention: str, rcfg
   return Prefilled(logits, gates_np, xa_kept, cache, seconds, compile_s + build_compile, peak)
 
 
-def by_layer(params: Params, cfg: ModelConfig, args: tuple, *, attention: str,
-             rcfg: RouterConfig, attn_impl: str, capacity: int, chunk: int) -> Prefilled:
+def by_layer(params: Params, cfg: ModelConfig, rows: Rows, router_params, forced_lbk, *,
+             attention: str, rcfg: RouterConfig, attn_impl: str, capacity: int,
+             chunk: int) -> Prefilled:
   """The layer-by-layer prefill (module docstring), the MLP `chunk` tokens at a time; args as
   for `whole`. A layer's modes come to the host (one small transfer) for its cache's slot
   tables while the next layer already runs, so the device does not wait for the host; the
   layer's keys and values live until then (two layers' at most)."""
-  ids, seg, lengths, router_params, forced = args
   static = dict(cfg=cfg, rcfg=rcfg, attention=attention, attn_impl=attn_impl, chunk=chunk)
-  embed, compile_s = aot.compiled(_embed, (params, ids, seg), dict(cfg=cfg))
+  embed, compile_s = aot.compiled(_embed, (params, rows), dict(cfg=cfg))
   start, timed_compile = time.perf_counter(), 0.0    # compilations inside the timed span
-  x, cos, sin = embed(params, ids, seg)
+  x, cos, sin = embed(params, rows)
   others = aot.tree_bytes(params) - aot.tree_bytes(params["layers"])
-  side = aot.tree_bytes((cos, sin, seg, lengths))
+  side = aot.tree_bytes((cos, sin, rows))
   caches, gates, kept, peak, pending = [], [], [], 0, None
   for index in range(cfg.num_layers + 1):
     ran = None
     if index < cfg.num_layers:
-      layer_args = (params["layers"], jnp.int32(index), x, cos, sin, seg, router_params,
-                    forced)
+      layer_args = (params["layers"], jnp.int32(index), x, cos, sin, rows, router_params,
+                    forced_lbk)
       run, seconds = aot.compiled(_layer, layer_args, static)
       timed_compile += seconds
       fp = aot.footprint(run)
@@ -174,8 +231,7 @@ def by_layer(params: Params, cfg: ModelConfig, args: tuple, *, attention: str,
       g = np.asarray(jax.device_get(g))[None]
       if attention == "full":
         g = np.ones_like(g)
-      cache, build_bytes, seconds = kv_cache.build(
-          k, v, _cache_gates(g, attention, rcfg), lengths, capacity, rcfg.streaming)
+      cache, build_bytes, seconds = _build(k, v, g, rows, attention, rcfg, capacity)
       timed_compile += seconds
       # The build: keys and values in, the layer's cache out, beside the weights, the hidden
       # states, the caches so far and the next layer's outputs.
@@ -186,9 +242,9 @@ def by_layer(params: Params, cfg: ModelConfig, args: tuple, *, attention: str,
       gates.append(g[0])
       kept.append(xa)
     pending = ran
-  head, seconds = aot.compiled(_head, (params, x, lengths), dict(cfg=cfg))
+  head, seconds = aot.compiled(_head, (params, x, rows), dict(cfg=cfg))
   timed_compile += seconds
-  logits = head(params, x, lengths)
+  logits = head(params, x, rows)
   jax.block_until_ready((logits, caches))
   elapsed = time.perf_counter() - start - timed_compile
   xa_kept = None if kept[0] is None else jnp.stack(kept)

@@ -59,12 +59,14 @@ def _reference(params, cfg, prompts, gates_lbk, steps):
   return out, logits_steps
 
 
-@pytest.mark.parametrize("name,decode_impl,layer_loop,per_sync,chunk", [
-    # the Pallas decode kernel; 3 device loops; prefilled layer by layer, the MLP 16 tokens
-    # at a time, one cache per layer
-    ("qwen3", "triton:interpret", "split", 4, 16),
-    ("llama", "reference", "scan", 32, None)])     # one prefill call, one pooled cache
-def test_forced_mixed_heads_match_recomputation(name, decode_impl, layer_loop, per_sync, chunk):
+@pytest.mark.parametrize("name,decode_impl,layer_loop,per_sync,chunk,pack", [
+    # the Pallas decode kernel; 3 device loops; the prompts packed in one row, prefilled
+    # layer by layer, the MLP 16 tokens at a time, one cache per layer
+    ("qwen3", "triton:interpret", "split", 4, 16, True),
+    # right-padded rows, one prefill call, one pooled cache
+    ("llama", "reference", "scan", 32, None, False)])
+def test_forced_mixed_heads_match_recomputation(name, decode_impl, layer_loop, per_sync, chunk,
+                                                pack):
   cfg, params = _model(name)
   rng = np.random.default_rng(0)
   prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (37, 21, 5)]
@@ -74,8 +76,8 @@ def test_forced_mixed_heads_match_recomputation(name, decode_impl, layer_loop, p
   gen = generate(params, cfg, prompts, attention="forced", rcfg=RCFG, gates=gates,
                  sampling=SamplingConfig(max_new_tokens=steps), attn_impl="reference",
                  decode_impl=decode_impl, layer_loop=layer_loop, tokens_per_sync=per_sync,
-                 prefill_chunk=chunk)
-  assert gen.info["layer_loop"] == layer_loop
+                 prefill_chunk=chunk, pack=pack)
+  assert gen.info["layer_loop"] == layer_loop and gen.info["packed"] == pack
   assert gen.info["prefill"] == ("whole" if chunk is None else "by_layer")
   want, _ = _reference(params, cfg, prompts, gates, steps)
   assert gen.tokens == want
@@ -97,17 +99,19 @@ def test_full_attention_equals_all_gates_full():
 
 
 def test_elastic_routing_is_decided_once_and_cached():
-  """The routers decide at prefill; the layer-by-layer prefill (each layer's router reading
-  its keys of the whole prompt before its attention) decides the same modes and gives the
-  same logits and tokens as the one-call prefill, and both equal recomputation."""
+  """The routers decide at prefill, per request; the layer-by-layer prefill (each layer's
+  router reading its keys of the whole prompt before its attention) and the packed rows
+  decide the same modes and give the same logits and tokens as the one-call prefill of
+  padded rows, and all equal recomputation, request by request."""
   cfg, params = _model("qwen3")
   router = init_router_params(cfg, RCFG, jax.random.key(3))
   rng = np.random.default_rng(1)
   prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (30, 44)]
   kw = dict(attention="elastic", rcfg=RCFG, router_params=router, return_logits=True,
             sampling=SamplingConfig(max_new_tokens=10), attn_impl="reference")
-  gen = generate(params, cfg, prompts, prefill_chunk=None, **kw)
+  gen = generate(params, cfg, prompts, prefill_chunk=None, pack=False, **kw)
   layered = generate(params, cfg, prompts, prefill_chunk=48, layer_loop="scan", **kw)
+  assert not gen.info["packed"] and layered.info["packed"]
   assert set(np.unique(gen.gates)) <= {0.0, 1.0} and 0 < gen.gates.mean() < 1
   np.testing.assert_array_equal(layered.gates, gen.gates)
   np.testing.assert_allclose(layered.logits, gen.logits, atol=1e-5)
