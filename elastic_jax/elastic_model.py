@@ -185,7 +185,7 @@ def _generate(self: "ElasticModel", prompts, attention: str | None = None, *,
               max_new_tokens=None, sampling=None, eos_ids=None, tokenizer=None,
               gates=None, attn_impl: str | None = None, return_logits: bool = False,
               tokens_per_sync: int = 32, layer_loop: str = "auto",
-              prefill_chunk: int | None = 8192, pack: bool = True):
+              prefill_chunk: int | None = 8192, pack: bool | None = None):
   """Generates after each prompt: texts (tokenized with the model directory's tokenizer, or
   `tokenizer`) or lists of token ids. attention: how heads attend (default elastic when the
   model has routers, else full); the rest as `elastic_jax.generate.generate`. EOS ids are the

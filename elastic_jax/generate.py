@@ -2,8 +2,9 @@
 
 The router decides each (layer, row, KV head)'s mode once, on the prompt, as in the method;
 decoding keeps those modes. A batch's prompts prefill packed one after the other in one row
-(`prefill.arrange`; the kernels keep them apart by segment), or right-padded to the longest
-(pack=False; attention is causal, so a row's real tokens never see its padding).
+(`prefill.arrange`; the fused kernels keep them apart by segment and skip the tiles between
+them), or right-padded to the longest (on the jnp reference, or pack=False; attention is
+causal, so a row's real tokens never see its padding).
 """
 
 from __future__ import annotations
@@ -284,7 +285,7 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
              return_logits: bool = False,
              max_new_tokens: Sequence[int] | None = None, tokens_per_sync: int = 32,
              decode_impl: str | None = None, layer_loop: str = "auto",
-             prefill_chunk: int | None = 8192, pack: bool = True) -> Generation:
+             prefill_chunk: int | None = 8192, pack: bool | None = None) -> Generation:
   """Generate up to `sampling.max_new_tokens` tokens after each prompt (lists of token ids).
 
   attention: "full" (every head full, cache dense), "elastic" (routers decide; needs
@@ -308,8 +309,11 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   many tokens at a time (`prefill.by_layer`: the prefill's peak memory then falls with the
   MSR); shorter ones, or all with None, in one call (`prefill.whole`). Same tokens either way.
   pack: prefill a batch's prompts packed one after the other in one row (no padding; the
-  kernels keep them apart by segment), not right-padded to the longest; not under XAttention
-  patterns, whose kept fraction is taken per row. Same tokens either way.
+  kernels keep them apart by segment and skip the tiles between segments), not right-padded
+  to the longest; never under XAttention patterns, whose kept fraction is taken per row.
+  None: pack where the prefill runs a fused kernel (`prefill.packs`), not on the plain-jnp
+  reference, which would score every pair of tokens of the packed row. Same tokens either
+  way.
   """
   check_attention(attention, FORWARD)
   if sampling.stop and tokenizer is None:
@@ -340,6 +344,7 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
 
   capacity = capacity_bucket(capacity_needed)
   # XAttention's kept fraction is taken per row: its requests keep a row each.
+  pack = prefill.packs(attn_impl) if pack is None else pack
   arranged = prefill.arrange(prompts, pack and b > 1 and not rcfg.uses_xattention)
   jax.block_until_ready(arranged)
   how = dict(attention=attention, rcfg=rcfg, attn_impl=attn_impl, capacity=capacity)

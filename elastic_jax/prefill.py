@@ -81,6 +81,16 @@ class Rows:
     return self.lengths.shape[0] + 1 if self.packed else 2
 
 
+def packs(attn_impl: str) -> bool:
+  """Whether packing a batch's prompts in one row saves work under `attn_impl`: the fused
+  kernels skip the tiles between segments; the plain-jnp reference scores every pair of the
+  row, which grows with the square of the batch."""
+  name = attn_impl.partition(":")[0]
+  if name == "auto":
+    return jax.default_backend() in ("gpu", "tpu")
+  return name != "reference"
+
+
 def arrange(prompts, pack: bool, multiple: int = 128) -> Rows:
   """Rows for token-id lists: packed into one row (pack), else right-padded to a common
   length; the row length a multiple of `multiple` (few distinct shapes, few compilations)."""

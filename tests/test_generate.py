@@ -110,7 +110,8 @@ def test_elastic_routing_is_decided_once_and_cached():
   kw = dict(attention="elastic", rcfg=RCFG, router_params=router, return_logits=True,
             sampling=SamplingConfig(max_new_tokens=10), attn_impl="reference")
   gen = generate(params, cfg, prompts, prefill_chunk=None, pack=False, **kw)
-  layered = generate(params, cfg, prompts, prefill_chunk=48, layer_loop="scan", **kw)
+  layered = generate(params, cfg, prompts, prefill_chunk=48, layer_loop="scan", pack=True,
+                     **kw)
   assert not gen.info["packed"] and layered.info["packed"]
   assert set(np.unique(gen.gates)) <= {0.0, 1.0} and 0 < gen.gates.mean() < 1
   np.testing.assert_array_equal(layered.gates, gen.gates)
