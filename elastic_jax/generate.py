@@ -22,7 +22,7 @@ from elastic_jax import aot, kv_cache, prefill
 from elastic_jax.config import ModelConfig
 from elastic_jax.errors import ElasticJaxError
 from elastic_jax.heads import FORWARD, check_attention
-from elastic_jax.model import Params, decode_step, split_layers
+from elastic_jax.model import Params, decode_step, unstack_layers
 from elastic_jax.router import RouterConfig, esr, msr
 
 
@@ -246,13 +246,16 @@ def _decode(params, cache, logits, lengths, rows: _Rows, layer_loop: str, seed: 
   static["keep_logits"], the logits of every step."""
   eos = jnp.asarray(sorted(rows.eos) or [-1], jnp.int32)
   limits, lengths = jnp.asarray(rows.limits, jnp.int32), jnp.asarray(lengths)
-  start = time.perf_counter()
-  step_params = split_layers(params) if layer_loop == "split" else params
-  jax.block_until_ready(step_params)
-  split_s = time.perf_counter() - start
+  step_params, split_s, compile_s = params, 0.0, 0.0
+  if layer_loop == "split":
+    unstack, compile_s = aot.compiled(unstack_layers, (params["layers"],), {})
+    start = time.perf_counter()
+    step_params = dict(params, layers=jax.block_until_ready(unstack(params["layers"])))
+    split_s = time.perf_counter() - start
   first_args = (logits, jax.random.key(seed), limits, eos)
-  first, compile_s = aot.compiled(_first_token, first_args, dict(
+  first, compiled_s = aot.compiled(_first_token, first_args, dict(
       temperature=static["temperature"], top_p=static["top_p"]))
+  compile_s += compiled_s
   start = time.perf_counter() - split_s
   tok, count, done, key = first(*first_args)
   step_logits = [np.asarray(logits)] if static["keep_logits"] else []

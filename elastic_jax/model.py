@@ -460,11 +460,12 @@ def decode_step(params: Params, ids_b: jax.Array, positions_b: jax.Array,
 def split_layers(params: Params) -> Params:
   """`params` with the stacked layer weights [L, ...] as a list of L per-layer trees (copies:
   the layer weights' memory once more while they live), for `decode_step`."""
-  return dict(params, layers=_unstack(params["layers"]))
+  return dict(params, layers=unstack_layers(params["layers"]))
 
 
 @jax.jit
-def _unstack(layers):
+def unstack_layers(layers):
+  """Stacked layer weights [L, ...] as a list of L per-layer trees (copies)."""
   n = jax.tree.leaves(layers)[0].shape[0]
   return [jax.tree.map(lambda x: x[i], layers) for i in range(n)]
 
