@@ -12,17 +12,22 @@ _EXECUTABLES: dict = {}
 _FOOTPRINTS: dict = {}         # id of an executable kept in _EXECUTABLES -> its footprint
 
 
-def compiled(fn, args: tuple, static: dict):
+def compiled(fn, args: tuple, static: dict, before=None):
   """`fn` (a jitted function) lowered and compiled for these arguments' shapes, dtypes and
-  shardings and these static arguments, once per process. Returns (executable, seconds spent
-  compiling now: 0 when it was already compiled)."""
+  shardings and these static arguments, once per process; its memory footprint is asked of
+  XLA then too. Returns (executable, seconds spent compiling now: 0 when it was already
+  compiled). before: called first when a compilation is due (e.g. to let the device finish
+  its queue, so that a timed span can leave the compilation out exactly)."""
   leaves, tree = jax.tree.flatten(args)
   key = (fn, tree, tuple((tuple(x.shape), str(x.dtype), getattr(x, "sharding", None))
                          for x in leaves),
          tuple(sorted(static.items())))
   if key not in _EXECUTABLES:
+    if before is not None:
+      before()
     start = time.perf_counter()
     _EXECUTABLES[key] = fn.lower(*args, **static).compile()
+    footprint(_EXECUTABLES[key])
     return _EXECUTABLES[key], time.perf_counter() - start
   return _EXECUTABLES[key], 0.0
 

@@ -307,10 +307,13 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   over a per-layer copy of them made for this call (`model.split_layers`: about 2x faster
   decoding at small batches on a GPU, for the layer weights' memory once more), "auto":
   split where the device reports room for the copy (`choose_layer_loop`).
-  prefill_chunk: prompts (padded to a multiple of 128) longer than this are prefilled layer
-  by layer, each layer's keys and values going straight into its compact cache, the MLP this
-  many tokens at a time (`prefill.by_layer`: the prefill's peak memory then falls with the
-  MSR); shorter ones, or all with None, in one call (`prefill.whole`). Same tokens either way.
+  prefill_chunk: a prefill whose row (padded to a multiple of 128; packed prompts count
+  together) is longer than this goes layer by layer, each layer's keys and values going
+  straight into its compact cache, the MLP this many tokens of a row at a time
+  (`prefill.by_layer`: the prefill's peak memory then falls with the MSR; the cache is one
+  per layer, which decoding walks with a Python loop over the layers, slicing the stacked
+  weights under layer_loop "scan"); shorter ones, or all with None, in one call
+  (`prefill.whole`). Same tokens either way.
   pack: prefill a batch's prompts packed one after the other in one row (no padding; the
   kernels keep them apart by segment and skip the tiles between segments), not right-padded
   to the longest; never under XAttention patterns, whose kept fraction is taken per row.

@@ -19,8 +19,9 @@ Layout (shape letters as in model.py, plus M the cache capacity in tokens):
       W = sink_len + ring rounded up to a multiple of 16 (the rest never written or read).
 The layer-by-layer prefill (prefill.py) gives instead a list of one such cache per layer
 (L = 1 each, its pool exactly that layer's full heads), as it decides a layer's modes only
-once the earlier layers ran. Decoding writes one token per slot in place (`decode_step` carries the cache through its loop
-over layers) and reads the layer's slots in one launch (`attention.decode`). A query at
+once the earlier layers ran. Decoding writes one token per slot in place (`decode_step`
+carries the cache through its loop over layers) and reads the layer's slots in one launch
+(`attention.decode`). A query at
 position p in block i of a streaming head sees the sink positions < min(sink_len, p + 1) and
 the ring's positions q in [sink_len, p] with i - q // block < local_blocks: exactly
 `Streaming.allows`.
@@ -59,10 +60,6 @@ class HeadCache:
   st_b: jax.Array
   st_h: jax.Array
   slot_of: jax.Array
-
-  @property
-  def nbytes(self) -> int:
-    return aot.tree_bytes(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,12 +121,17 @@ def dense_cache_bytes(n_layers, batch, kv_heads, capacity, head_dim, dtype) -> i
 
 
 def build(k_lrtkh, v_lrtkh, gates_lbk, lengths_b, capacity: int, streaming: Streaming,
-          row_b=None, offset_b=None) -> tuple[HeadCache, int | None, float]:
+          row_b=None, offset_b=None, before_compile=None
+          ) -> tuple[HeadCache, int | None, float]:
   """The cache after a prefill: keys/values of every layer [L, R, T, K, H] and the decided
   gates [L, B, K] (one layer's, L = 1, for the prefill that goes layer by layer). Request b
   holds lengths_b[b] tokens from index offset_b[b] of row row_b[b] (default: row b from index
   0, right-padded rows; packed rows hold several requests). Returns (the cache, the device
-  bytes the build holds at its peak: `aot.footprint`, the seconds spent compiling it now)."""
+  bytes the build holds at its peak: `aot.footprint`, the seconds spent compiling it now);
+  before_compile: as `aot.compiled`'s `before`."""
+  if int(np.max(lengths_b)) > capacity:
+    raise ValueError(f"cache capacity {capacity} is below a prompt's length "
+                     f"{int(np.max(lengths_b))}")
   s = assign_slots(np.asarray(gates_lbk))
   b = np.asarray(gates_lbk).shape[1]
   row_b = np.arange(b) if row_b is None else row_b
@@ -138,7 +140,8 @@ def build(k_lrtkh, v_lrtkh, gates_lbk, lengths_b, capacity: int, streaming: Stre
                                       s.pool_h, s.st_b, s.st_h, s.slot_of)]
   args = (k_lrtkh, v_lrtkh, *(jnp.asarray(x, jnp.int32) for x in (lengths_b, row_b, offset_b)),
           *tables)
-  run, compile_s = aot.compiled(_build, args, dict(capacity=capacity, streaming=streaming))
+  run, compile_s = aot.compiled(_build, args, dict(capacity=capacity, streaming=streaming),
+                                before_compile)
   return run(*args), aot.footprint(run), compile_s
 
 

@@ -409,7 +409,7 @@ forward_routed_jit = jax.jit(forward_routed, static_argnames=(
 
 
 def decode_step(params: Params, ids_b: jax.Array, positions_b: jax.Array,
-                cache: kv_cache.HeadCache, *, cfg: ModelConfig, rcfg: rt.RouterConfig,
+                cache: kv_cache.HeadCache | list, *, cfg: ModelConfig, rcfg: rt.RouterConfig,
                 unroll: bool = False, impl: str = "reference"):
   """One token per row through every layer with the per-head cache (the modes it was built
   with), traced inside the decode loop (`generate._decode_tokens`): (float32 logits [B, V],
@@ -438,8 +438,8 @@ def decode_step(params: Params, ids_b: jax.Array, positions_b: jax.Array,
 
   layers = params["layers"]
   split = isinstance(layers, (list, tuple))              # `split_layers`: one array per layer
-  if split or isinstance(cache, (list, tuple)):
-    caches = list(cache) if isinstance(cache, (list, tuple)) else None
+  if split or isinstance(cache, list):
+    caches = list(cache) if isinstance(cache, list) else None
     for index in range(cfg.num_layers):
       layer_params = layers[index] if split else jax.tree.map(lambda a: a[index], layers)
       if caches is None:                                 # one cache for every layer

@@ -4,15 +4,17 @@ per-head decode cache (kv_cache.py) filled, the first token's logits out.
 Two ways, the same result (tests/test_generate.py checks it):
 
   whole     one call over the stacked layers returns every layer's keys and values
-            [L, B, T, K, H], from which `kv_cache.build` makes the cache: at its peak the
-            device holds the weights, the dense keys and values of every layer and the cache.
-  by layer  (`chunk` tokens) the hidden states [B, T, E] of the whole prompt go through one
+            [L, R, T, K, H] (R rows: one per request, or one packed row), from which
+            `kv_cache.build` makes the cache: at its peak the device holds the weights, the
+            dense keys and values of every layer and the cache.
+  by layer  (`chunk` tokens) the hidden states [R, T, E] of the whole prompt go through one
             layer per call; the layer's keys and values go straight into that layer's own
-            compact cache (`kv_cache.build` on one layer) and are dropped before the next
-            layer runs; the MLP, whose hidden layer is the widest activation, runs `chunk`
-            tokens at a time. At its peak the device holds the weights, the hidden states,
-            one layer's dense keys and values with its temporaries, and the compact cache so
-            far, which shrinks with the MSR. The cache comes out as one `HeadCache` per layer.
+            compact cache (`kv_cache.build` on one layer), built while the next layer runs,
+            and are dropped then; the MLP, whose hidden layer is the widest activation, runs
+            `chunk` tokens of each row at a time. At its peak the device holds the weights,
+            the hidden states, two layers' dense keys and values and one layer's
+            temporaries, and the compact cache so far, which shrinks with the MSR. The cache
+            comes out as one `HeadCache` per layer.
 
 Why layers and not token chunks through the whole model, as servers usually chunk a prompt:
 a layer's router reads that layer's keys of the prompt's first and last tokens (boundary
@@ -53,12 +55,10 @@ class Prefilled:
                                          # assignment; None where not reported)
 
 
-def _cache_gates(gates_lbk: np.ndarray, attention: str, rcfg: RouterConfig) -> np.ndarray:
-  """The modes the cache keeps: every head full for full attention, and for XAttention
-  heads, which select blocks at prefill only and decode as full heads."""
-  if attention == "full" or rcfg.patterns == "fa-xa":
-    return np.ones_like(gates_lbk)
-  return gates_lbk
+def _cache_gates(gates_lbk: np.ndarray, rcfg: RouterConfig) -> np.ndarray:
+  """The modes the cache keeps: the decided ones (all 1 under full attention), but full for
+  XAttention heads, which select blocks at prefill only and decode as full heads."""
+  return np.ones_like(gates_lbk) if rcfg.patterns == "fa-xa" else gates_lbk
 
 
 @flax.struct.dataclass
@@ -88,7 +88,7 @@ def packs(attn_impl: str) -> bool:
   name = attn_impl.partition(":")[0]
   if name == "auto":
     return jax.default_backend() in ("gpu", "tpu")
-  return name != "reference"
+  return name not in ("reference", "dense")
 
 
 def arrange(prompts, pack: bool, multiple: int = 128) -> Rows:
@@ -182,9 +182,9 @@ def _head(params, x_rte, rows, *, cfg):
                     preferred_element_type=jnp.float32)
 
 
-def _build(k, v, gates, rows: Rows, attention, rcfg, capacity):
-  return kv_cache.build(k, v, _cache_gates(gates, attention, rcfg), rows.lengths, capacity,
-                        rcfg.streaming, rows.row, rows.offset)
+def _build(k, v, gates, rows: Rows, rcfg, capacity, before_compile=None):
+  return kv_cache.build(k, v, _cache_gates(gates, rcfg), rows.lengths, capacity,
+                        rcfg.streaming, rows.row, rows.offset, before_compile)
 
 
 def whole(params: Params, cfg: ModelConfig, rows: Rows, router_params, forced_lbk, *,
@@ -199,7 +199,8 @@ def whole(params: Params, cfg: ModelConfig, rows: Rows, router_params, forced_lb
   gates_np = np.asarray(jax.device_get(gates))
   if attention == "full":       # no routing: every head keeps every position
     gates_np = np.ones_like(gates_np)
-  cache, build_bytes, build_compile = _build(k, v, gates_np, rows, attention, rcfg, capacity)
+  cache, build_bytes, build_compile = _build(k, v, gates_np, rows, rcfg, capacity,
+                                             lambda: jax.block_until_ready(logits))
   del k, v
   jax.block_until_ready((logits, cache))
   seconds = time.perf_counter() - start - build_compile
@@ -215,20 +216,24 @@ def by_layer(params: Params, cfg: ModelConfig, rows: Rows, router_params, forced
   """The layer-by-layer prefill (module docstring), the MLP `chunk` tokens at a time; args as
   for `whole`. A layer's modes come to the host (one small transfer) for its cache's slot
   tables while the next layer already runs, so the device does not wait for the host; the
-  layer's keys and values live until then (two layers' at most)."""
+  layer's keys and values live until then (two layers' at most). A compilation due on the
+  way (the first call of a shape) first lets the device finish its queue, so that the time
+  reported leaves it out exactly."""
   static = dict(cfg=cfg, rcfg=rcfg, attention=attention, attn_impl=attn_impl, chunk=chunk)
   embed, compile_s = aot.compiled(_embed, (params, rows), dict(cfg=cfg))
   start, timed_compile = time.perf_counter(), 0.0    # compilations inside the timed span
   x, cos, sin = embed(params, rows)
+  caches, pending = [], None
+  drain = lambda: jax.block_until_ready((x, caches, pending))
   others = aot.tree_bytes(params) - aot.tree_bytes(params["layers"])
   side = aot.tree_bytes((cos, sin, rows))
-  caches, gates, kept, peak, pending = [], [], [], 0, None
+  gates, kept, peak = [], [], 0
   for index in range(cfg.num_layers + 1):
     ran = None
     if index < cfg.num_layers:
       layer_args = (params["layers"], jnp.int32(index), x, cos, sin, rows, router_params,
                     forced_lbk)
-      run, seconds = aot.compiled(_layer, layer_args, static)
+      run, seconds = aot.compiled(_layer, layer_args, static, drain)
       timed_compile += seconds
       fp = aot.footprint(run)
       # The layer call: its arguments and temporaries, the other weights, the caches so far
@@ -241,18 +246,17 @@ def by_layer(params: Params, cfg: ModelConfig, rows: Rows, router_params, forced
       g = np.asarray(jax.device_get(g))[None]
       if attention == "full":
         g = np.ones_like(g)
-      cache, build_bytes, seconds = _build(k, v, g, rows, attention, rcfg, capacity)
+      cache, build_bytes, seconds = _build(k, v, g, rows, rcfg, capacity, drain)
       timed_compile += seconds
       # The build: keys and values in, the layer's cache out, beside the weights, the hidden
       # states, the caches so far and the next layer's outputs.
       peak = None if build_bytes is None or peak is None else max(
           peak, build_bytes + aot.tree_bytes((params, x, caches, ran)) + side)
-      del k, v
       caches.append(cache)
       gates.append(g[0])
       kept.append(xa)
     pending = ran
-  head, seconds = aot.compiled(_head, (params, x, rows), dict(cfg=cfg))
+  head, seconds = aot.compiled(_head, (params, x, rows), dict(cfg=cfg), drain)
   timed_compile += seconds
   logits = head(params, x, rows)
   jax.block_until_ready((logits, caches))

@@ -14,6 +14,7 @@ import pytest
 from elastic_jax.config import config_from_hf_dict
 from elastic_jax.errors import ElasticJaxError
 from elastic_jax.generate import SamplingConfig, generate
+from elastic_jax import kv_cache
 from elastic_jax.kv_cache import assign_slots
 from elastic_jax.model import forward_routed_jit, init_params
 from elastic_jax.router import RouterConfig, init_router_params
@@ -143,6 +144,12 @@ def test_cache_memory_shrinks_with_msr():
   assert sizes["sparse"] == per_pos * 2 * window + index
   assert dense == per_pos * 2 * cap
   assert sizes["sparse"] < sizes["half"] < sizes["dense"]
+
+
+def test_build_refuses_a_request_over_the_capacity():
+  k = jnp.zeros((1, 1, 256, 2, 4))
+  with pytest.raises(ValueError, match="capacity 128 is below a prompt's length 200"):
+    kv_cache.build(k, k, np.ones((1, 1, 2)), np.asarray([200]), 128, RCFG.streaming)
 
 
 def test_slot_tables():
