@@ -117,6 +117,15 @@ def decode_batch(params, cfg, rcfg, gates_lk, batch, length, steps, impl, unroll
   return batch * steps / statistics.median(times[1:]), peak
 
 
+def prefill_chunk_arg(text: str) -> int | None:
+  """--prefill-chunk: 'none' or a positive integer."""
+  if text == "none":
+    return None
+  if not text.isdigit() or int(text) < 1:
+    raise argparse.ArgumentTypeError(f"expected 'none' or an integer >= 1, got {text!r}")
+  return int(text)
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -130,7 +139,7 @@ def main(argv=None):
                  help="decode over a per-layer copy of the weights (generate's default where "
                       "it fits) or a scan over the stacked weights")
   p.add_argument("--attn-impl", default="auto")
-  p.add_argument("--prefill-chunk", default="8192",
+  p.add_argument("--prefill-chunk", default=8192, type=prefill_chunk_arg,
                  help="generate's prefill_chunk: prompts longer than this prefill layer by "
                       "layer, the MLP this many tokens at a time; 'none': in one call")
   p.add_argument("--peer", action="store_true",
@@ -147,8 +156,8 @@ def main(argv=None):
     args.lengths = sorted({min(n, 300) for n in args.lengths})
     args.new_tokens = min(args.new_tokens, 8)
     rcfg = rt.RouterConfig(block=16, local_blocks=4)
-    args.prefill_chunk = "128" if args.prefill_chunk != "none" else "none"
-  chunk = None if args.prefill_chunk == "none" else int(args.prefill_chunk)
+    args.prefill_chunk = None if args.prefill_chunk is None else 128
+  chunk = args.prefill_chunk
   cfg = config_from_hf_dict(hf, f"{args.model} shape")
   dtype = jnp.float32 if args.dry_run else jnp.bfloat16
   params = init_params(cfg, jax.random.key(0), jnp.dtype(dtype).name)

@@ -69,17 +69,12 @@ class Generation:
                                     # each new token was chosen from
 
 
-def _bucket(n: int, multiple: int = 128) -> int:
-  """Padded prompt length: few distinct shapes, so few compilations."""
-  return -(-n // multiple) * multiple
-
-
 def capacity_bucket(n: int) -> int:
   """The cache capacity for n positions: a multiple of 1/8 of the power of two below n (at
   least 128), so that a decode compilation serves every request whose prompt and limit fit,
   for at most 1/8 more memory. The decode kernels read only the live positions."""
   step = max(128, (1 << max(0, n.bit_length() - 1)) // 8)
-  return _bucket(n, step)
+  return prefill.round_up(n, step)
 
 
 def _texts(tokens, finish, tokenizer, eos, stop) -> list[str]:
@@ -331,6 +326,8 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
     raise ElasticJaxError(f"prefill_chunk must be None or an integer >= 1, got "
                           f"{prefill_chunk!r}")
+  if pack is not None and not isinstance(pack, (bool, np.bool_)):
+    raise ElasticJaxError(f"pack must be None, True or False, got {pack!r}")
   if layer_loop not in ("auto", "scan", "split"):
     raise ElasticJaxError(f"layer_loop must be auto, scan or split, got {layer_loop!r}")
   rcfg = rcfg or RouterConfig()

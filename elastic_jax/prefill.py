@@ -91,6 +91,11 @@ def packs(attn_impl: str) -> bool:
   return name not in ("reference", "dense")
 
 
+def round_up(n: int, multiple: int) -> int:
+  """n rounded up to a multiple of `multiple`."""
+  return -(-n // multiple) * multiple
+
+
 def arrange(prompts, pack: bool, multiple: int = 128) -> Rows:
   """Rows for token-id lists: packed into one row (pack), else right-padded to a common
   length; the row length a multiple of `multiple` (few distinct shapes, few compilations)."""
@@ -101,8 +106,7 @@ def arrange(prompts, pack: bool, multiple: int = 128) -> Rows:
     row, seg_of = np.zeros(b, np.int32), np.arange(1, b + 1, dtype=np.int32)
   else:
     offset, row, seg_of = np.zeros(b, np.int32), np.arange(b, dtype=np.int32), np.ones(b, np.int32)
-  width = int((offset + lengths).max())
-  width = -(-width // multiple) * multiple
+  width = round_up(int((offset + lengths).max()), multiple)
   ids, seg, pos = (np.zeros((1 if pack else b, width), np.int32) for _ in range(3))
   for i, p in enumerate(prompts):
     at = (row[i], slice(offset[i], offset[i] + lengths[i]))
@@ -120,10 +124,11 @@ def _segment_gates(forced_lbk, rows: Rows):
   return out.at[:, rows.row, rows.seg_of].set(forced_lbk)
 
 
-def _decided(stats, rows: Rows, shape):
-  """Each request's decided gates ([..., R, S, K] -> [..., B, K]); zeros where none."""
+def _decided(stats, rows: Rows, shape, attention: str):
+  """Each request's decided gates ([..., R, S, K] -> [..., B, K]); where nothing routes,
+  every head full (full attention) or streaming (sparse)."""
   if "gate" not in stats:
-    return jnp.zeros(shape, jnp.float32)
+    return jnp.full(shape, 1.0 if attention == "full" else 0.0, jnp.float32)
   return stats["gate"][..., rows.row, rows.seg_of, :]
 
 
@@ -142,7 +147,8 @@ def _whole(params, rows, router_params, forced_lbk, *, cfg, rcfg, attention, att
       return_kv=True)
   logits = jnp.einsum("be,ev->bv", _last(hidden, rows), output_head(params, cfg),
                       preferred_element_type=jnp.float32)
-  gates = _decided(stats, rows, (cfg.num_layers,) + rows.lengths.shape + (cfg.num_kv_heads,))
+  gates = _decided(stats, rows, (cfg.num_layers,) + rows.lengths.shape + (cfg.num_kv_heads,),
+                   attention)
   return logits, gates, stats.get("xa_kept"), stats["k"], stats["v"]
 
 
@@ -170,7 +176,7 @@ def _layer(layers, index, x_rte, cos, sin, rows, router_params, forced_lbk, *, c
   layer = DecoderLayer(cfg, x_rte.dtype, attn_impl, attention, rcfg, packed=rows.packed,
                        mlp_chunk=chunk)
   x_rte, stats = layer.apply({"params": take(layers)}, x_rte, ctx, per_layer)
-  gates = _decided(stats, rows, rows.lengths.shape + (cfg.num_kv_heads,))
+  gates = _decided(stats, rows, rows.lengths.shape + (cfg.num_kv_heads,), attention)
   return x_rte, gates, stats.get("xa_kept"), stats["k"][None], stats["v"][None]
 
 
@@ -197,8 +203,6 @@ def whole(params: Params, cfg: ModelConfig, rows: Rows, router_params, forced_lb
   start = time.perf_counter()
   logits, gates, xa_kept, k, v = run(*args)
   gates_np = np.asarray(jax.device_get(gates))
-  if attention == "full":       # no routing: every head keeps every position
-    gates_np = np.ones_like(gates_np)
   cache, build_bytes, build_compile = _build(k, v, gates_np, rows, rcfg, capacity,
                                              lambda: jax.block_until_ready(logits))
   del k, v
@@ -244,8 +248,6 @@ def by_layer(params: Params, cfg: ModelConfig, rows: Rows, router_params, forced
     if pending is not None:
       g, xa, k, v = pending
       g = np.asarray(jax.device_get(g))[None]
-      if attention == "full":
-        g = np.ones_like(g)
       cache, build_bytes, seconds = _build(k, v, g, rows, rcfg, capacity, drain)
       timed_compile += seconds
       # The build: keys and values in, the layer's cache out, beside the weights, the hidden

@@ -259,6 +259,8 @@ def test_python_api_bad_input(world):
     m.generate([[1, 2]], attention="full", layer_loop="unrolled")
   with pytest.raises(ej.ElasticJaxError, match="prefill_chunk must be None or an integer"):
     m.generate([[1, 2]], attention="full", prefill_chunk=0)
+  with pytest.raises(ej.ElasticJaxError, match="pack must be None, True or False, got 'yes'"):
+    m.generate([[1, 2]], attention="full", pack="yes")
   q, k = jax.numpy.ones((1, 8, 2, 4)), jax.numpy.ones((1, 8, 1, 4))
   for args, kw, words in (
       ((q, k[:, :4], k[:, :4], jax.numpy.ones((1, 1))), {}, "must share batch, length"),
