@@ -142,3 +142,56 @@ def test_packed_rows_apply_only_to_hard_gates_and_counting_positions():
   assert not bool(mosaic_gpu.packed_rows_apply(seg, pos, gate.at[0, 0, 0].set(0.5)))
   assert not bool(mosaic_gpu.packed_rows_apply(seg, pos.at[0, 6].set(0), gate))
   assert not bool(mosaic_gpu.packed_rows_apply(seg, pos - 1, gate))   # negative positions
+
+
+def _kept_blocks(b, k, t, xa_block, seed):
+  """Random kept blocks with the diagonal (XAttention always keeps it), some above it too:
+  the kernel must ignore those as the reference does."""
+  nb = -(-t // xa_block)
+  keep = jax.random.bernoulli(jax.random.key(seed), 0.4, (b, k, nb, nb))
+  return keep | jnp.eye(nb, dtype=bool)[None, None]
+
+
+@pytest.mark.parametrize("b,t,n,k,xa_block,patterns,gates", [
+    (1, 700, 2, 2, 256, "fa-xa", [[0.0, 1.0]]),    # G = 1 (128 rows a program), 2 tiles a block
+    (2, 520, 4, 1, 128, "xa-ssa", [[1.0], [0.0]]),  # G = 4, head pairs, padded T
+])
+def test_xa_heads_walk_their_kept_blocks(b, t, n, k, xa_block, patterns, gates):
+  """XAttention heads in the Mosaic GPU forward: the heads of XA's mode visit their kept
+  blocks' tiles (read from the block lists at run time), the others their full or streaming
+  tiles; against the float32 reference on the same kept blocks."""
+  st = Streaming(1, 1, 256)
+  q, kk, v = _inputs(b, t, n, k, 64, jnp.bfloat16, seed=t)
+  keep = _kept_blocks(b, k, t, xa_block, seed=t)
+  gate = jnp.asarray(gates, jnp.float32)
+  got = mosaic_gpu.xa_forward_hard(q, kk, v, gate, keep, st, patterns=patterns,
+                                   xa_block=xa_block, interpret=INTERPRET)
+  up = [x.astype(jnp.float32) for x in (q, kk, v)]
+  ref = lambda g: dense_hybrid_attention(*up, g, st, patterns=patterns, xa_keep=keep,
+                                         xa_block=xa_block)
+  err = float(jnp.abs(got.astype(jnp.float32) - ref(gate)).max())
+  assert err <= TOL[jnp.bfloat16], err
+  assert float(jnp.abs(got.astype(jnp.float32) - ref(1.0 - gate)).max()) > 10 * TOL[jnp.bfloat16]
+
+
+def test_xa_op_takes_hard_and_fractional_gates():
+  """attn_impl="mosaic_gpu" under "fa-xa": hard gates run the Mosaic kernel, a fractional one
+  the Triton kernel (one compilation, chosen at run time); both match the reference. Blocks
+  of 64 tokens, which the Mosaic kernel does not take, run on the Triton kernel."""
+  st = dict(sink_blocks=1, local_blocks=1, block=128)
+  q, k, v = _inputs(1, 384, 4, 2, 64, jnp.bfloat16, seed=5)
+  up = [x.astype(jnp.float32) for x in (q, k, v)]
+  for xa_block in (128, 64):
+    keep = _kept_blocks(1, 2, 384, xa_block, seed=xa_block)
+    assert mosaic_gpu.xa_applies(q.shape, k.shape, q.dtype, Streaming(**st), xa_block) == (
+        xa_block == 128)
+    for gate in ([[1.0, 0.0]], [[0.5, 0.0]]):
+      gate = jnp.asarray(gate, jnp.float32)
+      kw = dict(**st, patterns="fa-xa", xa_keep=keep, xa_block=xa_block)
+      got = hybrid_attention(q, k, v, gate, attn_impl="mosaic_gpu", interpret=INTERPRET, **kw)
+      want = hybrid_attention(*up, gate, attn_impl="reference", **kw)
+      err = float(jnp.abs(got.astype(jnp.float32) - want).max())
+      assert err <= TOL[jnp.bfloat16], (xa_block, gate, err)
+  with pytest.raises(ValueError, match="xa_keep has shape"):
+    mosaic_gpu.xa_forward_hard(q, k, v, gate, keep, Streaming(**st), patterns="fa-xa",
+                               xa_block=128, interpret=True)

@@ -112,9 +112,12 @@ def xa_operands(xa_keep, num_blocks: int, slots: int):
   """The kept XAttention blocks [B, K, nb, nb] as the kernels read them: (index, count, keep)
   int32 [slots, nbp, nbp], [slots, nbp], [slots, nbp, nbp], flattened to (batch, KV head)
   slots (padded to `slots`) and to nbp = num_blocks blocks (>= nb; padding keeps nothing).
-  index lists each query block's kept blocks first, ascending (`xattention.block_lists`)."""
+  index lists each query block's kept blocks first, ascending (`xattention.block_lists`), the
+  diagonal block last: blocks above the diagonal are dropped and the diagonal block is always
+  kept (XAttention's selection keeps it; the kernels walk a list's last entry masked)."""
   b, kh, nb, _ = xa_keep.shape
   extra = num_blocks - nb
+  xa_keep = (xa_keep & jnp.tri(nb, dtype=bool)[None, None]) | jnp.eye(nb, dtype=bool)[None, None]
   keep = jnp.pad(xa_keep, ((0, 0), (0, 0), (0, extra), (0, extra))).reshape(
       b * kh, 1, num_blocks, num_blocks)
   index, count = block_lists(keep)

@@ -47,7 +47,8 @@ from elastic_jax.attention import pallas_gpu
 from elastic_jax.attention.common import (MODE_FULL, MODE_SPARSE, kernel_or_reference,
                                           modes_from_gate, packed_plan, pad_packed, pad_to,
                                           segment_bounds, with_fused_backward)
-from elastic_jax.attention.reference import MASK_VALUE, Streaming
+from elastic_jax.attention.reference import MASK_VALUE, Streaming, split_patterns
+from elastic_jax.attention.xattention import block_lists
 
 try:  # the Mosaic GPU dialect ships with jaxlib; keep the package importable without it
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -112,6 +113,28 @@ def walk(q_start, rows: int, mode, streaming: Streaming, block_kv: int):
   return steps, sink_end, second_start
 
 
+@dataclasses.dataclass(frozen=True)
+class XAWalk:
+  """How the kernel reads XAttention heads: the head mode that XA takes (MODE_SPARSE under
+  "fa-xa", MODE_FULL under "xa-ssa"), the XA block in tokens (a multiple of the KV tile and of
+  the rows per program) and the number of blocks per kept-block list."""
+  mode: int
+  block: int
+  num_blocks: int
+
+
+def xa_walk(q_start, rows: int, count, xa_block: int, block_kv: int):
+  """The KV tiles an XAttention head's program visits, as `walk` returns them: its `count`
+  kept blocks strictly below the diagonal block (whole: every key precedes every row), read
+  from its list, then the diagonal block's tiles up to the causal end (XAttention always keeps
+  the diagonal). Returns (steps, n1, second_start): steps < n1 read listed blocks' tiles."""
+  per_block = xa_block // block_kv
+  causal_end = (q_start + rows + block_kv - 1) // block_kv
+  second_start = q_start // xa_block * per_block
+  n1 = count * per_block
+  return n1 + causal_end - second_start, n1, second_start
+
+
 def _tile_of(step, lo, n1, second_start):
   """The KV tile of step `step` of a walk that reads tiles lo .. lo + n1 - 1, then tiles
   second_start onwards."""
@@ -132,13 +155,17 @@ def packed_walk(plan, mode):
   return n1 + causal_hi - second, kv_lo, n1, second, in_lo, unmasked_hi
 
 
-def _kernel(modes_ref, plan_ref, q_ref, k_ref, v_ref, rows_ref, out_ref, scoped, *, groups,
-            num_kv_heads, streaming, tiles: MosaicTiles, scale, num_q_tiles):
+def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_refs, scoped, *,
+            groups, num_kv_heads, streaming, tiles: MosaicTiles, scale, num_q_tiles,
+            xa: "XAWalk | None"):
   """One program: `rows` query rows of one or two query heads. Unpacked rows (plan_ref None)
-  walk `walk`'s list and mask the causal diagonal; packed rows walk their precomputed
-  `packed_walk` (plan_ref: its six fields' arrays) and mask every tile outside its unmasked
-  range with per-row bounds (rows_ref)."""
-  (qo_smem2, k_smem, v_smem, p_smem2, rows_smem2), ready, (k_free, v_free), turn = scoped
+  walk `walk`'s list (an XA head: `xa_walk`'s, reading its kept-block list from xa_refs) and
+  mask the causal diagonal; packed rows walk their precomputed `packed_walk` (plan_ref: its
+  six fields' arrays) and mask every tile outside its unmasked range with per-row bounds
+  (rows_ref)."""
+  (qo_smem2, k_smem, v_smem, p_smem2, rows_smem2, lse_smem2), ready, (k_free, v_free), turn = (
+      scoped)
+  out_ref, lse_ref = out_refs
   k_ready, v_ready, q_ready, rows_ready = ready
   block_q, block_kv, slots = tiles.block_q, tiles.block_kv, tiles.slots
   pair_heads = groups >= 2
@@ -159,10 +186,31 @@ def _kernel(modes_ref, plan_ref, q_ref, k_ref, v_ref, rows_ref, out_ref, scoped,
   if packed:   # the program's walk, precomputed (`packed_walk`), one array per field
     at = (b * num_kv_heads + kv_head) * num_q_tiles + qt
     steps, lo, n1, second_start, unmasked_lo, unmasked_hi = (ref[at] for ref in plan_ref)
+    tile_of = lambda s: _tile_of(s, lo, n1, second_start)
   else:
-    mode = modes_ref[b * num_kv_heads + kv_head]
+    slot = b * num_kv_heads + kv_head
+    mode = modes_ref[slot]
     steps, n1, second_start = walk(q_start, rows, mode, streaming, block_kv)
     lo = jnp.int32(0)
+    if xa is None:
+      tile_of = lambda s: _tile_of(s, lo, n1, second_start)
+    else:   # an XA head walks its kept blocks below the diagonal, then the diagonal
+      index_ref, count_ref = xa_refs
+      is_xa = mode == xa.mode
+      q_block = q_start // xa.block
+      list_at = (slot * xa.num_blocks + q_block) * xa.num_blocks
+      xa_steps, xa_n1, xa_second = xa_walk(q_start, rows, count_ref[slot * xa.num_blocks
+                                                                    + q_block], xa.block,
+                                           block_kv)
+      steps, n1, second_start = (jnp.where(is_xa, x, y) for x, y in (
+          (xa_steps, steps), (xa_n1, n1), (xa_second, second_start)))
+      per_block = xa.block // block_kv
+
+      def tile_of(s):   # other heads read one fixed entry (a cached load, not a dependent one)
+        entry = list_at + jnp.minimum(s // per_block, xa.num_blocks - 1)
+        kept = index_ref[jnp.where(is_xa, entry, 0)]
+        first = jnp.where(is_xa, kept * per_block + lax.rem(s, jnp.int32(per_block)), s)
+        return jnp.where(s < n1, first, second_start + s - n1)
 
   def take_turn():
     plgpu.barrier_arrive(turn)
@@ -223,7 +271,7 @@ def _kernel(modes_ref, plan_ref, q_ref, k_ref, v_ref, rows_ref, out_ref, scoped,
       # key's larger maximum scales to zero (an FMA of the huge mask value would not cancel).
       c = scale * _LOG2E
       if masked:
-        x = mask(x * c, _tile_of(s, lo, n1, second_start))
+        x = mask(x * c, tile_of(s))
         m_new = jnp.maximum(m_i, x.max(axis=1))
         p = jnp.exp2(x - lax.broadcast_in_dim(m_new, x.shape, [0]))
       else:
@@ -268,8 +316,12 @@ def _kernel(modes_ref, plan_ref, q_ref, k_ref, v_ref, rows_ref, out_ref, scoped,
     pl.when(wg == 0)(take_turn)
     acc = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
     qo_smem[...] = acc.astype(dtype)
+    if lse_ref is not None:
+      lse_smem2.at[wg][...] = m_i + jnp.log2(l_i)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, pl.ds(row0, block_q), head])
+    if lse_ref is not None:
+      plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[b, head, pl.ds(row0, block_q)])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == _COMPUTE_WGS)
@@ -277,7 +329,7 @@ def _kernel(modes_ref, plan_ref, q_ref, k_ref, v_ref, rows_ref, out_ref, scoped,
     plgpu.set_max_registers(40, action="decrease")
 
     def load(s, slot):
-      rows_kv = pl.ds(_tile_of(s, lo, n1, second_start) * block_kv, block_kv)
+      rows_kv = pl.ds(tile_of(s) * block_kv, block_kv)
       plgpu.copy_gmem_to_smem(k_ref.at[b, rows_kv, kv_head], k_smem.at[slot], k_ready.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[b, rows_kv, kv_head], v_smem.at[slot], v_ready.at[slot])
 
@@ -316,11 +368,15 @@ def _step_ranges(packed, steps, lo, n1, second_start, q_start, rows, row0, block
 
 
 def _call(q, k, v, modes, *, streaming: Streaming, tiles: MosaicTiles, scale, interpret,
-          walks=None, row_bounds=None):
+          walks=None, row_bounds=None, xa: XAWalk | None = None, xa_lists=None,
+          lse: bool = False):
   """The kernel over padded inputs. Packed rows: `walks`, the six fields of `packed_walk`,
   each int32 [B * K * nq] (one array per field: Pallas's GPU interpreter stalls when a kernel
   reads two scalars of one array), and `row_bounds` [B, K, 3, Tp] int32 (`_row_bounds`);
-  `modes` is unused then."""
+  `modes` is unused then. XAttention heads (unpacked rows): `xa` and `xa_lists`, the kept
+  blocks below the diagonal as (index int32 [B * K * nb * nb], count int32 [B * K * nb]).
+  lse: also return each row's base-2 log-sum-exp of its scaled scores, float32 [B, N, Tp]
+  (the backward's residual)."""
   b, tp, n, d = q.shape
   kh = k.shape[2]
   groups = n // kh
@@ -331,17 +387,25 @@ def _call(q, k, v, modes, *, streaming: Streaming, tiles: MosaicTiles, scale, in
   packed = walks is not None
 
   def entry(*refs):
-    if packed:
-      *plan_ref, q_ref, k_ref, v_ref, rows_ref, out_ref = refs
-      modes_ref = None
+    xa_refs = None
+    if lse:
+      *refs, out_ref, lse_ref = refs
     else:
-      (modes_ref, q_ref, k_ref, v_ref, out_ref), plan_ref, rows_ref = refs, None, None
+      (*refs, out_ref), lse_ref = refs, None
+    if packed:
+      *plan_ref, q_ref, k_ref, v_ref, rows_ref = refs
+      modes_ref = None
+    elif xa is not None:
+      (modes_ref, *xa_refs, q_ref, k_ref, v_ref), plan_ref, rows_ref = refs, None, None
+    else:
+      (modes_ref, q_ref, k_ref, v_ref), plan_ref, rows_ref = refs, None, None
     item_bits = jnp.dtype(dtype).itemsize * 8
     transforms = (plgpu.TilingTransform((8, 1024 // item_bits)), plgpu.SwizzleTransform(128))
     pl.run_scoped(
-        lambda *scoped: _kernel(modes_ref, plan_ref, q_ref, k_ref, v_ref, rows_ref, out_ref,
-                                scoped, groups=groups, num_kv_heads=kh, streaming=streaming,
-                                tiles=tiles, scale=scale, num_q_tiles=tp // rows),
+        lambda *scoped: _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref,
+                                (out_ref, lse_ref), scoped, groups=groups, num_kv_heads=kh,
+                                streaming=streaming, tiles=tiles, scale=scale,
+                                num_q_tiles=tp // rows, xa=xa),
         (plgpu.SMEM((_COMPUTE_WGS, tiles.block_q, d), dtype, transforms=transforms),
          plgpu.SMEM((slots, tiles.block_kv, d), dtype, transforms=transforms),
          plgpu.SMEM((slots, tiles.block_kv, d), dtype, transforms=transforms),
@@ -349,7 +413,8 @@ def _call(q, k, v, modes, *, streaming: Streaming, tiles: MosaicTiles, scale, in
          # shared memory, so there P takes a trip through it.
          plgpu.SMEM((_COMPUTE_WGS, tiles.block_q, tiles.block_kv), dtype,
                     transforms=transforms) if interpret else None,
-         plgpu.SMEM((_COMPUTE_WGS, _ROW_FIELDS, tiles.block_q), jnp.int32) if packed else None),
+         plgpu.SMEM((_COMPUTE_WGS, _ROW_FIELDS, tiles.block_q), jnp.int32) if packed else None,
+         plgpu.SMEM((_COMPUTE_WGS, tiles.block_q), jnp.float32) if lse else None),
         (plgpu.Barrier(num_barriers=slots), plgpu.Barrier(num_barriers=slots),
          plgpu.Barrier(num_barriers=_COMPUTE_WGS),
          plgpu.Barrier(num_barriers=_COMPUTE_WGS * _ROW_FIELDS) if packed else None),
@@ -359,10 +424,14 @@ def _call(q, k, v, modes, *, streaming: Streaming, tiles: MosaicTiles, scale, in
     )
 
   kwargs = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
-  operands = (*walks, q, k, v, row_bounds) if packed else (modes, q, k, v)
+  operands = ((*walks, q, k, v, row_bounds) if packed else
+              (modes, *(xa_lists if xa is not None else ()), q, k, v))
+  out_type = jax.ShapeDtypeStruct(q.shape, dtype)
+  if lse:
+    out_type = (out_type, jax.ShapeDtypeStruct((b, n, tp), jnp.float32))
   return plgpu.kernel(
       entry,
-      out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+      out_type=out_type,
       grid=(n // heads_per_program, tp // rows, b),
       grid_names=("hp", "qt", "b"),
       num_threads=_COMPUTE_WGS + 1,
@@ -398,6 +467,66 @@ def hybrid_forward(q, k, v, gate_bk, streaming: Streaming, *,
       lambda: hybrid_forward_hard(q, k, v, gate_bk, streaming, tiles=tiles,
                                   interpret=interpret),
       lambda: pallas_gpu.hybrid_forward(q, k, v, gate_bk, streaming, interpret=interpret))
+
+
+def xa_applies(q_shape, k_shape, dtype, streaming: Streaming, xa_block: int,
+               tiles: MosaicTiles = DEFAULT_TILES) -> bool:
+  """Whether this kernel takes XAttention heads of `xa_block`-token blocks for these shapes:
+  `applies`, and blocks made of whole KV tiles and whole programs' rows."""
+  rows = _rows_per_program(q_shape[2] // k_shape[2], tiles)
+  return (applies(q_shape, k_shape, dtype, streaming, tiles) and xa_block % tiles.block_kv == 0
+          and xa_block % rows == 0)
+
+
+@functools.partial(jax.jit, static_argnames=("streaming", "patterns", "xa_block", "tiles",
+                                             "interpret"))
+def xa_forward_hard(q, k, v, gate_bk, xa_keep, streaming: Streaming, *, patterns: str,
+                    xa_block: int, tiles: MosaicTiles = DEFAULT_TILES, interpret: bool = False):
+  """The kernel alone under the XAttention settings ("fa-xa", "xa-ssa"), for gates of 0 or 1
+  (a fractional gate counts as full): the heads of XA's mode walk their kept blocks (xa_keep
+  [B, K, nb, nb] bool, blocks of xa_block tokens; the diagonal block is always attended), the
+  others their full or streaming walk. Shapes as `hybrid_forward_hard`."""
+  if not xa_applies(q.shape, k.shape, q.dtype, streaming, xa_block, tiles):
+    raise ValueError(f"the Mosaic GPU kernel does not take XAttention blocks of {xa_block} "
+                     f"with q {q.shape} {q.dtype}, k {k.shape}, {streaming}, {tiles} (see "
+                     f"mosaic_gpu.xa_applies)")
+  hi, lo = split_patterns(patterns)
+  if "xa" not in (hi, lo):
+    raise ValueError(f"xa_forward_hard runs the XAttention settings, not '{patterns}'")
+  b, t = q.shape[:2]
+  kh = k.shape[2]
+  nb = -(-t // xa_block)
+  if xa_keep.shape != (b, kh, nb, nb):
+    raise ValueError(f"xa_keep has shape {xa_keep.shape}; {(b, kh, nb, nb)} expected for "
+                     f"{t} tokens in blocks of {xa_block}")
+  q, k, v = (pad_to(x, 1, tiles.block_kv) for x in (q, k, v))
+  below = xa_keep & jnp.tri(nb, k=-1, dtype=bool)[None, None]   # the diagonal: walked apart
+  index, count = block_lists(below)
+  xa = XAWalk(mode=MODE_SPARSE if lo == "xa" else MODE_FULL, block=xa_block, num_blocks=nb)
+  modes = modes_from_gate(gate_bk.astype(jnp.float32)).reshape(-1)
+  out = _call(q, k, v, modes, streaming=streaming, tiles=tiles, scale=q.shape[3] ** -0.5,
+              interpret=interpret, xa=xa,
+              xa_lists=(index.reshape(-1), count.reshape(-1)))
+  return out[:, :t]
+
+
+def make_xa_hybrid(tiles: MosaicTiles = DEFAULT_TILES):
+  """`pallas_gpu.make_xa_hybrid` with this kernel as the undifferentiated forward where gates
+  are 0 or 1 (decided at run time) and it `xa_applies`; training keeps the Triton kernels."""
+  triton_forward, forward_train, backward = pallas_gpu.xa_parts()
+
+  def forward(q, k, v, gate_bk, xa_keep, streaming, patterns, xa_block, interpret):
+    triton = lambda: triton_forward(q, k, v, gate_bk, xa_keep, streaming, patterns, xa_block,
+                                    interpret)
+    if not xa_applies(q.shape, k.shape, q.dtype, streaming, xa_block, tiles):
+      return triton()
+    return lax.cond(
+        jnp.all((gate_bk <= 0.0) | (gate_bk >= 1.0)),
+        lambda: xa_forward_hard(q, k, v, gate_bk, xa_keep, streaming, patterns=patterns,
+                                xa_block=xa_block, tiles=tiles, interpret=interpret),
+        triton)
+
+  return with_fused_backward(forward, forward_train, backward, num_arrays=5, num_static=4)
 
 
 def make_hybrid(tiles: MosaicTiles = DEFAULT_TILES):
@@ -501,7 +630,7 @@ def make_packed_hybrid(tiles: MosaicTiles = DEFAULT_TILES):
 
 
 hybrid_attention = functools.partial(kernel_or_reference, make_hybrid(),
-                                     xa_kernel=pallas_gpu.make_xa_hybrid(),
+                                     xa_kernel=make_xa_hybrid(),
                                      xa_kernel_applies=pallas_gpu.xa_kernel_applies,
                                      packed_kernel=make_packed_hybrid(),
                                      packed_xa_kernel=pallas_gpu.make_packed_xa_hybrid())

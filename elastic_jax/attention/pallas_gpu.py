@@ -488,6 +488,15 @@ def make_xa_hybrid(forward_tiles: Tiles = FORWARD_TILES,
   read their kept-block lists); under differentiation the training forward computes both
   pair' outputs of every head over its causal tiles, and the dQ and dK/dV kernels skip
   an XA head's tiles of blocks it did not keep. Tiles are clamped to the XA block."""
+  return with_fused_backward(*xa_parts(forward_tiles, train_forward_tiles, dq_tiles, dkv_tiles),
+                             num_arrays=5, num_static=4)
+
+
+def xa_parts(forward_tiles: Tiles = FORWARD_TILES,
+             train_forward_tiles: Tiles = TRAIN_FORWARD_TILES, dq_tiles: Tiles = DQ_TILES,
+             dkv_tiles: Tiles = DKV_TILES):
+  """(forward, forward_train, backward) of `make_xa_hybrid`, as `common.with_fused_backward`
+  takes them (five arrays: q, k, v, the gate, the kept blocks; four static arguments)."""
 
   def clamp(tiles: Tiles, xa_block: int) -> Tiles:
     return dataclasses.replace(tiles, block_q=min(tiles.block_q, xa_block),
@@ -498,8 +507,7 @@ def make_xa_hybrid(forward_tiles: Tiles = FORWARD_TILES,
                                                      dkv_tiles)]
     return all_tiles, max(max(x.block_q, x.block_k) for x in all_tiles)
 
-  @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-  def fn(q, k, v, gate_bk, xa_keep, streaming, patterns, xa_block, interpret):
+  def forward(q, k, v, gate_bk, xa_keep, streaming, patterns, xa_block, interpret):
     f = forward_tiles
     return xa_hybrid_forward(q, k, v, gate_bk, xa_keep, streaming, patterns=patterns,
                              xa_block=xa_block, block_q=f.block_q, block_k=f.block_k,
@@ -527,8 +535,7 @@ def make_xa_hybrid(forward_tiles: Tiles = FORWARD_TILES,
                            split_patterns(patterns), keep, xa_block)
     return (*grads, None)
 
-  fn.defvjp(forward_train, backward)
-  return fn
+  return forward, forward_train, backward
 
 
 def _backward_call(res, d_out, streaming, interpret, dq_t: Tiles, dkv_t: Tiles,
