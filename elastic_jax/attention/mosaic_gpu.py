@@ -43,10 +43,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from elastic_jax.attention import pallas_gpu
+from elastic_jax.attention import mosaic_gpu_backward, pallas_gpu
 from elastic_jax.attention.common import (MODE_FULL, MODE_SPARSE, kernel_or_reference,
                                           modes_from_gate, packed_plan, pad_packed, pad_to,
-                                          segment_bounds, with_fused_backward)
+                                          row_deltas, segment_bounds, with_fused_backward)
+from elastic_jax.attention.mosaic_gpu_backward import DEFAULT_BACKWARD_TILES, BackwardTiles
 from elastic_jax.attention.reference import MASK_VALUE, Streaming, split_patterns
 from elastic_jax.attention.xattention import block_lists
 
@@ -529,17 +530,95 @@ def make_xa_hybrid(tiles: MosaicTiles = DEFAULT_TILES):
   return with_fused_backward(forward, forward_train, backward, num_arrays=5, num_static=4)
 
 
-def make_hybrid(tiles: MosaicTiles = DEFAULT_TILES):
+def trains(q_shape, k_shape, dtype, streaming: Streaming, tiles: MosaicTiles = DEFAULT_TILES,
+           backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES) -> bool:
+  """Whether the Mosaic GPU training kernels take a call of these shapes: the forward's layout
+  (`applies`) and the backward's (`mosaic_gpu_backward.applies`)."""
+  groups = q_shape[2] // k_shape[2]
+  return (applies(q_shape, k_shape, dtype, streaming, tiles)
+          and mosaic_gpu_backward.applies(groups, streaming, backward_tiles))
+
+
+def forward_train(q, k, v, gate_bk, streaming: Streaming, *, tiles: MosaicTiles = DEFAULT_TILES,
+                  backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES,
+                  interpret: bool = False):
+  """The training forward on this kernel: O = r O_FA + (1 - r) O_SSA for any gates, and the
+  residuals of `backward`. O_FA and O_SSA of every head (the gate's gradient needs both) are
+  two launches with every head full, then every head streaming; the second visits only the
+  sink and window tiles, so the pair costs one full pass and a small one, as the one-walk
+  Triton training forward does. Shapes as `hybrid_forward_hard`."""
+  b, t, n, d = q.shape
+  kh = k.shape[2]
+  tp = mosaic_gpu_backward.padded_length(t, n // kh, backward_tiles)
+  tp += -tp % math.lcm(_rows_per_program(n // kh, tiles), tiles.block_kv)
+  qp, kp, vp = (pad_to(x, 1, tp) for x in (q, k, v))
+  run = lambda mode, q, k, v: _call(q, k, v, jnp.full((b * kh,), mode, jnp.int32),
+                                    streaming=streaming, tiles=tiles, scale=d ** -0.5,
+                                    interpret=interpret, lse=True)
+  o_fa, lse_fa = run(MODE_FULL, qp, kp, vp)
+  # One launch after the other: Pallas's GPU interpreter keeps global state and stalls when
+  # two kernels run at once (a GPU runs them in order anyway).
+  _, (qs, ks, vs) = lax.optimization_barrier((o_fa, (qp, kp, vp)))
+  o_sa, lse_sa = run(MODE_SPARSE, qs, ks, vs)
+  o_fa, o_sa = o_fa[:, :t], o_sa[:, :t]
+  r = jnp.repeat(gate_bk.astype(jnp.float32), n // kh, axis=1)[:, None, :, None]
+  o = (r * o_fa.astype(jnp.float32) + (1.0 - r) * o_sa.astype(jnp.float32)).astype(q.dtype)
+  return o, (qp, kp, vp, gate_bk, o_fa, o_sa, lse_fa, lse_sa)
+
+
+def backward(residuals, d_out, streaming: Streaming, *,
+             backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES, interpret: bool = False):
+  """(dq, dk, dv, d_gate) from `forward_train`'s residuals: the Mosaic GPU dQ and dK/dV
+  kernels (`mosaic_gpu_backward`); the gate's gradient is rowsum(dO * (O_FA - O_SSA)) summed
+  per (batch, KV head) (`common.row_deltas`)."""
+  qp, kp, vp, gate_bk, o_fa, o_sa, lse_fa, lse_sa = residuals
+  t, tp = d_out.shape[1], qp.shape[1]
+  d_fa, d_sa, d_gate = row_deltas(d_out, o_fa, o_sa, gate_bk)
+  rows = lambda x: pad_to(x, 1, tp).transpose(0, 2, 1)                   # [B, N, Tp]
+  terms = jnp.stack([lse_fa, lse_sa, rows(d_fa), rows(d_sa)], axis=2)    # [B, N, 4, Tp]
+  do = pad_to(d_out.astype(qp.dtype), 1, tp)
+  gate = gate_bk.astype(jnp.float32).reshape(-1)
+  kw = dict(streaming=streaming, tiles=backward_tiles, interpret=interpret)
+  operands = (qp, kp, vp, do, terms, modes_from_gate(gate), gate)
+  dq = mosaic_gpu_backward.dq_call(*operands, **kw)
+  _, operands = lax.optimization_barrier((dq, operands))     # in order, as forward_train's
+  dk, dv = mosaic_gpu_backward.dkv_call(*operands, **kw)
+  return dq[:, :t], dk[:, :t], dv[:, :t], d_gate
+
+
+def make_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "triton",
+                backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES):
   """`pallas_gpu.make_hybrid` with this kernel as the undifferentiated forward where it
-  `applies` (training keeps the Triton kernels)."""
-  triton_forward, forward_train, backward = pallas_gpu.hybrid_parts()
+  `applies`. training: "triton" (the Triton training kernels) or "mosaic" (`forward_train`
+  and `backward` on this file's kernels where `trains`, the Triton ones elsewhere). The
+  Mosaic training kernels are checked in interpret mode only, so "triton" stays the default
+  until they are checked natively on a Hopper GPU."""
+  if training not in ("triton", "mosaic"):
+    raise ValueError(f"training kernels '{training}' are unknown (triton, mosaic)")
+  triton_forward, triton_train, triton_backward = pallas_gpu.hybrid_parts()
 
   def forward(q, k, v, gate_bk, streaming, interpret):
     if applies(q.shape, k.shape, q.dtype, streaming, tiles):
       return hybrid_forward(q, k, v, gate_bk, streaming, tiles=tiles, interpret=interpret)
     return triton_forward(q, k, v, gate_bk, streaming, interpret)
 
-  return with_fused_backward(forward, forward_train, backward)
+  def mosaic_trains(q_shape, k_shape, dtype, streaming):
+    return training == "mosaic" and trains(q_shape, k_shape, dtype, streaming, tiles,
+                                           backward_tiles)
+
+  def train(q, k, v, gate_bk, streaming, interpret):
+    if mosaic_trains(q.shape, k.shape, q.dtype, streaming):
+      return forward_train(q, k, v, gate_bk, streaming, tiles=tiles,
+                           backward_tiles=backward_tiles, interpret=interpret)
+    return triton_train(q, k, v, gate_bk, streaming, interpret)
+
+  def grads(streaming, interpret, res, d_out):
+    if mosaic_trains(d_out.shape, res[1].shape, d_out.dtype, streaming):   # res[1]: padded k
+      return backward(res, d_out, streaming, backward_tiles=backward_tiles,
+                      interpret=interpret)
+    return triton_backward(streaming, interpret, res, d_out)
+
+  return with_fused_backward(forward, train, grads)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,488 @@
+"""The hybrid FA/SSA backward for Hopper GPUs in Pallas Mosaic GPU (wgmma, TMA): dQ and dK/dV.
+
+The training forward (`mosaic_gpu.forward_train`) leaves, per query row and head, O_FA and
+O_SSA and the base-2 log-sum-exps of both patterns; with D_FA = rowsum(dO * O_FA), D_SSA
+likewise, and a gate r per (batch, KV head), each visited tile gives
+  P_x = exp2(S * c - lse_x)  (x = FA, SSA; c = scale * log2 e; zero where x hides the key),
+  dP  = dO V^T,
+  dS  = r P_FA (dP - D_FA) + (1 - r) P_SSA (dP - D_SSA),
+and dQ = scale * dS K, dK = scale * dS^T Q, dV = (r P_FA + (1 - r) P_SSA)^T dO. The FA term
+is skipped where r = 0 and the SSA term where r = 1 or the tile lies outside the head's sink
+and window: the run-time mode picks the walk, as in the forward.
+
+Both kernels are warp-specialised like the forward (`mosaic_gpu`): one memory warpgroup
+streams tiles into a ring of shared-memory slots with the bulk copy engine, two compute
+warpgroups run the matrix products on the tensor cores (wgmma) and the elementwise terms in
+registers.
+  dQ   a program per (query head pair or row-tile pair, query tiles, batch), as the forward:
+       it walks the KV tiles of its mode (`dq_walk`), K and V streamed.
+  dK/dV a program per (KV head, 2 x block_k keys, batch): each compute warpgroup owns block_k
+       keys; the program walks, for each of the KV head's G query heads, the query tiles that
+       see its keys (`dkv_walk`), Q, dO and the four row terms streamed; the G heads' sums
+       stay in the accumulators (GQA without a reduction afterwards).
+Tiles of a walk are a fixed sequence of ranges, each with its terms (FA, SSA or both) known
+at trace time; a range's tiles that straddle the causal diagonal run masked, the others not.
+The streaming window needs no mask: `mosaic_gpu.applies` demands SSA blocks made of whole
+tiles, so a tile is wholly inside or outside a head's window.
+
+Interpret mode (`interpret=True`) runs the kernels on a CPU: there the register operands of
+wgmma take a trip through shared memory and accumulators are added after (no run_state).
+
+Shape letters: B batch, T tokens (Tp padded), N query heads, K KV heads, G = N / K, D head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from elastic_jax.attention.common import MODE_FULL, MODE_MIX, MODE_SPARSE
+from elastic_jax.attention.reference import Streaming
+
+try:  # the Mosaic GPU dialect ships with jaxlib; keep the package importable without it
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover
+  plgpu = None
+
+_LOG2E = math.log2(math.e)
+_COMPUTE_WGS = 2
+_ROW_TERMS = 4      # per query row and head: lse_FA, lse_SSA, D_FA, D_SSA
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardTiles:
+  """Rows per compute warpgroup and keys per K/V tile of the dQ kernel; keys per compute
+  warpgroup and rows per Q/dO tile of the dK/dV kernel; slots of each kernel's ring."""
+  dq_block_q: int = 64
+  dq_block_kv: int = 128
+  dkv_block_k: int = 64
+  dkv_block_q: int = 64
+  slots: int = 2
+
+
+DEFAULT_BACKWARD_TILES = BackwardTiles()
+
+
+def applies(groups: int, streaming: Streaming, tiles: BackwardTiles = DEFAULT_BACKWARD_TILES):
+  """Whether these tiles fit the layout (with `mosaic_gpu.applies` for dtypes and head dims):
+  SSA blocks of whole tiles on both kernels' sides, G even or 1 for the dQ head pairs."""
+  sizes = (_dq_rows(groups, tiles), tiles.dq_block_kv, _COMPUTE_WGS * tiles.dkv_block_k,
+           tiles.dkv_block_q)
+  return ((groups == 1 or groups % 2 == 0) and tiles.slots >= 2
+          and all(x % 64 == 0 and streaming.block % x == 0 for x in sizes))
+
+
+def _dq_rows(groups: int, tiles: BackwardTiles) -> int:
+  """Rows of a dQ program: one row tile of two query heads, or two row tiles of one head."""
+  return tiles.dq_block_q if groups >= 2 else _COMPUTE_WGS * tiles.dq_block_q
+
+
+def padded_length(t: int, groups: int, tiles: BackwardTiles = DEFAULT_BACKWARD_TILES) -> int:
+  """T padded to whole programs of both kernels."""
+  return t + (-t % math.lcm(_dq_rows(groups, tiles), tiles.dq_block_kv,
+                            _COMPUTE_WGS * tiles.dkv_block_k, tiles.dkv_block_q))
+
+
+def _ranges_tile(s, ranges):
+  """The tile of step `s` of a walk made of `ranges` [(lo, hi, ...)] in order."""
+  tile, offset = jnp.int32(0), jnp.int32(0)
+  for lo, hi, *_ in ranges:
+    n = hi - lo
+    tile = jnp.where((s >= offset) & (s < offset + n), lo + s - offset, tile)
+    offset = offset + n
+  return tile
+
+
+def _offsets(ranges):
+  """The first step of each range and the walk's length."""
+  out, offset = [], jnp.int32(0)
+  for lo, hi, *_ in ranges:
+    out.append(offset)
+    offset = offset + (hi - lo)
+  return out, offset
+
+
+def dq_walk(q_start, rows: int, mode, streaming: Streaming, block_kv: int):
+  """The KV tiles a dQ program of `rows` rows from `q_start` visits: ranges (lo, hi, fa, sa)
+  in order, fa / sa whether the FA / SSA term applies on them (fixed per range, the bounds
+  per mode at run time; a range another mode uses is empty).
+    FULL    [0, causal end) FA;
+    SPARSE  sink tiles, then the window up to the diagonal, SSA;
+    MIX     sink tiles FA+SSA, the tiles between FA, the window FA+SSA."""
+  per_block = streaming.block // block_kv
+  causal_end = (q_start + rows + block_kv - 1) // block_kv
+  sink_end = jnp.minimum(streaming.sink_blocks * per_block, causal_end)
+  window = jnp.maximum(q_start // streaming.block - streaming.local_blocks + 1, 0) * per_block
+  win_lo = jnp.maximum(window, sink_end)
+  full, sparse, mix = mode == MODE_FULL, mode == MODE_SPARSE, mode == MODE_MIX
+  upto = lambda on, lo, hi: (lo, jnp.where(on, hi, lo))
+  return [(*upto(full, 0, causal_end), True, False),
+          (*upto(mix, sink_end, win_lo), True, False),
+          (*upto(sparse, 0, sink_end), False, True),
+          (*upto(sparse, win_lo, causal_end), False, True),
+          (*upto(mix, 0, sink_end), True, True),
+          (*upto(mix, win_lo, causal_end), True, True)]
+
+
+def dkv_walk(k_start, keys: int, mode, streaming: Streaming, block_q: int, num_q_tiles):
+  """The query tiles a dK/dV program of `keys` keys from `k_start` visits (per query head):
+  ranges (lo, hi, fa, sa) as `dq_walk`'s. Query tiles from the one holding the first key see
+  it causally (FA); the SSA pattern sees a sink key from every later row and another key from
+  the rows whose window still reaches its block."""
+  blk = streaming.block
+  lo = k_start // block_q
+  kb = k_start // blk
+  reach = jnp.where(kb < streaming.sink_blocks, num_q_tiles,
+                    jnp.minimum((kb + streaming.local_blocks) * blk // block_q, num_q_tiles))
+  reach = jnp.maximum(reach, lo)
+  full, sparse, mix = mode == MODE_FULL, mode == MODE_SPARSE, mode == MODE_MIX
+  upto = lambda on, a, z: (a, jnp.where(on, z, a))
+  del keys
+  return [(*upto(full, lo, num_q_tiles), True, False),
+          (*upto(sparse, lo, reach), False, True),
+          (*upto(mix, lo, reach), True, True),
+          (*upto(mix, reach, num_q_tiles), True, False)]
+
+
+def _swizzled(dtype):
+  bits = jnp.dtype(dtype).itemsize * 8
+  return (plgpu.TilingTransform((8, 1024 // bits)), plgpu.SwizzleTransform(128))
+
+
+def _mma(acc, lhs, rhs_ref, staging):
+  """acc + lhs @ rhs on the tensor cores, lhs in registers (WGMMA layout). In interpret mode
+  (`staging`, a shared-memory buffer of lhs's shape) lhs goes through shared memory and the
+  product is added after."""
+  if staging is None:
+    def fn(acc_ref):
+      plgpu.wgmma(acc_ref, lhs, rhs_ref)
+    return pl.run_state(fn)(plgpu.ACC.init(acc))
+  staging[...] = lhs
+  plgpu.commit_smem()
+
+  def fresh(acc_ref):
+    plgpu.wgmma(acc_ref, staging, rhs_ref)
+    return acc_ref[...]
+  return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
+
+
+def _product(lhs_ref, rhs_ref, shape):
+  """lhs @ rhs into a fresh float32 accumulator (both operands in shared memory)."""
+  def fn(acc_ref):
+    plgpu.wgmma(acc_ref, lhs_ref, rhs_ref)
+    return acc_ref[...]
+  return pl.run_scoped(fn, plgpu.ACC(shape, jnp.float32))
+
+
+def _dscores(x, dp, terms, ok, weights, fa: bool, sa: bool, bcast):
+  """(P mixed, dS) of one tile from the scaled scores x and dP: the FA and/or SSA terms with
+  weights (r, 1 - r); terms = (lse_FA, lse_SSA, D_FA, D_SSA) as broadcast by `bcast`."""
+  lse_fa, lse_sa, d_fa, d_sa = terms
+  r, one_minus_r = weights
+  p_mix = ds = None
+  for on, lse, delta, w in ((fa, lse_fa, d_fa, r), (sa, lse_sa, d_sa, one_minus_r)):
+    if not on:
+      continue
+    p = jnp.exp2(x - bcast(lse))
+    if ok is not None:
+      p = jnp.where(ok, p, 0.0)
+    wp = p * w
+    term = wp * (dp - bcast(delta))
+    p_mix = wp if p_mix is None else p_mix + wp
+    ds = term if ds is None else ds + term
+  return p_mix, ds
+
+
+def _dq_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, rows_ref, dq_ref, scoped, *,
+               groups, num_kv_heads, streaming: Streaming, tiles: BackwardTiles, scale,
+               num_q_tiles, interpret):
+  (q_smem2, do_smem2, rows_smem2, k_smem, v_smem, ds_smem2), ready, (k_ready, v_ready), (
+      k_free, v_free) = scoped
+  q_ready, do_ready, rows_ready = ready
+  block_q, block_kv, slots = tiles.dq_block_q, tiles.dq_block_kv, tiles.slots
+  pair_heads = groups >= 2
+  rows = _dq_rows(groups, tiles)
+  head_dim = q_ref.shape[-1]
+  dtype = q_ref.dtype
+
+  b = lax.axis_index("b")
+  hp = lax.axis_index("hp")
+  qt = num_q_tiles - 1 - lax.axis_index("qt")        # heavy first, as the forward
+  wg = lax.axis_index("wg")
+  heads_per_program = _COMPUTE_WGS if pair_heads else 1
+  kv_head = lax.div(hp * heads_per_program, jnp.int32(groups))
+  slot_bk = b * num_kv_heads + kv_head
+  mode = modes_ref[slot_bk]
+  r = gate_ref[slot_bk]
+  q_start = qt * rows
+  ranges = dq_walk(q_start, rows, mode, streaming, block_kv)
+  firsts, steps = _offsets(ranges)
+
+  @pl.when(wg < _COMPUTE_WGS)
+  def _compute():
+    plgpu.set_max_registers(232, action="increase")
+    q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+    head = hp * heads_per_program + (wg if pair_heads else 0)
+    row0 = q_start + (0 if pair_heads else wg * block_q)
+    rows_here = pl.ds(row0, block_q)
+    plgpu.copy_gmem_to_smem(q_ref.at[b, rows_here, head], q_smem, q_ready.at[wg])
+    plgpu.copy_gmem_to_smem(do_ref.at[b, rows_here, head], do_smem, do_ready.at[wg])
+    plgpu.copy_gmem_to_smem(rows_ref.at[b, head, :, rows_here], rows_smem2.at[wg],
+                            rows_ready.at[wg])
+    for barrier in ready:
+      plgpu.barrier_wait(barrier.at[wg])
+    terms = [plgpu.load(rows_smem2.at[wg, x], layout=plgpu.Layout.WGMMA.reduce(1))
+             for x in range(_ROW_TERMS)]
+    bcast = lambda v: lax.broadcast_in_dim(v, (block_q, block_kv), [0])
+    c = scale * _LOG2E
+    staging = ds_smem2.at[wg] if interpret else None
+
+    def step(j, dq, first, fa, sa, masked):
+      s = first + j
+      slot = lax.rem(s, jnp.int32(slots))
+      plgpu.barrier_wait(k_ready.at[slot])
+      x = _product(q_smem, k_smem.at[slot].transpose((1, 0)), (block_q, block_kv)) * c
+      plgpu.barrier_wait(v_ready.at[slot])
+      dp = _product(do_smem, v_smem.at[slot].transpose((1, 0)), (block_q, block_kv))
+      plgpu.barrier_arrive(v_free.at[slot])
+      ok = None
+      if masked:
+        shape = (block_q, block_kv)
+        row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
+        col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + (
+            j * block_kv)
+        ok = row >= col
+      _, ds = _dscores(x, dp, terms, ok, (r, 1.0 - r), fa, sa, bcast)
+      dq = _mma(dq, ds.astype(dtype), k_smem.at[slot], staging)
+      plgpu.barrier_arrive(k_free.at[slot])
+      return dq
+
+    dq = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+    first_masked = row0 // block_kv       # tiles from here hold keys after the first row
+    for (lo, hi, fa, sa), first in zip(ranges, firsts):
+      split = jnp.clip(first_masked, lo, hi)
+      for a, z, masked in ((lo, split, False), (split, hi, True)):
+        dq = lax.fori_loop(a, z, functools.partial(step, first=first - lo, fa=fa, sa=sa,
+                                                   masked=masked), dq)
+    q_smem[...] = (dq * scale).astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows_here, head])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == _COMPUTE_WGS)
+  def _memory():
+    plgpu.set_max_registers(40, action="decrease")
+
+    def load(s, slot):
+      keys = pl.ds(_ranges_tile(s, ranges) * block_kv, block_kv)
+      plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kv_head], k_smem.at[slot], k_ready.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kv_head], v_smem.at[slot], v_ready.at[slot])
+
+    _stream(load, (k_free, v_free), steps, slots)
+
+
+def _stream(load, free, steps, slots: int):
+  """The memory warpgroup's loop: fill the ring, then refill each slot once every consumer has
+  released it, and observe the last releases so that every barrier phase is consumed."""
+  for i in range(slots):
+    pl.when(i < steps)(functools.partial(load, jnp.int32(i), i))
+
+  @pl.loop(0, jnp.maximum(steps - slots, 0))
+  def _(s):
+    slot = lax.rem(s, jnp.int32(slots))
+    for barrier in free:
+      plgpu.barrier_wait(barrier.at[slot])
+    load(s + slots, slot)
+
+  @pl.loop(jnp.maximum(steps - slots, 0), steps)
+  def _(s):
+    slot = lax.rem(s, jnp.int32(slots))
+    for barrier in free:
+      plgpu.barrier_wait(barrier.at[slot])
+
+
+def _dkv_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, rows_ref, dk_ref, dv_ref,
+                scoped, *, groups, num_kv_heads, streaming: Streaming, tiles: BackwardTiles,
+                scale, num_q_tiles, interpret):
+  (k_smem2, v_smem2, q_smem, do_smem, rows_smem, st_smem2), (k_ready, v_ready), (
+      q_ready, do_ready, rows_ready), q_free = scoped
+  block_k, block_q, slots = tiles.dkv_block_k, tiles.dkv_block_q, tiles.slots
+  keys = _COMPUTE_WGS * block_k
+  head_dim = k_ref.shape[-1]
+  dtype = k_ref.dtype
+
+  b = lax.axis_index("b")
+  kv_head = lax.axis_index("kvh")
+  k_start = lax.axis_index("kt") * keys             # first tiles first: the most query tiles
+  wg = lax.axis_index("wg")
+  slot_bk = b * num_kv_heads + kv_head
+  mode = modes_ref[slot_bk]
+  r = gate_ref[slot_bk]
+  ranges = dkv_walk(k_start, keys, mode, streaming, block_q, num_q_tiles)
+  firsts, per_head = _offsets(ranges)
+  steps = groups * per_head
+
+  @pl.when(wg < _COMPUTE_WGS)
+  def _compute():
+    plgpu.set_max_registers(232, action="increase")
+    k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+    key0 = k_start + wg * block_k
+    mine = pl.ds(key0, block_k)
+    plgpu.copy_gmem_to_smem(k_ref.at[b, mine, kv_head], k_smem, k_ready.at[wg])
+    plgpu.copy_gmem_to_smem(v_ref.at[b, mine, kv_head], v_smem, v_ready.at[wg])
+    plgpu.barrier_wait(k_ready.at[wg])
+    plgpu.barrier_wait(v_ready.at[wg])
+    shape = (block_k, block_q)
+    bcast = lambda v: lax.broadcast_in_dim(v, shape, [1])
+    c = scale * _LOG2E
+    staging = st_smem2.at[wg] if interpret else None
+
+    def step(i, carry, first, fa, sa, masked):
+      dk, dv = carry
+      s = first + i
+      slot = lax.rem(s, jnp.int32(slots))
+      plgpu.barrier_wait(q_ready.at[slot])
+      x = _product(k_smem, q_smem.at[slot].transpose((1, 0)), shape) * c
+      plgpu.barrier_wait(rows_ready.at[slot])
+      terms = [plgpu.load(rows_smem.at[slot, t], layout=plgpu.Layout.WGMMA.reduce(0))
+               for t in range(_ROW_TERMS)]
+      plgpu.barrier_wait(do_ready.at[slot])
+      dp = _product(v_smem, do_smem.at[slot].transpose((1, 0)), shape)
+      ok = None
+      if masked:   # rows are keys, columns queries: a query sees the keys up to itself
+        key = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + key0
+        query = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + (
+            i * block_q)
+        ok = query >= key
+      p_mix, ds = _dscores(x, dp, terms, ok, (r, 1.0 - r), fa, sa, bcast)
+      dv = _mma(dv, p_mix.astype(dtype), do_smem.at[slot], staging)
+      dk = _mma(dk, ds.astype(dtype), q_smem.at[slot], staging)
+      plgpu.barrier_arrive(q_free.at[slot])
+      return dk, dv
+
+    zeros = plgpu.layout_cast(jnp.full((block_k, head_dim), 0.0, jnp.float32),
+                              plgpu.Layout.WGMMA)
+    masked_hi = (key0 + block_k + block_q - 1) // block_q   # query tiles before: diagonal
+
+    def one_head(g, carry):
+      for (lo, hi, fa, sa), first in zip(ranges, firsts):
+        split = jnp.clip(masked_hi, lo, hi)
+        for a, z, masked in ((lo, split, True), (split, hi, False)):
+          carry = lax.fori_loop(a, z, functools.partial(
+              step, first=g * per_head + first - lo, fa=fa, sa=sa, masked=masked), carry)
+      return carry
+
+    dk, dv = lax.fori_loop(0, groups, one_head, (zeros, zeros))
+    k_smem[...] = (dk * scale).astype(dtype)
+    v_smem[...] = dv.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, mine, kv_head])
+    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, mine, kv_head])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == _COMPUTE_WGS)
+  def _memory():
+    plgpu.set_max_registers(40, action="decrease")
+
+    def load(s, slot):
+      g = lax.div(s, jnp.maximum(per_head, 1))
+      rows = pl.ds(_ranges_tile(s - g * per_head, ranges) * block_q, block_q)
+      head = kv_head * groups + g
+      plgpu.copy_gmem_to_smem(q_ref.at[b, rows, head], q_smem.at[slot], q_ready.at[slot])
+      plgpu.copy_gmem_to_smem(rows_ref.at[b, head, :, rows], rows_smem.at[slot],
+                              rows_ready.at[slot])
+      plgpu.copy_gmem_to_smem(do_ref.at[b, rows, head], do_smem.at[slot], do_ready.at[slot])
+
+    _stream(load, (q_free,), steps, slots)
+
+
+def _params(interpret):
+  return {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
+
+
+def dq_call(q, k, v, do, row_terms, modes, gate, *, streaming: Streaming,
+            tiles: BackwardTiles, interpret: bool):
+  """dQ [B, Tp, N, D] from padded q, k, v, dO, the row terms [B, N, 4, Tp] float32 (lse_FA,
+  lse_SSA, D_FA, D_SSA) and per (batch, KV head) modes int32 and gates float32 [B * K]."""
+  b, tp, n, d = q.shape
+  kh = k.shape[2]
+  groups = n // kh
+  pair_heads = groups >= 2
+  rows = _dq_rows(groups, tiles)
+  dtype = q.dtype
+  swz = _swizzled(dtype)
+  bq, bkv, slots = tiles.dq_block_q, tiles.dq_block_kv, tiles.slots
+
+  def entry(*refs):
+    pl.run_scoped(
+        lambda *scoped: _dq_kernel(*refs, scoped, groups=groups, num_kv_heads=kh,
+                                   streaming=streaming, tiles=tiles, scale=d ** -0.5,
+                                   num_q_tiles=tp // rows, interpret=interpret),
+        (plgpu.SMEM((_COMPUTE_WGS, bq, d), dtype, transforms=swz),
+         plgpu.SMEM((_COMPUTE_WGS, bq, d), dtype, transforms=swz),
+         plgpu.SMEM((_COMPUTE_WGS, _ROW_TERMS, bq), jnp.float32),
+         plgpu.SMEM((slots, bkv, d), dtype, transforms=swz),
+         plgpu.SMEM((slots, bkv, d), dtype, transforms=swz),
+         plgpu.SMEM((_COMPUTE_WGS, bq, bkv), dtype, transforms=swz) if interpret else None),
+        (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * 3,
+        (plgpu.Barrier(num_barriers=slots),) * 2,
+        (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=slots),) * 2,
+        collective_axes="wg",
+    )
+
+  return plgpu.kernel(
+      entry,
+      out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+      grid=(n // (_COMPUTE_WGS if pair_heads else 1), tp // rows, b),
+      grid_names=("hp", "qt", "b"),
+      num_threads=_COMPUTE_WGS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      **_params(interpret),
+  )(modes, gate, q, k, v, do, row_terms)
+
+
+def dkv_call(q, k, v, do, row_terms, modes, gate, *, streaming: Streaming,
+             tiles: BackwardTiles, interpret: bool):
+  """(dK, dV) [B, Tp, K, D], the G query heads of each KV head summed; operands as `dq_call`."""
+  b, tp, n, d = q.shape
+  kh = k.shape[2]
+  groups = n // kh
+  dtype = q.dtype
+  swz = _swizzled(dtype)
+  bk, bq, slots = tiles.dkv_block_k, tiles.dkv_block_q, tiles.slots
+
+  def entry(*refs):
+    pl.run_scoped(
+        lambda *scoped: _dkv_kernel(*refs, scoped, groups=groups, num_kv_heads=kh,
+                                    streaming=streaming, tiles=tiles, scale=d ** -0.5,
+                                    num_q_tiles=tp // bq, interpret=interpret),
+        (plgpu.SMEM((_COMPUTE_WGS, bk, d), dtype, transforms=swz),
+         plgpu.SMEM((_COMPUTE_WGS, bk, d), dtype, transforms=swz),
+         plgpu.SMEM((slots, bq, d), dtype, transforms=swz),
+         plgpu.SMEM((slots, bq, d), dtype, transforms=swz),
+         plgpu.SMEM((slots, _ROW_TERMS, bq), jnp.float32),
+         plgpu.SMEM((_COMPUTE_WGS, bk, bq), dtype, transforms=swz) if interpret else None),
+        (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * 2,
+        (plgpu.Barrier(num_barriers=slots),) * 3,
+        plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=slots),
+        collective_axes="wg",
+    )
+
+  kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
+  return plgpu.kernel(
+      entry,
+      out_type=(kv_type, kv_type),
+      grid=(kh, tp // (_COMPUTE_WGS * bk), b),
+      grid_names=("kvh", "kt", "b"),
+      num_threads=_COMPUTE_WGS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      **_params(interpret),
+  )(modes, gate, q, k, v, do, row_terms)
