@@ -28,7 +28,10 @@ last ones) to SSA and the others to full causal attention. In order:
 4. Training at --train-lengths: gradients of sum(out * cot) w.r.t. q, k, v (and the gate for
    ours, `jax.grad` through `hybrid_attention(attn_impl=--attn-impl)`) for cuDNN causal, cuDNN
    window, ours at each --train-msr and with every gate at 0.5 (all heads mixed, as under a
-   relaxed router), and Flex hybrid.
+   relaxed router), and Flex hybrid; on a Hopper GPU also ours through the Mosaic GPU
+   training kernels (`mosaic_gpu.make_hybrid(training="mosaic")`, rows "ours, Mosaic ...";
+   --no-mosaic-training skips them), whose gradients step 1 also checks, at the gradient
+   check's MSR and at mixed gates.
 Then the bf16 matrix-product ceiling of the device, measured in the same run (a square
 8192 product), a table per length (printed as each finishes; each row's TFLOP/s also as a
 fraction of that ceiling), where the Hopper kernel issue's targets stand, and --json.
@@ -92,6 +95,7 @@ class Bench:
   impl: str = "auto"       # ours: hybrid_attention(attn_impl=...)
   also: tuple = ()         # other impls timed beside it (forward)
   mosaic_tiles: tuple = ()  # Mosaic GPU kernel variants, (block_q, block_kv, slots) each
+  mosaic_training: bool = False  # also train through the Mosaic GPU training kernels
 
   @property
   def window(self) -> int:
@@ -161,6 +165,11 @@ class Bench:
                 for tl in self.mosaic_tiles})
     return out
 
+  def mosaic_trained(self):
+    """q, k, v, gate -> out through `mosaic_gpu.make_hybrid(training="mosaic")`."""
+    fn = mosaic_gpu.make_hybrid(training="mosaic")
+    return lambda q, k, v, gate: fn(q, k, v, gate, self.st, self.dry_run)
+
   def trained(self, spec: str):
     """q, k, v, gate -> out through `make_hybrid` with the tiles of a --train-tiles spec."""
     f, dq, dkv = (Tiles(*(int(x) for x in part.split("x"))) for part in spec.split("/"))
@@ -178,8 +187,9 @@ def fwd_bwd(attend, n_args: int):
 @dataclasses.dataclass
 class Row:
   """One case of a table. Speed-ups and targets look rows up by `key` (cudnn_causal,
-  cudnn_window, ours, ours[BQxBKxS], ours_mixed, flex, ideal) and `streams` (KV heads
-  streaming; None where no routing applies); `work` is the FLOPs the pattern needs."""
+  cudnn_window, ours, ours[BQxBKxS], ours_mixed, ours_mosaic_train[_mixed], flex, ideal)
+  and `streams` (KV heads streaming; None where no routing applies); `work` is the FLOPs the
+  pattern needs."""
   kernel: str
   key: str
   streams: int | None
@@ -349,6 +359,20 @@ def check(b: Bench, t: int, streams, grad_streams: int):
   except Exception as e:
     out["grad"] = {"error": short(e)}
     log(f"check T={t} gradients: failed, {out['grad']['error']}")
+  if b.mosaic_training:   # at the MSR of the gradient check and at mixed gates
+    ref_grads = fwd_bwd(functools.partial(b.ours, attn_impl="reference"), 4)
+    for label, g in ((f"msr {grad_streams / b.kh:g}", gate), ("mixed gates", mixed)):
+      key = f"grad, Mosaic training, {label}"
+      try:
+        got = fwd_bwd(b.mosaic_trained(), 4)(cot, q, k, v, g)
+        want = ref_grads(cot, *up, g)
+        out[key] = {name: rel_err(x, w) for name, x, w in zip(("dq", "dk", "dv", "dgate"),
+                                                             got, want)}
+        log(f"check T={t} Mosaic training gradients at {label}: " + ", ".join(
+            f"{name} rel err {e:.2e}" for name, e in out[key].items()))
+      except Exception as e:
+        out[key] = {"error": short(e)}
+        log(f"check T={t} Mosaic training gradients at {label}: failed, {short(e)}")
   return out, tuple(ours)
 
 
@@ -413,6 +437,14 @@ def train_rows(b: Bench, t: int, train_streams, flex: Flex) -> list[Row]:
     rows.append(flex.row("train", t, s, work))
   rows.append(measure(b, Row("ours, every gate 0.5", "ours_mixed", None, full), label, ours,
                       cot, q, k, v, jnp.full((1, b.kh), 0.5, jnp.float32)))
+  if b.mosaic_training:
+    mosaic = fwd_bwd(b.mosaic_trained(), 4)
+    for s in train_streams:
+      rows.append(measure(b, Row("ours, Mosaic training", "ours_mosaic_train", s,
+                                 TRAIN_FLOPS * b.hybrid_work(t, s)),
+                          label, mosaic, cot, q, k, v, b.gate(s)))
+    rows.append(measure(b, Row("ours, Mosaic, gates 0.5", "ours_mosaic_train_mixed", None, full),
+                        label, mosaic, cot, q, k, v, jnp.full((1, b.kh), 0.5, jnp.float32)))
   for spec in b.train_tiles:
     variant = fwd_bwd(b.trained(spec), 4)
     for s in train_streams:
@@ -510,6 +542,11 @@ def targets(fwd: dict, train: dict, kh: int) -> list[dict]:
              ratio(sec(rows, "ours", s75), cc), "<=", 0.75),
             (f"train T={t} every gate 0.5: ours / cuDNN causal fwd+bwd time",
              ratio(sec(rows, "ours_mixed"), cc), "<=", 1.4)]
+    if any(r["key"] == "ours_mosaic_train" for r in rows):
+      out += [(f"train T={t} {m75}: ours, Mosaic training / cuDNN causal",
+               ratio(sec(rows, "ours_mosaic_train", s75), cc), "<=", 0.75),
+              (f"train T={t} every gate 0.5: ours, Mosaic training / cuDNN causal",
+               ratio(sec(rows, "ours_mosaic_train_mixed"), cc), "<=", 1.4)]
   return [{"target": name, "value": v, "goal": f"{op} {goal:g}",
            "met": None if v is None else (v >= goal if op == ">=" else v <= goal)}
           for name, v, op, goal in out]
@@ -530,6 +567,8 @@ def parse_args(argv=None):
                  help="stop timing a case after this many seconds of timed calls (and >= 3)")
   p.add_argument("--skip-torch", action="store_true", help="no FlexAttention")
   p.add_argument("--skip-train", action="store_true", help="forward only")
+  p.add_argument("--no-mosaic-training", dest="mosaic_training", action="store_false",
+                 help="do not also train through the Mosaic GPU training kernels")
   p.add_argument("--json", type=Path, help="also write every result here")
   p.add_argument("--tiles", nargs="+", default=[], metavar="BQxBKxS[xW]",
                  help="also time the raw kernel (hybrid_forward) with these tiles, e.g. "
@@ -598,6 +637,14 @@ def main(argv=None):
             Streaming(args.sink_blocks, args.local_blocks, args.block), args.dry_run,
             (args.reps, min(MIN_REPS, args.reps), args.seconds), tuple(args.tiles),
             tuple(args.train_tiles), args.attn_impl, tuple(args.also), tuple(args.mosaic_tiles))
+  # The Mosaic GPU training kernels run on a Hopper GPU where their layout holds (in interpret
+  # mode several Mosaic kernels in one computation stall the interpreter: not in a dry run).
+  shapes = ((1, 1, b.n, b.d), (1, 1, b.kh, b.d), jnp.bfloat16, b.st)
+  hopper = str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+  if args.mosaic_training and hopper and mosaic_gpu.trains(*shapes):
+    b = dataclasses.replace(b, mosaic_training=True)
+  elif args.mosaic_training:
+    log("Mosaic training kernels: not timed here (they need a Hopper GPU and their layout)")
   streams = sorted({round(m * b.kh) for m in args.msr} | {0, b.kh})
   train_streams = list(dict.fromkeys(round(m * b.kh) for m in args.train_msr))
   meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -1,30 +1,47 @@
-"""XAttention heads on the GPU: block scoring and block-sparse attention against dense cuDNN and
-the streaming mode, side by side in one run.
+"""XAttention heads on the GPU: block scoring and block-sparse attention against full heads,
+dense cuDNN and the streaming mode, side by side in one run.
 
-    python benchmarks/xattention.py [--lengths 32768 131072] [--sharpness 1 4] [--threshold 0.9]
+    python benchmarks/xattention.py [--lengths 32768 131072] [--focus 0.5 1 1.5 2]
+        [--inputs structured|noise] [--threshold 0.9] [--train-lengths 16384]
     python benchmarks/xattention.py --dry-run          # CPU smoke test, tiny shapes, interpret
 
 Shape: B = 1, 32 query / 8 KV heads, head_dim 128, bf16 (the Llama-3.1-8B attention); XA stride
-16, block 128; SSA sink 1 + local 16 blocks of 128. Inputs are random normal q, k, v with q
-multiplied by --sharpness: at 1 the scores are nearly flat (XAttention must keep most blocks to
-reach the threshold), larger values give peakier attention and sparser selections. Real model
-activations sit somewhere in between; the density printed is what the selection kept.
+16, block 128; SSA sink 1 + local 16 blocks of 128.
 
-Per length and sharpness, every head in the same mode:
+Inputs. i.i.d. normal q and k (--inputs noise) have nearly flat attention, so XAttention keeps
+~0.9 of the blocks by construction. The default --inputs structured draws inputs with the
+structure of a language model's attention (`structured_inputs`): an attention sink at token 0,
+topic segments of 512 tokens whose keys share a direction, queries that look for their own
+segment's topic and, per query block and head, one earlier segment's (retrieval), and RoPE
+(theta 5e5) over both, which favours nearby keys. --focus scales the queries: larger values
+give peakier attention and sparser selections, so the kept density d spans a range (at
+T = 16384, threshold 0.9, computed on a CPU: focus 0.25, 0.5, 1, 2, 4 keep d = 0.88, 0.83,
+0.65, 0.11, 0.04 of the causal pairs; i.i.d. noise 0.90). These are
+synthetic inputs, not a model's activations (`benchmarks/xattention_density.py` measures d on
+a model's own).
+
+Per length and focus, every head in the same mode:
   cuDNN causal         jax.nn.dot_product_attention(implementation="cudnn", is_causal=True)
-  ours SSA             our fused kernel, every head streaming
+  ours full            our inference kernel, every head full (the Mosaic GPU forward on a
+                       Hopper GPU, else Triton): the time XA heads are held against
+  ours SSA             every head streaming
   XA scoring (kernel)  the Pallas scoring kernel + selection (`xattention.select`, pallas_gpu)
-  XA scoring (jnp)     the plain-jnp scoring + selection (the reference)
-  XA attention         our fused kernel with the FA-XA patterns, every head XA, on the kept blocks
-  XA total             scoring (kernel) + attention, as a prefill runs them
-Times are medians of --reps calls after two warm-ups; a ratio is cuDNN's time over the row's
-(> 1: faster than dense). At the first length the XA kernel's output is checked against the
-float32 reference on the same kept blocks, and the kernel's block masses against the jnp ones.
+  XA scoring (jnp)     the plain-jnp scoring + selection (the default, "auto")
+  XA attention Triton  the Triton kernel with the FA-XA patterns, every head XA, kept blocks
+  XA attention Mosaic  the Mosaic GPU forward walking the kept-block lists (where it applies)
+  XA total             the faster scoring + the faster XA attention, as a prefill runs them
+then the targets: XA total <= (d + 0.1) x ours full, and XA total faster than cuDNN causal
+wherever d <= 0.6. Times are medians of --reps calls after two warm-ups; a ratio is cuDNN's
+time over the row's (> 1: faster than dense). At the first length the XA kernels' outputs are
+checked against the float32 reference on the same kept blocks, and the scoring kernel's block
+masses against the jnp ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import math
 import os
 import statistics
 import sys
@@ -34,11 +51,14 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from elastic_jax.attention import Streaming  # noqa: E402
+from elastic_jax.attention import Streaming, mosaic_gpu  # noqa: E402
 from elastic_jax.attention.pallas_gpu import hybrid_forward, xa_hybrid_forward  # noqa: E402
 from elastic_jax.attention.reference import dense_hybrid_attention, hybrid_attention  # noqa: E402
 from elastic_jax.attention.xattention import (  # noqa: E402
     XAttention, block_mass, block_mass_pallas, kept_fraction, select)
+
+SEGMENT = 512          # tokens per topic segment of the structured inputs
+ROPE_THETA = 5e5
 
 
 def timed(fn, *args, reps: int):
@@ -52,77 +72,165 @@ def timed(fn, *args, reps: int):
   return statistics.median(times)
 
 
+def _rope(x_thd, positions):
+  """Rotate-half RoPE of x [T, H, D] at `positions` [T] (theta ROPE_THETA)."""
+  d = x_thd.shape[-1]
+  inv = ROPE_THETA ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+  ang = positions[:, None].astype(jnp.float32) * inv[None]
+  cos, sin = (jnp.concatenate([f(ang)] * 2, -1)[:, None] for f in (jnp.cos, jnp.sin))
+  rotated = jnp.concatenate([-x_thd[..., d // 2:], x_thd[..., :d // 2]], axis=-1)
+  return x_thd * cos + rotated * sin
+
+
+@jax.jit(static_argnames=("t", "n", "kh", "d", "dtype"))
+def structured_inputs(key, focus, *, t: int, n: int, kh: int, d: int, dtype):
+  """q [1, T, N, D], k and v [1, T, K, D] with a language model's attention structure (module
+  docstring): sink, topic segments, retrieval of one earlier segment per query block and head,
+  RoPE. Unit-norm directions are scaled to sqrt(D), so that a matching query and key score
+  about `focus` x sqrt(D) before the softmax scale."""
+  g = n // kh
+  ks = jax.random.split(key, 7)
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True) * math.sqrt(d)
+  nseg = -(-t // SEGMENT)
+  pos = jnp.arange(t)
+  seg = pos // SEGMENT
+  topics = unit(jax.random.normal(ks[0], (nseg, kh, d)))
+  sink = unit(jax.random.normal(ks[1], (kh, d)))
+  k = 0.5 * jax.random.normal(ks[2], (t, kh, d)) + topics[seg]
+  k = k.at[0].add(2.0 * sink)
+  # Retrieval: per query block of 128 and query head, one segment at or before its own.
+  blocks = -(-t // 128)
+  pick = jax.random.uniform(ks[3], (blocks, kh, g))
+  target = jnp.floor(pick * (seg[::128][:, None, None] + 1)).astype(jnp.int32)   # [nb, K, G]
+  target = jnp.repeat(target, 128, axis=0)[:t]                                      # [T, K, G]
+  recalled = jnp.take_along_axis(topics[None, :, :, None, :].repeat(t, 0),
+                                 target[:, None, :, :, None], axis=1)[:, 0]         # [T, K, G, D]
+  own = topics[seg][:, :, None]
+  q = (0.5 * own + 0.5 * recalled + 0.3 * sink[None, :, None]
+       + 0.5 * jax.random.normal(ks[4], (t, kh, g, d)))
+  q = _rope((focus * q).reshape(t, n, d), pos)
+  k = _rope(k, pos)
+  v = jax.random.normal(ks[5], (t, kh, d))
+  return tuple(x[None].astype(dtype) for x in (q, k, v))
+
+
+def noise_inputs(key, focus, *, t: int, n: int, kh: int, d: int, dtype):
+  """i.i.d. normal q (times `focus`), k and v."""
+  keys = jax.random.split(key, 3)
+  q = (focus * jax.random.normal(keys[0], (1, t, n, d), jnp.float32)).astype(dtype)
+  k, v = (jax.random.normal(kk, (1, t, kh, d), jnp.float32).astype(dtype) for kk in keys[1:])
+  return q, k, v
+
+
+def _hopper() -> bool:
+  return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
-  p.add_argument("--sharpness", type=float, nargs="+", default=[1.0, 4.0])
+  p.add_argument("--focus", "--sharpness", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0],
+                 dest="focus", help="query scale (see the module docstring)")
+  p.add_argument("--inputs", choices=("structured", "noise"), default="structured")
   p.add_argument("--threshold", type=float, default=0.9)
   p.add_argument("--train-lengths", type=int, nargs="*", default=[16384],
-                 help="forward+backward (training) at these lengths, sharpness 1")
+                 help="forward+backward (training) at these lengths, the first --focus")
   p.add_argument("--reps", type=int, default=10)
   p.add_argument("--dry-run", action="store_true")
   args = p.parse_args(argv)
+  if min(args.lengths + args.train_lengths) < 1 or args.reps < 1:
+    p.error("--lengths, --train-lengths and --reps must be positive")
   n, kh, d = 32, 8, 128
   xa = XAttention(stride=16, block=128, threshold=args.threshold)
   st = Streaming(1, 16, 128)
   dtype = jnp.bfloat16
   interpret = args.dry_run
-  if args.dry_run:
-    n, kh, d = 4, 2, 16
-    xa = XAttention(stride=4, block=16, threshold=args.threshold)
-    st = Streaming(1, 2, 16)
-    args.lengths = [min(x, 256) for x in args.lengths]
+  if args.dry_run:   # tiny, but in the Mosaic kernel's layout (head_dim 64, blocks of 128)
+    n, kh, d = 4, 2, 64
+    st = Streaming(1, 1, 128)
+    args.lengths = sorted({min(x, 384) for x in args.lengths})
+    args.focus = args.focus[:2]
     args.reps = 2
-    dtype = jnp.float32
+  make_inputs = functools.partial(structured_inputs if args.inputs == "structured"
+                                  else noise_inputs, n=n, kh=kh, d=d, dtype=dtype)
   print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; {n}/{kh} heads, D={d}, "
         f"{jnp.dtype(dtype).name}; XA stride {xa.stride}, block {xa.block}, threshold "
-        f"{xa.threshold}", flush=True)
-  zeros = jnp.zeros((1, kh), jnp.float32)
+        f"{xa.threshold}; {args.inputs} inputs", flush=True)
+  zeros, ones = jnp.zeros((1, kh), jnp.float32), jnp.ones((1, kh), jnp.float32)
+  mosaic = mosaic_gpu.applies((1, 1, n, d), (1, 1, kh, d), dtype, st) and (
+      _hopper() or args.dry_run)
+  mosaic_xa = mosaic and mosaic_gpu.xa_applies((1, 1, n, d), (1, 1, kh, d), dtype, st, xa.block)
   cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, is_causal=True, implementation="xla" if args.dry_run else "cudnn"))
-  ssa = jax.jit(lambda q, k, v: hybrid_forward(q, k, v, zeros, st, interpret=interpret))
+  if mosaic:
+    forward = lambda gate: jax.jit(lambda q, k, v: mosaic_gpu.hybrid_forward_hard(
+        q, k, v, gate, st, interpret=interpret))
+  else:
+    forward = lambda gate: jax.jit(lambda q, k, v: hybrid_forward(q, k, v, gate, st,
+                                                                  interpret=interpret))
+  full, ssa = forward(ones), forward(zeros)
   score_kernel = jax.jit(lambda q, k: select(q, k, xa, attn_impl="pallas_gpu"))
   score_jnp = jax.jit(lambda q, k: select(q, k, xa, attn_impl="reference"))
-  xa_attn = jax.jit(lambda q, k, v, keep: xa_hybrid_forward(
+  xa_triton = jax.jit(lambda q, k, v, keep: xa_hybrid_forward(
+      q, k, v, zeros, keep, st, patterns="fa-xa", xa_block=xa.block, interpret=interpret))
+  xa_mosaic = jax.jit(lambda q, k, v, keep: mosaic_gpu.xa_forward_hard(
       q, k, v, zeros, keep, st, patterns="fa-xa", xa_block=xa.block, interpret=interpret))
   checked = False
+  verdicts = []
   for t in args.lengths:
-    for sharp in args.sharpness:
-      keys = jax.random.split(jax.random.key(t), 3)
-      q = (sharp * jax.random.normal(keys[0], (1, t, n, d), jnp.float32)).astype(dtype)
-      k, v = (jax.random.normal(kk, (1, t, kh, d), jnp.float32).astype(dtype)
-              for kk in keys[1:])
-      keep = score_kernel(q, k)
+    for focus in args.focus:
+      q, k, v = make_inputs(jax.random.key(t), focus, t=t)
+      keep = score_jnp(q, k)
       density = float(kept_fraction(keep, jnp.asarray([t]), xa.block).mean())
       if not checked:
         checked = True
         mass_k = block_mass_pallas(q, k, xa, interpret=interpret)
         mass_j = block_mass(q, k, xa)
-        same = float((keep == score_jnp(q, k)).mean())
-        got = xa_attn(q, k, v, keep).astype(jnp.float32)
+        same = float((keep == score_kernel(q, k)).mean())
+        up = [x.astype(jnp.float32) for x in (q, k, v)]
         if t <= 8192 or args.dry_run:
-          want = dense_hybrid_attention(q, k, v, zeros, st, patterns="fa-xa", xa_keep=keep,
+          want = dense_hybrid_attention(*up, zeros, st, patterns="fa-xa", xa_keep=keep,
                                         xa_block=xa.block)
         else:
-          want = hybrid_attention(q, k, v, jnp.zeros((1, t, kh)), st, patterns="fa-xa",
+          want = hybrid_attention(*up, jnp.zeros((1, t, kh)), st, patterns="fa-xa",
                                   xa_keep=keep, xa_block=xa.block)
-        rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+        rel = lambda got: float(jnp.linalg.norm(got.astype(jnp.float32) - want)
+                                / jnp.linalg.norm(want))
+        errs = f"Triton {rel(xa_triton(q, k, v, keep)):.2e}"
+        if mosaic_xa:
+          errs += f", Mosaic {rel(xa_mosaic(q, k, v, keep)):.2e}"
         print(f"check at T={t}: block masses kernel vs jnp max |diff| "
               f"{float(jnp.abs(mass_k - mass_j).max()):.2e}; selections agree on "
-              f"{same:.4%} of blocks; XA attention vs float32 reference rel. error {rel:.2e}",
+              f"{same:.4%} of blocks; XA attention vs float32 reference rel. error: {errs}",
               flush=True)
-      rows = [("cuDNN causal", timed(cudnn, q, k, v, reps=args.reps)),
-              ("ours SSA", timed(ssa, q, k, v, reps=args.reps)),
-              ("XA scoring (kernel)", timed(score_kernel, q, k, reps=args.reps)),
-              ("XA scoring (jnp)", timed(score_jnp, q, k, reps=args.reps)),
-              ("XA attention", timed(xa_attn, q, k, v, keep, reps=args.reps))]
-      rows.append(("XA total", rows[2][1] + rows[4][1]))
-      base = rows[0][1]
-      print(f"\nT={t}, sharpness {sharp:g}: XA density {density:.3f} of the causal pairs")
-      for name, sec in rows:
-        print(f"  {name:<22} {sec * 1e3:9.2f} ms   {base / sec:6.2f}x cuDNN")
+      rows = {"cuDNN causal": timed(cudnn, q, k, v, reps=args.reps),
+              "ours full": timed(full, q, k, v, reps=args.reps),
+              "ours SSA": timed(ssa, q, k, v, reps=args.reps),
+              "XA scoring (kernel)": timed(score_kernel, q, k, reps=args.reps),
+              "XA scoring (jnp)": timed(score_jnp, q, k, reps=args.reps),
+              "XA attention Triton": timed(xa_triton, q, k, v, keep, reps=args.reps)}
+      if mosaic_xa:
+        rows["XA attention Mosaic"] = timed(xa_mosaic, q, k, v, keep, reps=args.reps)
+      scoring = min(rows["XA scoring (kernel)"], rows["XA scoring (jnp)"])
+      attention = min(sec for name, sec in rows.items() if name.startswith("XA attention"))
+      rows["XA total"] = total = scoring + attention
+      base = rows["cuDNN causal"]
+      print(f"\nT={t}, focus {focus:g}: XA density d = {density:.3f} of the causal pairs")
+      for name, sec in rows.items():
+        print(f"  {name:<22} {sec * 1e3:9.2f} ms   {base / sec:6.2f}x cuDNN   "
+              f"{sec / rows['ours full']:5.2f} of ours full")
+      share = total / rows["ours full"]
+      verdicts.append(f"T={t} focus {focus:g} d={density:.2f}: XA total {share:.2f} of ours "
+                      f"full (target <= {density + 0.1:.2f}: "
+                      f"{'met' if share <= density + 0.1 else 'NOT met'})"
+                      + (f"; vs cuDNN causal {base / total:.2f}x ("
+                         f"{'faster' if total < base else 'NOT faster'}, target at d <= 0.6)"
+                         if density <= 0.6 else ""))
       sys.stdout.flush()
+  print("\ntargets:")
+  for line in verdicts:
+    print("  " + line)
 
   # Training: gradients of sum(out * cot) w.r.t. q, k, v (and the gate for ours), every head
   # sparse (r = 0): SSA, and XA on the kept blocks (fa-xa); both compute O_FA as well, which
@@ -130,18 +238,16 @@ def main(argv=None):
   from elastic_jax.attention.pallas_gpu import make_hybrid, make_xa_hybrid
   hybrid, xa_fn = make_hybrid(), make_xa_hybrid()
   if args.dry_run:
-    args.train_lengths = [min(x, 256) for x in args.train_lengths]
+    args.train_lengths = sorted({min(x, 384) for x in args.train_lengths})
 
   def grads(fn, n_args):
     return jax.jit(jax.grad(lambda cot, *a: jnp.sum(fn(*a).astype(jnp.float32) * cot),
                             argnums=tuple(range(1, n_args + 1))))
 
   for t in args.train_lengths:
-    keys = jax.random.split(jax.random.key(t + 1), 4)
-    q = jax.random.normal(keys[0], (1, t, n, d), jnp.float32).astype(dtype)
-    k, v = (jax.random.normal(kk, (1, t, kh, d), jnp.float32).astype(dtype) for kk in keys[1:3])
-    cot = jax.random.normal(keys[3], q.shape, jnp.float32)
-    keep = score_kernel(q, k)
+    q, k, v = make_inputs(jax.random.key(t + 1), args.focus[0], t=t)
+    cot = jax.random.normal(jax.random.key(t + 2), q.shape, jnp.float32)
+    keep = score_jnp(q, k)
     density = float(kept_fraction(keep, jnp.asarray([t]), xa.block).mean())
     rows = [("cuDNN causal", timed(grads(lambda q, k, v: jax.nn.dot_product_attention(
                 q, k, v, is_causal=True, implementation="xla" if args.dry_run else "cudnn"), 3),
