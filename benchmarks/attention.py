@@ -28,10 +28,10 @@ last ones) to SSA and the others to full causal attention. In order:
 4. Training at --train-lengths: gradients of sum(out * cot) w.r.t. q, k, v (and the gate for
    ours, `jax.grad` through `hybrid_attention(attn_impl=--attn-impl)`) for cuDNN causal, cuDNN
    window, ours at each --train-msr and with every gate at 0.5 (all heads mixed, as under a
-   relaxed router), and Flex hybrid; on a Hopper GPU also ours through the Mosaic GPU
-   training kernels (`mosaic_gpu.make_hybrid(training="mosaic")`, rows "ours, Mosaic ...";
-   --no-mosaic-training skips them), whose gradients step 1 also checks, at the gradient
-   check's MSR and at mixed gates.
+   relaxed router), and Flex hybrid; with --mosaic-training, on a Hopper GPU, also ours
+   through the Mosaic GPU training kernels (`mosaic_gpu.make_hybrid(training="mosaic")`, rows
+   "ours, Mosaic ..."), whose gradients step 1 also checks, at the gradient check's MSR and
+   at mixed gates.
 Then the bf16 matrix-product ceiling of the device, measured in the same run (a square
 8192 product), a table per length (printed as each finishes; each row's TFLOP/s also as a
 fraction of that ceiling), where the Hopper kernel issue's targets stand, and --json.
@@ -567,8 +567,8 @@ def parse_args(argv=None):
                  help="stop timing a case after this many seconds of timed calls (and >= 3)")
   p.add_argument("--skip-torch", action="store_true", help="no FlexAttention")
   p.add_argument("--skip-train", action="store_true", help="forward only")
-  p.add_argument("--no-mosaic-training", dest="mosaic_training", action="store_false",
-                 help="do not also train through the Mosaic GPU training kernels")
+  p.add_argument("--mosaic-training", action="store_true",
+                 help="also train through the Mosaic GPU training kernels (Hopper)")
   p.add_argument("--json", type=Path, help="also write every result here")
   p.add_argument("--tiles", nargs="+", default=[], metavar="BQxBKxS[xW]",
                  help="also time the raw kernel (hybrid_forward) with these tiles, e.g. "

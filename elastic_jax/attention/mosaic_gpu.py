@@ -20,10 +20,15 @@ consecutive row tiles of one head.
 
 Scope. This kernel serves undifferentiated calls with gates of 0 or 1 (what routing at
 inference produces): a call whose gates include a fraction runs the Triton kernel instead
-(one run-time branch, `hybrid_forward`); training runs the Triton kernels (`pallas_gpu`).
-Its layout constraints (`applies`): bf16 or fp16, head_dim a multiple of 64, the streaming
-block a multiple of the KV tile (128) so the window's edges fall on tile edges, and G even or
-1. T is padded inside. Interpret mode (`interpret=True`) runs it on a CPU.
+(one run-time branch, `hybrid_forward`). XAttention heads (the "fa-xa" and "xa-ssa"
+settings, `xa_forward_hard`) walk their kept-block lists: a third walk (`xa_walk`), the list
+read at run time. Training runs the Triton kernels (`pallas_gpu`) unless `make_hybrid(
+training="mosaic")` asks for this file's `forward_train` (the kernel launched twice with every
+head full, then streaming, also writing each row's log-sum-exp) and the Mosaic GPU dQ and
+dK/dV kernels (`mosaic_gpu_backward`). Its layout constraints (`applies`): bf16 or fp16,
+head_dim a multiple of 64 whose tiles fit in shared memory (up to 128 with the default tiles),
+the streaming block a multiple of the KV tile (128) so the window's edges fall on tile edges,
+and G even or 1. T is padded inside. Interpret mode (`interpret=True`) runs it on a CPU.
 
 Packed rows (segment ids and positions, `packed_forward_hard`, end of this file): the walk
 starts at the tile of the segment start of the program's first row (`common.packed_plan`),
@@ -60,6 +65,7 @@ _LOG2E = math.log2(math.e)
 _COMPUTE_WGS = 2
 _PLAN_WIDTH = 8     # entries per query tile of common.packed_plan's q_plan
 _ROW_FIELDS = 3     # per packed row: segment start, end of the sink, start of the window
+_SMEM_BYTES = 227 * 1024   # shared memory a Hopper thread block may use
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +88,14 @@ def applies(q_shape, k_shape, dtype, streaming: Streaming,
   kh = k_shape[2]
   groups = n // kh
   rows = _rows_per_program(groups, tiles)
+  # Shared memory: the Q/O tiles of both compute warpgroups and the K and V rings (2 bytes an
+  # element), the packed rows' bounds and the log-sum-exps (4 bytes a row each) and 1 KiB for
+  # the barriers, against the 227 KiB a Hopper block may have: head_dim 128 takes 163 KiB
+  # with the default tiles (227 with 3 slots), 192 does not fit.
+  smem = ((_COMPUTE_WGS * tiles.block_q + 2 * tiles.slots * tiles.block_kv) * d * 2
+          + _COMPUTE_WGS * tiles.block_q * 4 * (_ROW_FIELDS + 1) + 1024)
   return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-          and d % 64 == 0 and d <= 256 and (groups == 1 or groups % 2 == 0)
+          and d % 64 == 0 and smem <= _SMEM_BYTES and (groups == 1 or groups % 2 == 0)
           and streaming.block % tiles.block_kv == 0 and streaming.block % rows == 0
           and tiles.block_kv % rows == 0 and tiles.block_q % 64 == 0
           and tiles.block_kv % 64 == 0 and tiles.slots >= 2)
@@ -484,9 +496,11 @@ def xa_applies(q_shape, k_shape, dtype, streaming: Streaming, xa_block: int,
 def xa_forward_hard(q, k, v, gate_bk, xa_keep, streaming: Streaming, *, patterns: str,
                     xa_block: int, tiles: MosaicTiles = DEFAULT_TILES, interpret: bool = False):
   """The kernel alone under the XAttention settings ("fa-xa", "xa-ssa"), for gates of 0 or 1
-  (a fractional gate counts as full): the heads of XA's mode walk their kept blocks (xa_keep
-  [B, K, nb, nb] bool, blocks of xa_block tokens; the diagonal block is always attended), the
-  others their full or streaming walk. Shapes as `hybrid_forward_hard`."""
+  (a fractional gate takes the gate-1 pattern's walk; `make_xa_hybrid` sends fractional gates
+  to the Triton kernel): the heads of XA's mode walk their kept blocks (xa_keep [B, K, nb, nb]
+  bool, blocks of xa_block tokens; the diagonal block is always attended, as XAttention's
+  selection always keeps it, and blocks above it are ignored), the others their full or
+  streaming walk. Shapes as `hybrid_forward_hard`."""
   if not xa_applies(q.shape, k.shape, q.dtype, streaming, xa_block, tiles):
     raise ValueError(f"the Mosaic GPU kernel does not take XAttention blocks of {xa_block} "
                      f"with q {q.shape} {q.dtype}, k {k.shape}, {streaming}, {tiles} (see "
@@ -536,7 +550,7 @@ def trains(q_shape, k_shape, dtype, streaming: Streaming, tiles: MosaicTiles = D
   (`applies`) and the backward's (`mosaic_gpu_backward.applies`)."""
   groups = q_shape[2] // k_shape[2]
   return (applies(q_shape, k_shape, dtype, streaming, tiles)
-          and mosaic_gpu_backward.applies(groups, streaming, backward_tiles))
+          and mosaic_gpu_backward.applies(groups, streaming, backward_tiles, q_shape[3]))
 
 
 def forward_train(q, k, v, gate_bk, streaming: Streaming, *, tiles: MosaicTiles = DEFAULT_TILES,

@@ -22,8 +22,8 @@ registers.
        stay in the accumulators (GQA without a reduction afterwards).
 Tiles of a walk are a fixed sequence of ranges, each with its terms (FA, SSA or both) known
 at trace time; a range's tiles that straddle the causal diagonal run masked, the others not.
-The streaming window needs no mask: `mosaic_gpu.applies` demands SSA blocks made of whole
-tiles, so a tile is wholly inside or outside a head's window.
+The streaming window needs no mask: `applies` demands SSA blocks made of whole tiles on both
+kernels' sides, so a tile is wholly inside or outside a head's window.
 
 Interpret mode (`interpret=True`) runs the kernels on a CPU: there the register operands of
 wgmma take a trip through shared memory and accumulators are added after (no run_state).
@@ -58,9 +58,12 @@ _ROW_TERMS = 4      # per query row and head: lse_FA, lse_SSA, D_FA, D_SSA
 @dataclasses.dataclass(frozen=True)
 class BackwardTiles:
   """Rows per compute warpgroup and keys per K/V tile of the dQ kernel; keys per compute
-  warpgroup and rows per Q/dO tile of the dK/dV kernel; slots of each kernel's ring."""
+  warpgroup and rows per Q/dO tile of the dK/dV kernel; slots of each kernel's ring.
+  Register budget per compute warpgroup (128 threads, head_dim 128, float32): dQ's
+  accumulator [64, 128] takes 64 registers a thread, S and dP [64, 64] 32 each; dK/dV's two
+  accumulators 128, S^T and dP^T 32 each. Tiles of 128 keys in dQ would add 64 more."""
   dq_block_q: int = 64
-  dq_block_kv: int = 128
+  dq_block_kv: int = 64
   dkv_block_k: int = 64
   dkv_block_q: int = 64
   slots: int = 2
@@ -69,12 +72,17 @@ class BackwardTiles:
 DEFAULT_BACKWARD_TILES = BackwardTiles()
 
 
-def applies(groups: int, streaming: Streaming, tiles: BackwardTiles = DEFAULT_BACKWARD_TILES):
-  """Whether these tiles fit the layout (with `mosaic_gpu.applies` for dtypes and head dims):
-  SSA blocks of whole tiles on both kernels' sides, G even or 1 for the dQ head pairs."""
+def applies(groups: int, streaming: Streaming, tiles: BackwardTiles = DEFAULT_BACKWARD_TILES,
+            head_dim: int = 128):
+  """Whether these tiles fit the layout (with `mosaic_gpu.applies` for dtypes): SSA blocks of
+  whole tiles on both kernels' sides, G even or 1 for the dQ head pairs, head_dim a multiple
+  of 64 up to 128 (dK and dV accumulators of 192 would take 192 registers a thread, and the
+  tiles of 256 would overflow shared memory)."""
   sizes = (_dq_rows(groups, tiles), tiles.dq_block_kv, _COMPUTE_WGS * tiles.dkv_block_k,
            tiles.dkv_block_q)
   return ((groups == 1 or groups % 2 == 0) and tiles.slots >= 2
+          and head_dim % 64 == 0 and head_dim <= 128
+          and tiles.dq_block_q % 64 == 0 and tiles.dkv_block_k % 64 == 0   # wgmma: M of 64
           and all(x % 64 == 0 and streaming.block % x == 0 for x in sizes))
 
 
@@ -180,18 +188,27 @@ def _product(lhs_ref, rhs_ref, shape):
   return pl.run_scoped(fn, plgpu.ACC(shape, jnp.float32))
 
 
-def _dscores(x, dp, terms, ok, weights, fa: bool, sa: bool, bcast):
-  """(P mixed, dS) of one tile from the scaled scores x and dP: the FA and/or SSA terms with
-  weights (r, 1 - r); terms = (lse_FA, lse_SSA, D_FA, D_SSA) as broadcast by `bcast`."""
-  lse_fa, lse_sa, d_fa, d_sa = terms
-  r, one_minus_r = weights
+def _probs(x, lse_terms, ok, fa: bool, sa: bool, bcast):
+  """(P_FA, P_SSA) of one tile from its scaled scores x (None for a term the range skips):
+  exp2(x - lse), zero where `ok` (the causal mask of a diagonal tile) is false."""
+  out = []
+  for on, lse in ((fa, lse_terms[0]), (sa, lse_terms[1])):
+    p = None
+    if on:
+      p = jnp.exp2(x - bcast(lse))
+      if ok is not None:
+        p = jnp.where(ok, p, 0.0)
+    out.append(p)
+  return out
+
+
+def _dscores(probs, dp, d_terms, weights, bcast):
+  """(P mixed, dS) of one tile: r P_FA + (1 - r) P_SSA and r P_FA (dP - D_FA) + (1 - r) P_SSA
+  (dP - D_SSA), over the terms present in `probs`."""
   p_mix = ds = None
-  for on, lse, delta, w in ((fa, lse_fa, d_fa, r), (sa, lse_sa, d_sa, one_minus_r)):
-    if not on:
+  for p, delta, w in zip(probs, d_terms, weights):
+    if p is None:
       continue
-    p = jnp.exp2(x - bcast(lse))
-    if ok is not None:
-      p = jnp.where(ok, p, 0.0)
     wp = p * w
     term = wp * (dp - bcast(delta))
     p_mix = wp if p_mix is None else p_mix + wp
@@ -248,9 +265,6 @@ def _dq_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, rows_ref, dq_re
       slot = lax.rem(s, jnp.int32(slots))
       plgpu.barrier_wait(k_ready.at[slot])
       x = _product(q_smem, k_smem.at[slot].transpose((1, 0)), (block_q, block_kv)) * c
-      plgpu.barrier_wait(v_ready.at[slot])
-      dp = _product(do_smem, v_smem.at[slot].transpose((1, 0)), (block_q, block_kv))
-      plgpu.barrier_arrive(v_free.at[slot])
       ok = None
       if masked:
         shape = (block_q, block_kv)
@@ -258,7 +272,11 @@ def _dq_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, rows_ref, dq_re
         col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + (
             j * block_kv)
         ok = row >= col
-      _, ds = _dscores(x, dp, terms, ok, (r, 1.0 - r), fa, sa, bcast)
+      probs = _probs(x, terms[:2], ok, fa, sa, bcast)    # x is dead before dP is live
+      plgpu.barrier_wait(v_ready.at[slot])
+      dp = _product(do_smem, v_smem.at[slot].transpose((1, 0)), (block_q, block_kv))
+      plgpu.barrier_arrive(v_free.at[slot])
+      _, ds = _dscores(probs, dp, terms[2:], (r, 1.0 - r), bcast)
       dq = _mma(dq, ds.astype(dtype), k_smem.at[slot], staging)
       plgpu.barrier_arrive(k_free.at[slot])
       return dq
@@ -347,20 +365,22 @@ def _dkv_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, rows_ref, dk_r
       dk, dv = carry
       s = first + i
       slot = lax.rem(s, jnp.int32(slots))
+      load_terms = lambda which: [
+          plgpu.load(rows_smem.at[slot, t], layout=plgpu.Layout.WGMMA.reduce(0)) for t in which]
       plgpu.barrier_wait(q_ready.at[slot])
       x = _product(k_smem, q_smem.at[slot].transpose((1, 0)), shape) * c
-      plgpu.barrier_wait(rows_ready.at[slot])
-      terms = [plgpu.load(rows_smem.at[slot, t], layout=plgpu.Layout.WGMMA.reduce(0))
-               for t in range(_ROW_TERMS)]
-      plgpu.barrier_wait(do_ready.at[slot])
-      dp = _product(v_smem, do_smem.at[slot].transpose((1, 0)), shape)
       ok = None
       if masked:   # rows are keys, columns queries: a query sees the keys up to itself
         key = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + key0
         query = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + (
             i * block_q)
         ok = query >= key
-      p_mix, ds = _dscores(x, dp, terms, ok, (r, 1.0 - r), fa, sa, bcast)
+      # P from the scores first, the D terms after dP: fewer live registers at once.
+      plgpu.barrier_wait(rows_ready.at[slot])
+      probs = _probs(x, load_terms((0, 1)), ok, fa, sa, bcast)
+      plgpu.barrier_wait(do_ready.at[slot])
+      dp = _product(v_smem, do_smem.at[slot].transpose((1, 0)), shape)
+      p_mix, ds = _dscores(probs, dp, load_terms((2, 3)), (r, 1.0 - r), bcast)
       dv = _mma(dv, p_mix.astype(dtype), do_smem.at[slot], staging)
       dk = _mma(dk, ds.astype(dtype), q_smem.at[slot], staging)
       plgpu.barrier_arrive(q_free.at[slot])
