@@ -14,7 +14,7 @@ import pytest
 
 from elastic_jax import hybrid_attention
 from elastic_jax.attention import Streaming, mosaic_gpu
-from elastic_jax.attention.common import MODE_FULL, MODE_SPARSE
+from elastic_jax.attention.common import MODE_FULL, MODE_MIX, MODE_SPARSE
 from elastic_jax.attention.reference import dense_hybrid_attention
 
 INTERPRET = jax.default_backend() != "gpu"
@@ -236,3 +236,45 @@ def test_mosaic_training_kernels_match_reference_gradients(b, t, n, k, d, gates,
   _, swapped_vjp = jax.vjp(lambda *x: ref(1.0 - gate, *x), *up)
   swapped = swapped_vjp(d_out.astype(jnp.float32))[0]
   assert float(jnp.abs(grads[0].astype(jnp.float32) - swapped).max()) > 0.1
+
+
+@pytest.mark.parametrize("st", [Streaming(1, 1, 128), Streaming(2, 3, 128), Streaming(1, 2, 256)])
+def test_backward_walks_visit_each_needed_tile_once_with_its_terms(st):
+  """The dQ walk (per query program) and the dK/dV walk (per key program, transposed): for every
+  program and mode the ranges visit distinct tiles, exactly those holding a (query, key) pair
+  that one of the head's terms needs (token-level masks), and each with exactly the terms that
+  need it (FA for full and mixed heads, SSA for streaming and mixed ones)."""
+  from elastic_jax.attention import mosaic_gpu_backward as mb
+  t = 1536
+  pos = np.arange(t)
+  causal = pos[None] <= pos[:, None]
+  window = causal & ((pos[None] // st.block < st.sink_blocks)
+                     | (pos[:, None] // st.block - pos[None] // st.block < st.local_blocks))
+  terms_of = {MODE_FULL: (True, False), MODE_SPARSE: (False, True), MODE_MIX: (True, True)}
+
+  def check(ranges, needed_fa, needed_sa, mode, where):
+    seen = {}
+    for lo, hi, fa, sa in ranges:
+      for tile in range(int(lo), int(hi)):
+        assert tile not in seen, (where, mode, tile)
+        seen[tile] = (fa, sa)
+    want_fa, want_sa = terms_of[mode]
+    want = {tile: (want_fa and tile in needed_fa, want_sa and tile in needed_sa)
+            for tile in needed_fa | needed_sa}
+    want = {tile: flags for tile, flags in want.items() if any(flags)}
+    assert seen == want, (where, mode)
+
+  for rows in (64, 128):
+    for q_start in range(0, t, rows):
+      r = slice(q_start, q_start + rows)
+      tiles = lambda ok: {int(j) // 64 for j in np.nonzero(ok[r].any(0))[0]}
+      for mode in terms_of:
+        check(mb.dq_walk(q_start, rows, mode, st, 64), tiles(causal), tiles(window), mode,
+              ("dq", q_start, rows))
+  keys, block_q = 128, 64
+  for k_start in range(0, t, keys):
+    kr = slice(k_start, k_start + keys)
+    tiles = lambda ok: {int(i) // block_q for i in np.nonzero(ok[:, kr].any(1))[0]}
+    for mode in terms_of:
+      check(mb.dkv_walk(k_start, keys, mode, st, block_q, t // block_q), tiles(causal),
+            tiles(window), mode, ("dkv", k_start))
