@@ -422,8 +422,18 @@ def _dkv_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, rows_ref, dk_r
     _stream(load, (q_free,), steps, slots)
 
 
-def _params(interpret):
-  return {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
+def _launch(kernel, scratch, operands, *, out_type, grid, grid_names, interpret):
+  """One warp-specialised launch: `kernel(*refs, scoped)` with `scratch` (the run_scoped
+  allocations) over `operands`, two compute warpgroups and a memory one per program."""
+  def entry(*refs):
+    pl.run_scoped(lambda *scoped: kernel(*refs, scoped), *scratch, collective_axes="wg")
+
+  return plgpu.kernel(
+      entry, out_type=out_type, grid=grid, grid_names=grid_names,
+      num_threads=_COMPUTE_WGS + 1, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      **({"interpret": plgpu.InterpretGPUParams()} if interpret else {}),
+  )(*operands)
 
 
 def dq_call(q, k, v, do, row_terms, modes, gate, *, streaming: Streaming,
@@ -433,39 +443,27 @@ def dq_call(q, k, v, do, row_terms, modes, gate, *, streaming: Streaming,
   b, tp, n, d = q.shape
   kh = k.shape[2]
   groups = n // kh
-  pair_heads = groups >= 2
   rows = _dq_rows(groups, tiles)
   dtype = q.dtype
   swz = _swizzled(dtype)
   bq, bkv, slots = tiles.dq_block_q, tiles.dq_block_kv, tiles.slots
-
-  def entry(*refs):
-    pl.run_scoped(
-        lambda *scoped: _dq_kernel(*refs, scoped, groups=groups, num_kv_heads=kh,
-                                   streaming=streaming, tiles=tiles, scale=d ** -0.5,
-                                   num_q_tiles=tp // rows, interpret=interpret),
-        (plgpu.SMEM((_COMPUTE_WGS, bq, d), dtype, transforms=swz),
-         plgpu.SMEM((_COMPUTE_WGS, bq, d), dtype, transforms=swz),
-         plgpu.SMEM((_COMPUTE_WGS, _ROW_TERMS, bq), jnp.float32),
-         plgpu.SMEM((slots, bkv, d), dtype, transforms=swz),
-         plgpu.SMEM((slots, bkv, d), dtype, transforms=swz),
-         plgpu.SMEM((_COMPUTE_WGS, bq, bkv), dtype, transforms=swz) if interpret else None),
-        (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * 3,
-        (plgpu.Barrier(num_barriers=slots),) * 2,
-        (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=slots),) * 2,
-        collective_axes="wg",
-    )
-
-  return plgpu.kernel(
-      entry,
-      out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-      grid=(n // (_COMPUTE_WGS if pair_heads else 1), tp // rows, b),
-      grid_names=("hp", "qt", "b"),
-      num_threads=_COMPUTE_WGS + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      **_params(interpret),
-  )(modes, gate, q, k, v, do, row_terms)
+  scratch = (
+      (plgpu.SMEM((_COMPUTE_WGS, bq, d), dtype, transforms=swz),
+       plgpu.SMEM((_COMPUTE_WGS, bq, d), dtype, transforms=swz),
+       plgpu.SMEM((_COMPUTE_WGS, _ROW_TERMS, bq), jnp.float32),
+       plgpu.SMEM((slots, bkv, d), dtype, transforms=swz),
+       plgpu.SMEM((slots, bkv, d), dtype, transforms=swz),
+       plgpu.SMEM((_COMPUTE_WGS, bq, bkv), dtype, transforms=swz) if interpret else None),
+      (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * 3,
+      (plgpu.Barrier(num_barriers=slots),) * 2,
+      (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=slots),) * 2)
+  kernel = functools.partial(_dq_kernel, groups=groups, num_kv_heads=kh, streaming=streaming,
+                             tiles=tiles, scale=d ** -0.5, num_q_tiles=tp // rows,
+                             interpret=interpret)
+  return _launch(kernel, scratch, (modes, gate, q, k, v, do, row_terms),
+                 out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+                 grid=(n // (_COMPUTE_WGS if groups >= 2 else 1), tp // rows, b),
+                 grid_names=("hp", "qt", "b"), interpret=interpret)
 
 
 def dkv_call(q, k, v, do, row_terms, modes, gate, *, streaming: Streaming,
@@ -473,36 +471,23 @@ def dkv_call(q, k, v, do, row_terms, modes, gate, *, streaming: Streaming,
   """(dK, dV) [B, Tp, K, D], the G query heads of each KV head summed; operands as `dq_call`."""
   b, tp, n, d = q.shape
   kh = k.shape[2]
-  groups = n // kh
   dtype = q.dtype
   swz = _swizzled(dtype)
   bk, bq, slots = tiles.dkv_block_k, tiles.dkv_block_q, tiles.slots
-
-  def entry(*refs):
-    pl.run_scoped(
-        lambda *scoped: _dkv_kernel(*refs, scoped, groups=groups, num_kv_heads=kh,
-                                    streaming=streaming, tiles=tiles, scale=d ** -0.5,
-                                    num_q_tiles=tp // bq, interpret=interpret),
-        (plgpu.SMEM((_COMPUTE_WGS, bk, d), dtype, transforms=swz),
-         plgpu.SMEM((_COMPUTE_WGS, bk, d), dtype, transforms=swz),
-         plgpu.SMEM((slots, bq, d), dtype, transforms=swz),
-         plgpu.SMEM((slots, bq, d), dtype, transforms=swz),
-         plgpu.SMEM((slots, _ROW_TERMS, bq), jnp.float32),
-         plgpu.SMEM((_COMPUTE_WGS, bk, bq), dtype, transforms=swz) if interpret else None),
-        (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * 2,
-        (plgpu.Barrier(num_barriers=slots),) * 3,
-        plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=slots),
-        collective_axes="wg",
-    )
-
+  scratch = (
+      (plgpu.SMEM((_COMPUTE_WGS, bk, d), dtype, transforms=swz),
+       plgpu.SMEM((_COMPUTE_WGS, bk, d), dtype, transforms=swz),
+       plgpu.SMEM((slots, bq, d), dtype, transforms=swz),
+       plgpu.SMEM((slots, bq, d), dtype, transforms=swz),
+       plgpu.SMEM((slots, _ROW_TERMS, bq), jnp.float32),
+       plgpu.SMEM((_COMPUTE_WGS, bk, bq), dtype, transforms=swz) if interpret else None),
+      (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * 2,
+      (plgpu.Barrier(num_barriers=slots),) * 3,
+      plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=slots))
+  kernel = functools.partial(_dkv_kernel, groups=n // kh, num_kv_heads=kh, streaming=streaming,
+                             tiles=tiles, scale=d ** -0.5, num_q_tiles=tp // bq,
+                             interpret=interpret)
   kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
-  return plgpu.kernel(
-      entry,
-      out_type=(kv_type, kv_type),
-      grid=(kh, tp // (_COMPUTE_WGS * bk), b),
-      grid_names=("kvh", "kt", "b"),
-      num_threads=_COMPUTE_WGS + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      **_params(interpret),
-  )(modes, gate, q, k, v, do, row_terms)
+  return _launch(kernel, scratch, (modes, gate, q, k, v, do, row_terms),
+                 out_type=(kv_type, kv_type), grid=(kh, tp // (_COMPUTE_WGS * bk), b),
+                 grid_names=("kvh", "kt", "b"), interpret=interpret)
