@@ -1,0 +1,125 @@
+"""One Mosaic GPU kernel alone, warmed up then launched a few times: for a profiler to look at,
+and its time and TFLOP/s beside the device's bf16 matrix-product rate.
+
+    python benchmarks/kernel_profile.py --kernel dq [--length 32768] [--msr 0.75 | --mixed]
+    ncu --clock-control none --section LaunchStats --section SpeedOfLight --section Occupancy \\
+        --launch-skip 2 --launch-count 1 python benchmarks/kernel_profile.py --kernel dkv --reps 1
+    MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=dump python benchmarks/kernel_profile.py \\
+        --kernel forward                                 # registers, spills, shared memory
+    python benchmarks/kernel_profile.py --dry-run        # CPU, interpret mode, tiny shapes
+
+Kernels (elastic_jax/attention/mosaic_gpu.py, mosaic_gpu_backward.py):
+  forward        the inference forward, gates of 0 or 1 (`hybrid_forward_hard`)
+  xa             the same with XAttention heads walking random kept blocks of --density
+                 ("fa-xa": the streaming heads become XA heads; `xa_forward_hard`)
+  train_forward  the training forward: every head full, then every head streaming, with
+                 log-sum-exps (`forward_train`; two launches)
+  dq, dkv        the backward kernels on `forward_train`'s residuals
+Shape: B = 1, 32 query / 8 KV heads, head_dim 128, bf16; SSA sink 1 + local 16 blocks of 128.
+--msr m sends the last round(m * 8) KV heads to SSA (r = 0) and the others to FA (r = 1);
+--mixed sets every gate to 0.5 (training kernels only). TFLOP/s counts the matrix products the
+walk needs: per visited (query, key) pair 4 D FLOPs forward, 6 D for dQ (S, dP, dQ), 8 D for
+dK/dV (S, dP, dV, dK); full and mixed heads visit the causal pairs, streaming ones SSA's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from elastic_jax.attention import Streaming, mosaic_gpu, mosaic_gpu_backward  # noqa: E402
+from elastic_jax.attention.common import modes_from_gate, pad_to, row_deltas  # noqa: E402
+from elastic_jax.router import streaming_kept_fraction  # noqa: E402
+
+KERNELS = ("forward", "xa", "train_forward", "dq", "dkv")
+FLOPS_PER_PAIR = {"forward": 4, "xa": 4, "train_forward": 4, "dq": 6, "dkv": 8}
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--kernel", choices=KERNELS, default="forward")
+  p.add_argument("--length", type=int, default=32768)
+  p.add_argument("--msr", type=float, default=0.75)
+  p.add_argument("--mixed", action="store_true", help="every gate 0.5 (training kernels)")
+  p.add_argument("--density", type=float, default=0.5, help="kept XA blocks (--kernel xa)")
+  p.add_argument("--reps", type=int, default=5)
+  p.add_argument("--dry-run", action="store_true")
+  args = p.parse_args(argv)
+  if args.length < 1 or args.reps < 1 or not 0 <= args.msr <= 1 or not 0 < args.density <= 1:
+    p.error("--length and --reps must be positive, --msr in [0, 1], --density in (0, 1]")
+  if args.mixed and args.kernel in ("forward", "xa"):
+    p.error("--mixed: the inference kernels take gates of 0 or 1 only")
+  n, kh, d, st, t = 32, 8, 128, Streaming(1, 16, 128), args.length
+  interpret = args.dry_run
+  if args.dry_run:
+    jax.config.update("jax_platforms", "cpu")
+    n, kh, d, st, t, args.reps = 4, 2, 64, Streaming(1, 1, 128), min(t, 256), 1
+  streams = round(args.msr * kh)
+  gate = jnp.asarray([[0.5] * kh if args.mixed else [1.0] * (kh - streams) + [0.0] * streams],
+                     jnp.float32)
+  keys = jax.random.split(jax.random.key(0), 5)
+  q = jax.random.normal(keys[0], (1, t, n, d), jnp.float32).astype(jnp.bfloat16)
+  k, v = (jax.random.normal(kk, (1, t, kh, d), jnp.float32).astype(jnp.bfloat16)
+          for kk in keys[1:3])
+  # Several Mosaic kernels in one jitted computation stall the GPU interpreter: eager there.
+  jit = (lambda f: f) if interpret else jax.jit
+
+  if args.kernel == "forward":
+    run, operands = jit(lambda q, k, v: mosaic_gpu.hybrid_forward_hard(
+        q, k, v, gate, st, interpret=interpret)), (q, k, v)
+  elif args.kernel == "xa":
+    nb = -(-t // 128)
+    keep = jax.random.bernoulli(keys[3], args.density, (1, kh, nb, nb)) | jnp.eye(nb, dtype=bool)
+    run, operands = jit(lambda q, k, v: mosaic_gpu.xa_forward_hard(
+        q, k, v, gate, keep, st, patterns="fa-xa", xa_block=128, interpret=interpret)), (q, k, v)
+  else:
+    forward_train = jit(lambda q, k, v: mosaic_gpu.forward_train(q, k, v, gate, st,
+                                                                 interpret=interpret))
+    if args.kernel == "train_forward":
+      run, operands = forward_train, (q, k, v)
+    else:
+      _, (qp, kp, vp, _, o_fa, o_sa, lse_fa, lse_sa) = forward_train(q, k, v)
+      d_out = jax.random.normal(keys[4], q.shape, jnp.float32).astype(jnp.bfloat16)
+      d_fa, d_sa, _ = row_deltas(d_out, o_fa, o_sa, gate)
+      tp = qp.shape[1]
+      rows = lambda x: pad_to(x, 1, tp).transpose(0, 2, 1)
+      terms = jnp.stack([lse_fa, lse_sa, rows(d_fa), rows(d_sa)], axis=2)
+      flat = gate.reshape(-1)
+      call = {"dq": mosaic_gpu_backward.dq_call, "dkv": mosaic_gpu_backward.dkv_call}[args.kernel]
+      run = jit(lambda *x: call(*x, streaming=st, tiles=mosaic_gpu_backward.BackwardTiles(),
+                                interpret=interpret))
+      operands = (qp, kp, vp, pad_to(d_out, 1, tp), terms, modes_from_gate(flat), flat)
+
+  for _ in range(2):
+    jax.block_until_ready(run(*operands))
+  times = []
+  for _ in range(args.reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(run(*operands))
+    times.append(time.perf_counter() - t0)
+  sec = statistics.median(times)
+  causal = t * (t + 1) / 2
+  kept = float(streaming_kept_fraction(jnp.asarray(t), st)) * causal
+  sparse_pairs = args.density * causal if args.kernel == "xa" else kept
+  visited = (kh - streams) * causal + streams * sparse_pairs
+  if args.mixed:
+    visited = kh * causal
+  if args.kernel == "train_forward":   # every head full, then every head streaming
+    visited = kh * (causal + kept)
+  flops = FLOPS_PER_PAIR[args.kernel] * d * (n // kh) * visited
+  print(f"{jax.devices()[0].device_kind}: {args.kernel} T={t} "
+        + ("gates 0.5" if args.mixed else f"MSR {streams / kh:g}")
+        + f": {sec * 1e3:.3f} ms (median of {args.reps}), {flops / sec / 1e12:.1f} TFLOP/s"
+        + (" (dry run: interpret mode, times mean nothing)" if args.dry_run else ""))
+
+
+if __name__ == "__main__":
+  main()
