@@ -278,3 +278,52 @@ def test_backward_walks_visit_each_needed_tile_once_with_its_terms(st):
     for mode in terms_of:
       check(mb.dkv_walk(k_start, keys, mode, st, block_q, t // block_q), tiles(causal),
             tiles(window), mode, ("dkv", k_start))
+
+
+def test_mosaic_training_kernels_on_packed_rows():
+  """make_packed_hybrid(training="mosaic") on a packed row (segment ids and positions): every
+  row's gate mixes its head's two outputs; tiles whose rows are full, streaming or routed
+  differently; a long middle segment whose keys past the sink reach only their window's rows
+  (the dK/dV walk stops there). Output and gradients (the gate's per row) against the float32
+  reference, run eagerly as the unpacked test."""
+  st = Streaming(1, 1, 128)
+  seg, pos, gate = _packed_row([40, 560, 40], [np.asarray(c) for c in
+                                               ((1.0, 0.0), (0.6, 0.0), (1.0, 0.3))], 2)
+  q, kk, v = _inputs(1, seg.shape[1], 2, 2, 64, jnp.bfloat16, seed=11)
+  d_out = jax.random.normal(jax.random.key(12), q.shape, jnp.float32).astype(jnp.bfloat16)
+  fn = mosaic_gpu.make_packed_hybrid(training="mosaic")
+  with jax.disable_jit():
+    assert bool(mosaic_gpu.positions_count_up(seg, pos))      # the Mosaic path is taken
+    out, vjp = jax.vjp(lambda *x: fn(*x, seg, pos, st, INTERPRET), q, kk, v, gate)
+    grads = vjp(d_out)
+  up = [x.astype(jnp.float32) for x in (q, kk, v)]
+  ref = lambda *x: hybrid_attention(*x, sink_blocks=1, local_blocks=1, block=128,
+                                    segment_ids=seg, positions=pos)
+  want, ref_vjp = jax.vjp(ref, *up, gate)
+  assert float(jnp.abs(out.astype(jnp.float32) - want).max()) <= TOL[jnp.bfloat16]
+  for name, got, w in zip(("dq", "dk", "dv", "d_gate"), grads[:4],
+                          ref_vjp(d_out.astype(jnp.float32))):
+    err = float(jnp.linalg.norm(got.astype(jnp.float32) - w) / jnp.linalg.norm(w))
+    assert err <= 1e-2, (name, err)
+
+
+def test_packed_training_falls_back_where_positions_do_not_count_up():
+  """Positions that jump inside a segment: the Mosaic training path does not apply (its masks
+  assume positions counting up), so the run-time branch takes the Triton kernels, whose
+  gradients still match the reference."""
+  st = Streaming(1, 1, 128)
+  seg, pos, gate = _packed_row([40, 500], [np.asarray(c) for c in ((1.0, 0.0), (0.4, 0.0))], 2)
+  pos = pos.at[0, 400:].add(-150)          # a jump back inside the second segment
+  q, kk, v = _inputs(1, seg.shape[1], 2, 2, 64, jnp.bfloat16, seed=13)
+  cot = jax.random.normal(jax.random.key(14), q.shape, jnp.float32)
+  fn = mosaic_gpu.make_packed_hybrid(training="mosaic")
+  with jax.disable_jit():
+    assert not bool(mosaic_gpu.positions_count_up(seg, pos))
+    grads = jax.grad(lambda *x: jnp.sum(fn(*x, seg, pos, st, INTERPRET).astype(jnp.float32)
+                                        * cot), argnums=(0, 3))(q, kk, v, gate)
+  up = [x.astype(jnp.float32) for x in (q, kk, v)]
+  want = jax.grad(lambda *x: jnp.sum(hybrid_attention(
+      *x, sink_blocks=1, local_blocks=1, block=128, segment_ids=seg, positions=pos) * cot),
+                  argnums=(0, 3))(*up, gate)
+  for got, w in zip(grads, want):
+    assert float(jnp.linalg.norm(got.astype(jnp.float32) - w) / jnp.linalg.norm(w)) <= 1e-2

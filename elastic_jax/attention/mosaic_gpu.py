@@ -32,7 +32,8 @@ and G even or 1. T is padded inside. Interpret mode (`interpret=True`) runs it o
 
 Packed rows (segment ids and positions, `packed_forward_hard`, end of this file): the walk
 starts at the tile of the segment start of the program's first row (`common.packed_plan`),
-and masked tiles compare each key with three per-row bounds; see the section there.
+and masked tiles compare each key with three per-row bounds; see the section there. Their
+training (`packed_forward_train`, `packed_backward`) is opt-in like the unpacked one.
 
 Shape letters: B batch, T tokens, N query heads, K KV heads, G = N / K, D head dim.
 """
@@ -42,6 +43,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+
+import numpy as np
 
 import jax
 import jax.numpy as jnp
@@ -661,13 +664,18 @@ def _row_bounds(seg, pos, gate_btk, streaming: Streaming):
                     jnp.where(full, start[:, None], window[:, None])], axis=2).astype(jnp.int32)
 
 
+def positions_count_up(seg, pos):
+  """Whether positions count up by one from a non-negative start within each segment (a
+  traced bool): then a row's visible keys are an index range (`_row_bounds`)."""
+  start, _ = segment_bounds(seg)
+  offset = pos - jnp.arange(seg.shape[1], dtype=jnp.int32)[None]
+  return jnp.all(offset == jnp.take_along_axis(offset, start, axis=1)) & jnp.all(pos >= 0)
+
+
 def packed_rows_apply(seg, pos, gate_btk):
   """Whether this kernel computes packed rows exactly (a traced bool): every gate 0 or 1, and
   positions that count up by one from a non-negative start within each segment."""
-  start, _ = segment_bounds(seg)
-  offset = pos - jnp.arange(seg.shape[1], dtype=jnp.int32)[None]
-  affine = jnp.all(offset == jnp.take_along_axis(offset, start, axis=1)) & jnp.all(pos >= 0)
-  return affine & jnp.all((gate_btk <= 0.0) | (gate_btk >= 1.0))
+  return positions_count_up(seg, pos) & jnp.all((gate_btk <= 0.0) | (gate_btk >= 1.0))
 
 
 @functools.partial(jax.jit, static_argnames=("streaming", "rows", "block_kv"))
@@ -705,10 +713,89 @@ def packed_forward_hard(q, k, v, gate_btk, segment_ids, positions, streaming: St
   return out[:, :q.shape[1]]
 
 
-def make_packed_hybrid(tiles: MosaicTiles = DEFAULT_TILES):
+def _packed_trains(q_shape, k_shape, dtype, streaming, tiles, backward_tiles) -> bool:
+  """Whether the Mosaic GPU training kernels take packed rows of these shapes: `trains`, and
+  rows long enough that both training paths pad them alike (the residuals of either path then
+  have one layout, so the choice can be made at run time)."""
+  return (trains(q_shape, k_shape, dtype, streaming, tiles, backward_tiles) and q_shape[1] > 64
+          and mosaic_gpu_backward.padded_length(q_shape[1], q_shape[2] // k_shape[2],
+                                                backward_tiles) == -(-q_shape[1] // 128) * 128)
+
+
+def packed_forward_train(q, k, v, gate_btk, segment_ids, positions, streaming: Streaming, *,
+                         tiles: MosaicTiles = DEFAULT_TILES, interpret: bool = False):
+  """The training forward over packed rows (positions must count up within each segment,
+  `positions_count_up`): O = r O_FA + (1 - r) O_SSA per row, and the residuals in the layout
+  of the Triton packed kernels' (`pallas_gpu.packed_parts`), so that either backward takes
+  them. Two launches of the packed forward kernel with every row full, then streaming."""
+  b, t, n, d = q.shape
+  kh = k.shape[2]
+  rows = _rows_per_program(n // kh, tiles)
+  outs = []
+  for forced in (1.0, 0.0):
+    (qp, kp, vp), walks, bounds = _packed_operands(
+        q, k, v, jnp.full(gate_btk.shape, forced, jnp.float32), segment_ids, positions,
+        streaming, rows, tiles.block_kv)
+    if outs:   # one launch after the other (see forward_train)
+      _, (qp, kp, vp) = lax.optimization_barrier((outs[-1][0], (qp, kp, vp)))
+    outs.append(_call(qp, kp, vp, None, streaming=streaming, tiles=tiles, scale=d ** -0.5,
+                      interpret=interpret, walks=walks, row_bounds=bounds, lse=True))
+  (o_fa, lse_fa), (o_sa, lse_sa) = outs
+  o_fa, o_sa = o_fa[:, :t], o_sa[:, :t]
+  r = jnp.repeat(gate_btk.astype(jnp.float32), n // kh, axis=2)[..., None]      # [B, T, N, 1]
+  o = (r * o_fa.astype(jnp.float32) + (1.0 - r) * o_sa.astype(jnp.float32)).astype(q.dtype)
+  tp = qp.shape[1]
+  seg, pos = pad_packed(segment_ids, positions, tp)
+  gate = pad_to(gate_btk.astype(jnp.float32), 1, tp).transpose(0, 2, 1)        # [B, K, Tp]
+  return o, (qp, kp, vp, seg, pos, gate, None, gate_btk, o_fa, o_sa, lse_fa, lse_sa,
+             segment_ids, positions, None)
+
+
+def packed_backward(residuals, d_out, streaming: Streaming, *,
+                    backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES,
+                    interpret: bool = False):
+  """(dq, dk, dv, d_gate, 0, 0) of packed rows from `packed_forward_train`'s residuals (the
+  gate's gradient per row; float0 zeros for the segment ids and positions): the Mosaic GPU
+  dQ and dK/dV kernels walking `common.packed_plan`'s schedules, masks from per-row bounds."""
+  (qp, kp, vp, seg, pos, gate, _, gate_btk, o_fa, o_sa, lse_fa, lse_sa, segment_ids,
+   positions, _) = residuals
+  t, tp, n = d_out.shape[1], qp.shape[1], qp.shape[2]
+  groups = n // kp.shape[2]
+  d_fa, d_sa, d_gate = row_deltas(d_out, o_fa, o_sa, gate_btk)
+  rows = lambda x: pad_to(x, 1, tp).transpose(0, 2, 1)                    # [B, N, Tp]
+  r = jnp.repeat(gate, groups, axis=1)                                    # [B, N, Tp]
+  terms = jnp.stack([lse_fa, lse_sa, rows(d_fa), rows(d_sa), r], axis=2)  # [B, N, 5, Tp]
+  gate_rows = gate.transpose(0, 2, 1)                                     # [B, Tp, K]
+  bounds = _row_bounds(seg, pos, jnp.zeros_like(gate_rows), streaming)[:, 0]   # [B, 3, Tp]
+  do = pad_to(d_out.astype(qp.dtype), 1, tp)
+  bt = backward_tiles
+  flat = lambda x: x.reshape(-1).astype(jnp.int32)
+  q_sched = packed_plan(seg, pos, gate_rows, streaming, mosaic_gpu_backward._dq_rows(groups, bt),
+                        bt.dq_block_kv)
+  q_plan = jnp.broadcast_to(q_sched["q_plan"][:, None], q_sched["q_modes"].shape + (8,))
+  k_sched = packed_plan(seg, pos, gate_rows, streaming, bt.dkv_block_q,
+                        mosaic_gpu_backward._COMPUTE_WGS * bt.dkv_block_k)
+  kw = dict(streaming=streaming, tiles=bt, interpret=interpret, bounds=bounds)
+  dq = mosaic_gpu_backward.dq_call(qp, kp, vp, do, terms, flat(q_sched["q_modes"]), None,
+                                   plan=[flat(q_plan[..., x]) for x in range(7)], **kw)
+  _, (qp, kp, vp, do, terms) = lax.optimization_barrier((dq, (qp, kp, vp, do, terms)))
+  dk, dv = mosaic_gpu_backward.dkv_call(
+      qp, kp, vp, do, terms, flat(k_sched["k_modes"]), None,
+      plan=[flat(k_sched["k_plan"][..., x]) for x in range(3)], **kw)
+  zero_int = lambda x: np.zeros(x.shape, jax.dtypes.float0)
+  return (dq[:, :t], dk[:, :t], dv[:, :t], d_gate, zero_int(segment_ids), zero_int(positions))
+
+
+def make_packed_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "triton",
+                       backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES):
   """`pallas_gpu.make_packed_hybrid` with this kernel as the undifferentiated forward where it
-  `applies` and, at run time, `packed_rows_apply` (training keeps the Triton kernels)."""
-  triton_forward, forward_train, backward = pallas_gpu.packed_parts()
+  `applies` and, at run time, `packed_rows_apply`. training: "triton", or "mosaic" to train
+  on `packed_forward_train` and `packed_backward` where `_packed_trains` and, at run time,
+  `positions_count_up` (the Triton kernels otherwise; both leave residuals of one layout).
+  "triton" stays the default until the Mosaic training kernels are checked natively."""
+  if training not in ("triton", "mosaic"):
+    raise ValueError(f"training kernels '{training}' are unknown (triton, mosaic)")
+  triton_forward, triton_train, triton_backward = pallas_gpu.packed_parts()
 
   def forward(q, k, v, gate_btk, seg, pos, streaming, interpret):
     if not applies(q.shape, k.shape, q.dtype, streaming, tiles):
@@ -719,7 +806,28 @@ def make_packed_hybrid(tiles: MosaicTiles = DEFAULT_TILES):
                                     interpret=interpret),
         lambda: triton_forward(q, k, v, gate_btk, seg, pos, streaming, interpret))
 
-  return with_fused_backward(forward, forward_train, backward, num_arrays=6)
+  def mosaic_trains(q_shape, k_shape, dtype, streaming):
+    return training == "mosaic" and _packed_trains(q_shape, k_shape, dtype, streaming, tiles,
+                                                   backward_tiles)
+
+  def train(q, k, v, gate_btk, seg, pos, streaming, interpret):
+    triton = lambda: triton_train(q, k, v, gate_btk, seg, pos, streaming, interpret)
+    if not mosaic_trains(q.shape, k.shape, q.dtype, streaming):
+      return triton()
+    return lax.cond(positions_count_up(seg, pos),
+                    lambda: packed_forward_train(q, k, v, gate_btk, seg, pos, streaming,
+                                                 tiles=tiles, interpret=interpret), triton)
+
+  def grads(streaming, interpret, res, d_out):
+    triton = lambda: triton_backward(streaming, interpret, res, d_out)
+    if not mosaic_trains(d_out.shape, res[1].shape, d_out.dtype, streaming):
+      return triton()
+    return lax.cond(positions_count_up(res[3], res[4]),     # the padded segment ids, positions
+                    lambda: packed_backward(res, d_out, streaming,
+                                            backward_tiles=backward_tiles, interpret=interpret),
+                    triton)
+
+  return with_fused_backward(forward, train, grads, num_arrays=6)
 
 
 hybrid_attention = functools.partial(kernel_or_reference, make_hybrid(),

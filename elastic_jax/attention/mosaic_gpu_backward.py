@@ -22,6 +22,9 @@ registers.
        stay in the accumulators (GQA without a reduction afterwards).
 Tiles of a walk are a fixed sequence of ranges, each with its terms (FA, SSA or both) known
 at trace time; a range's tiles that straddle the causal diagonal run masked, the others not.
+Packed rows (`packed_dq_walk`, `packed_dkv_walk`) take their ranges from `common.packed_plan`
+and the gate per row (a fifth row term); their masks compare each key with the query row's
+bounds (`_packed_masks`), on every tile outside the plan's unmasked ranges.
 The streaming window needs no mask: `applies` demands SSA blocks made of whole tiles on both
 kernels' sides, so a tile is wholly inside or outside a head's window.
 
@@ -188,11 +191,12 @@ def _product(lhs_ref, rhs_ref, shape):
   return pl.run_scoped(fn, plgpu.ACC(shape, jnp.float32))
 
 
-def _probs(x, lse_terms, ok, fa: bool, sa: bool, bcast):
+def _probs(x, lse_terms, oks, fa: bool, sa: bool, bcast):
   """(P_FA, P_SSA) of one tile from its scaled scores x (None for a term the range skips):
-  exp2(x - lse), zero where `ok` (the causal mask of a diagonal tile) is false."""
+  exp2(x - lse), zero where the term's mask (`oks`: FA's, SSA's; None on tiles every pair of
+  which the term sees) is false."""
   out = []
-  for on, lse in ((fa, lse_terms[0]), (sa, lse_terms[1])):
+  for on, lse, ok in ((fa, lse_terms[0], oks[0]), (sa, lse_terms[1], oks[1])):
     p = None
     if on:
       p = jnp.exp2(x - bcast(lse))
@@ -204,7 +208,7 @@ def _probs(x, lse_terms, ok, fa: bool, sa: bool, bcast):
 
 def _dscores(probs, dp, d_terms, weights, bcast):
   """(P mixed, dS) of one tile: r P_FA + (1 - r) P_SSA and r P_FA (dP - D_FA) + (1 - r) P_SSA
-  (dP - D_SSA), over the terms present in `probs`."""
+  (dP - D_SSA), over the terms present in `probs`; weights (r, 1 - r), scalars or per row."""
   p_mix = ds = None
   for p, delta, w in zip(probs, d_terms, weights):
     if p is None:
@@ -216,17 +220,71 @@ def _dscores(probs, dp, d_terms, weights, bcast):
   return p_mix, ds
 
 
-def _dq_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, rows_ref, dq_ref, scoped, *,
-               groups, num_kv_heads, streaming: Streaming, tiles: BackwardTiles, scale,
-               num_q_tiles, interpret):
-  (q_smem2, do_smem2, rows_smem2, k_smem, v_smem, ds_smem2), ready, (k_ready, v_ready), (
-      k_free, v_free) = scoped
-  q_ready, do_ready, rows_ready = ready
+def _packed_masks(query, key, bounds):
+  """FA's and SSA's masks of packed rows from the query's bounds (segment start, end of its
+  sink, start of its window; `mosaic_gpu._row_bounds` with every row streaming): key j is
+  visible to query i iff start_i <= j <= i, and to SSA also iff j < sink_end_i or j >=
+  window_i."""
+  start, sink_end, window = bounds
+  fa = (key >= start) & (key <= query)
+  return fa, fa & ((key < sink_end) | (key >= window))
+
+
+def packed_dq_walk(plan, mode):
+  """The KV tiles of a dQ program over packed rows, from its `common.packed_plan` entries
+  (kv_lo, sink_hi, win_lo, causal_hi, in_lo, in_hi, sparse_in_hi) and its run-time mode:
+  ranges (lo, hi, fa, sa, unmasked_lo, unmasked_hi). A full tile walks [kv_lo, causal_hi)
+  with FA, a streaming one its sink then its window with SSA, a tile whose rows are routed
+  differently (MODE_MIX) [kv_lo, causal_hi) with both terms, every tile masked."""
+  kv_lo, sink_hi, win_lo, causal_hi, in_lo, in_hi, sparse_in_hi = plan
+  full, sparse, mix = mode == MODE_FULL, mode == MODE_SPARSE, mode == MODE_MIX
+  w = jnp.maximum(win_lo, sink_hi)
+  upto = lambda on, lo, hi: (lo, jnp.where(on, hi, lo))
+  return [(*upto(full, kv_lo, causal_hi), True, False, in_lo, in_hi),
+          (*upto(sparse, kv_lo, sink_hi), False, True, in_lo, sparse_in_hi),
+          (*upto(sparse, w, causal_hi), False, True, in_lo, sparse_in_hi),
+          (*upto(mix, kv_lo, causal_hi), True, True, in_lo, in_lo)]
+
+
+def packed_dkv_walk(plan, mode):
+  """The query tiles of a dK/dV program over packed rows (per query head), from its key
+  tile's `common.packed_plan` entries (q_lo, q_hi_full, q_hi_sparse) and its run-time mode:
+  ranges (lo, hi, fa, sa), every tile masked."""
+  q_lo, q_hi_full, q_hi_sparse = plan
+  full, sparse, mix = mode == MODE_FULL, mode == MODE_SPARSE, mode == MODE_MIX
+  upto = lambda on, lo, hi: (lo, jnp.where(on, hi, lo))
+  return [(*upto(full, q_lo, q_hi_full), True, False),
+          (*upto(sparse, q_lo, q_hi_sparse), False, True),
+          (*upto(mix, q_lo, q_hi_sparse), True, True),
+          (*upto(mix, q_hi_sparse, q_hi_full), True, False)]
+
+
+def _split(lo, hi, unmasked_lo, unmasked_hi):
+  """[lo, hi) as (first, end, masked) pieces in order: masked, unmasked, masked."""
+  a = jnp.clip(unmasked_lo, lo, hi)
+  z = jnp.clip(unmasked_hi, a, hi)
+  return [(lo, a, True), (a, z, False), (z, hi, True)]
+
+
+def _dq_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: BackwardTiles, scale,
+               num_q_tiles, interpret, packed: bool):
+  """dQ of one program: `rows` query rows of one or two query heads (as the forward).
+  Unpacked rows: refs (modes [B*K], gates [B*K], q, k, v, dO, row terms, dq, scratch);
+  packed: (modes [B*K*nq], the plan's seven fields [B*K*nq] each, q, k, v, dO, row terms with
+  the per-row gate as a fifth, bounds [B, 3, Tp], dq, scratch)."""
+  if packed:
+    modes_ref, *plan_refs = refs[:8]
+    q_ref, k_ref, v_ref, do_ref, rows_ref, bounds_ref, dq_ref, scoped = refs[8:]
+  else:
+    modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, rows_ref, dq_ref, scoped = refs
+  (q_smem2, do_smem2, rows_smem2, bounds_smem2, k_smem, v_smem, ds_smem2), ready, (
+      k_ready, v_ready), (k_free, v_free) = scoped
   block_q, block_kv, slots = tiles.dq_block_q, tiles.dq_block_kv, tiles.slots
   pair_heads = groups >= 2
   rows = _dq_rows(groups, tiles)
   head_dim = q_ref.shape[-1]
   dtype = q_ref.dtype
+  n_terms = rows_ref.shape[2]
 
   b = lax.axis_index("b")
   hp = lax.axis_index("hp")
@@ -235,10 +293,14 @@ def _dq_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, rows_ref, dq_re
   heads_per_program = _COMPUTE_WGS if pair_heads else 1
   kv_head = lax.div(hp * heads_per_program, jnp.int32(groups))
   slot_bk = b * num_kv_heads + kv_head
-  mode = modes_ref[slot_bk]
-  r = gate_ref[slot_bk]
   q_start = qt * rows
-  ranges = dq_walk(q_start, rows, mode, streaming, block_kv)
+  if packed:
+    at = slot_bk * num_q_tiles + qt
+    ranges = packed_dq_walk([ref[at] for ref in plan_refs], modes_ref[at])
+  else:
+    r = gate_ref[slot_bk]
+    ranges = [(*x, 0, 0) for x in dq_walk(q_start, rows, modes_ref[slot_bk], streaming,
+                                           block_kv)]
   firsts, steps = _offsets(ranges)
 
   @pl.when(wg < _COMPUTE_WGS)
@@ -248,15 +310,23 @@ def _dq_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, rows_ref, dq_re
     head = hp * heads_per_program + (wg if pair_heads else 0)
     row0 = q_start + (0 if pair_heads else wg * block_q)
     rows_here = pl.ds(row0, block_q)
-    plgpu.copy_gmem_to_smem(q_ref.at[b, rows_here, head], q_smem, q_ready.at[wg])
-    plgpu.copy_gmem_to_smem(do_ref.at[b, rows_here, head], do_smem, do_ready.at[wg])
+    plgpu.copy_gmem_to_smem(q_ref.at[b, rows_here, head], q_smem, ready[0].at[wg])
+    plgpu.copy_gmem_to_smem(do_ref.at[b, rows_here, head], do_smem, ready[1].at[wg])
     plgpu.copy_gmem_to_smem(rows_ref.at[b, head, :, rows_here], rows_smem2.at[wg],
-                            rows_ready.at[wg])
-    for barrier in ready:
+                            ready[2].at[wg])
+    if packed:
+      plgpu.copy_gmem_to_smem(bounds_ref.at[b, :, rows_here], bounds_smem2.at[wg],
+                              ready[3].at[wg])
+    for barrier in ready[:4 if packed else 3]:
       plgpu.barrier_wait(barrier.at[wg])
-    terms = [plgpu.load(rows_smem2.at[wg, x], layout=plgpu.Layout.WGMMA.reduce(1))
-             for x in range(_ROW_TERMS)]
-    bcast = lambda v: lax.broadcast_in_dim(v, (block_q, block_kv), [0])
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    terms = [plgpu.load(rows_smem2.at[wg, x], layout=row_layout) for x in range(n_terms)]
+    shape = (block_q, block_kv)
+    bcast = lambda v: lax.broadcast_in_dim(v, shape, [0])
+    weights = (bcast(terms[4]), 1.0 - bcast(terms[4])) if packed else (r, 1.0 - r)
+    if packed:
+      bounds = [bcast(plgpu.load(bounds_smem2.at[wg, x], layout=row_layout))
+                for x in range(3)]
     c = scale * _LOG2E
     staging = ds_smem2.at[wg] if interpret else None
 
@@ -264,28 +334,31 @@ def _dq_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, rows_ref, dq_re
       s = first + j
       slot = lax.rem(s, jnp.int32(slots))
       plgpu.barrier_wait(k_ready.at[slot])
-      x = _product(q_smem, k_smem.at[slot].transpose((1, 0)), (block_q, block_kv)) * c
-      ok = None
+      x = _product(q_smem, k_smem.at[slot].transpose((1, 0)), shape) * c
+      oks = (None, None)
       if masked:
-        shape = (block_q, block_kv)
         row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
         col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + (
             j * block_kv)
-        ok = row >= col
-      probs = _probs(x, terms[:2], ok, fa, sa, bcast)    # x is dead before dP is live
+        oks = _packed_masks(row, col, bounds) if packed else (row >= col,) * 2
+      probs = _probs(x, terms[:2], oks, fa, sa, bcast)    # x is dead before dP is live
       plgpu.barrier_wait(v_ready.at[slot])
-      dp = _product(do_smem, v_smem.at[slot].transpose((1, 0)), (block_q, block_kv))
+      dp = _product(do_smem, v_smem.at[slot].transpose((1, 0)), shape)
       plgpu.barrier_arrive(v_free.at[slot])
-      _, ds = _dscores(probs, dp, terms[2:], (r, 1.0 - r), bcast)
+      _, ds = _dscores(probs, dp, terms[2:4], weights, bcast)
       dq = _mma(dq, ds.astype(dtype), k_smem.at[slot], staging)
       plgpu.barrier_arrive(k_free.at[slot])
       return dq
 
     dq = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
     first_masked = row0 // block_kv       # tiles from here hold keys after the first row
-    for (lo, hi, fa, sa), first in zip(ranges, firsts):
-      split = jnp.clip(first_masked, lo, hi)
-      for a, z, masked in ((lo, split, False), (split, hi, True)):
+    for (lo, hi, fa, sa, u_lo, u_hi), first in zip(ranges, firsts):
+      # Unpacked: the tiles before the diagonal need no mask; packed: those of the plan's
+      # unmasked range (tiles wholly inside the rows' segment, before them).
+      pieces = (_split(lo, hi, u_lo, u_hi) if packed else
+                [(lo, jnp.clip(first_masked, lo, hi), False),
+                 (jnp.clip(first_masked, lo, hi), hi, True)])
+      for a, z, masked in pieces:
         dq = lax.fori_loop(a, z, functools.partial(step, first=first - lo, fa=fa, sa=sa,
                                                    masked=masked), dq)
     q_smem[...] = (dq * scale).astype(dtype)
@@ -325,11 +398,19 @@ def _stream(load, free, steps, slots: int):
       plgpu.barrier_wait(barrier.at[slot])
 
 
-def _dkv_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, rows_ref, dk_ref, dv_ref,
-                scoped, *, groups, num_kv_heads, streaming: Streaming, tiles: BackwardTiles,
-                scale, num_q_tiles, interpret):
-  (k_smem2, v_smem2, q_smem, do_smem, rows_smem, st_smem2), (k_ready, v_ready), (
-      q_ready, do_ready, rows_ready), q_free = scoped
+def _dkv_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: BackwardTiles,
+                scale, num_q_tiles, interpret, packed: bool):
+  """dK and dV of one program: 2 x block_k keys of one KV head, summed over its G query heads.
+  Unpacked rows: refs (modes [B*K], gates [B*K], q, k, v, dO, row terms, dk, dv, scratch);
+  packed: (modes [B*K*nk], the key plan's three fields [B*nk] each, q, k, v, dO, row terms
+  with the per-row gate as a fifth, bounds [B, 3, Tp], dk, dv, scratch)."""
+  if packed:
+    modes_ref, *plan_refs = refs[:4]
+    q_ref, k_ref, v_ref, do_ref, rows_ref, bounds_ref, dk_ref, dv_ref, scoped = refs[4:]
+  else:
+    modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, rows_ref, dk_ref, dv_ref, scoped = refs
+  (k_smem2, v_smem2, q_smem, do_smem, rows_smem, bounds_smem, st_smem2), (k_ready, v_ready), (
+      q_ready, do_ready, rows_ready, bounds_ready), q_free = scoped
   block_k, block_q, slots = tiles.dkv_block_k, tiles.dkv_block_q, tiles.slots
   keys = _COMPUTE_WGS * block_k
   head_dim = k_ref.shape[-1]
@@ -337,12 +418,17 @@ def _dkv_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, rows_ref, dk_r
 
   b = lax.axis_index("b")
   kv_head = lax.axis_index("kvh")
-  k_start = lax.axis_index("kt") * keys             # first tiles first: the most query tiles
+  kt = lax.axis_index("kt")
+  k_start = kt * keys                               # first tiles first: the most query tiles
   wg = lax.axis_index("wg")
   slot_bk = b * num_kv_heads + kv_head
-  mode = modes_ref[slot_bk]
-  r = gate_ref[slot_bk]
-  ranges = dkv_walk(k_start, keys, mode, streaming, block_q, num_q_tiles)
+  if packed:
+    num_k_tiles = k_ref.shape[1] // keys
+    plan = [ref[b * num_k_tiles + kt] for ref in plan_refs]
+    ranges = packed_dkv_walk(plan, modes_ref[slot_bk * num_k_tiles + kt])
+  else:
+    r = gate_ref[slot_bk]
+    ranges = dkv_walk(k_start, keys, modes_ref[slot_bk], streaming, block_q, num_q_tiles)
   firsts, per_head = _offsets(ranges)
   steps = groups * per_head
 
@@ -358,6 +444,7 @@ def _dkv_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, rows_ref, dk_r
     plgpu.barrier_wait(v_ready.at[wg])
     shape = (block_k, block_q)
     bcast = lambda v: lax.broadcast_in_dim(v, shape, [1])
+    column = plgpu.Layout.WGMMA.reduce(0)
     c = scale * _LOG2E
     staging = st_smem2.at[wg] if interpret else None
 
@@ -365,22 +452,33 @@ def _dkv_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, rows_ref, dk_r
       dk, dv = carry
       s = first + i
       slot = lax.rem(s, jnp.int32(slots))
-      load_terms = lambda which: [
-          plgpu.load(rows_smem.at[slot, t], layout=plgpu.Layout.WGMMA.reduce(0)) for t in which]
+      load_terms = lambda which: [plgpu.load(rows_smem.at[slot, t], layout=column)
+                                  for t in which]
       plgpu.barrier_wait(q_ready.at[slot])
       x = _product(k_smem, q_smem.at[slot].transpose((1, 0)), shape) * c
-      ok = None
-      if masked:   # rows are keys, columns queries: a query sees the keys up to itself
+      oks = (None, None)
+      if masked:   # rows are keys, columns queries
         key = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + key0
         query = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + (
             i * block_q)
-        ok = query >= key
+        if packed:
+          plgpu.barrier_wait(bounds_ready.at[slot])
+          bounds = [bcast(plgpu.load(bounds_smem.at[slot, x], layout=column))
+                    for x in range(3)]
+          oks = _packed_masks(query, key, bounds)
+        else:
+          oks = (query >= key,) * 2
       # P from the scores first, the D terms after dP: fewer live registers at once.
       plgpu.barrier_wait(rows_ready.at[slot])
-      probs = _probs(x, load_terms((0, 1)), ok, fa, sa, bcast)
+      probs = _probs(x, load_terms((0, 1)), oks, fa, sa, bcast)
       plgpu.barrier_wait(do_ready.at[slot])
       dp = _product(v_smem, do_smem.at[slot].transpose((1, 0)), shape)
-      p_mix, ds = _dscores(probs, dp, load_terms((2, 3)), (r, 1.0 - r), bcast)
+      if packed:
+        (gate,) = load_terms((4,))
+        weights = (bcast(gate), 1.0 - bcast(gate))
+      else:
+        weights = (r, 1.0 - r)
+      p_mix, ds = _dscores(probs, dp, load_terms((2, 3)), weights, bcast)
       dv = _mma(dv, p_mix.astype(dtype), do_smem.at[slot], staging)
       dk = _mma(dk, ds.astype(dtype), q_smem.at[slot], staging)
       plgpu.barrier_arrive(q_free.at[slot])
@@ -392,7 +490,9 @@ def _dkv_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, rows_ref, dk_r
 
     def one_head(g, carry):
       for (lo, hi, fa, sa), first in zip(ranges, firsts):
-        split = jnp.clip(masked_hi, lo, hi)
+        # Packed rows: every visited tile masked (segments end anywhere); unpacked: the
+        # query tiles that straddle the diagonal.
+        split = hi if packed else jnp.clip(masked_hi, lo, hi)
         for a, z, masked in ((lo, split, True), (split, hi, False)):
           carry = lax.fori_loop(a, z, functools.partial(
               step, first=g * per_head + first - lo, fa=fa, sa=sa, masked=masked), carry)
@@ -417,6 +517,9 @@ def _dkv_kernel(modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, rows_ref, dk_r
       plgpu.copy_gmem_to_smem(q_ref.at[b, rows, head], q_smem.at[slot], q_ready.at[slot])
       plgpu.copy_gmem_to_smem(rows_ref.at[b, head, :, rows], rows_smem.at[slot],
                               rows_ready.at[slot])
+      if packed:
+        plgpu.copy_gmem_to_smem(bounds_ref.at[b, :, rows], bounds_smem.at[slot],
+                                bounds_ready.at[slot])
       plgpu.copy_gmem_to_smem(do_ref.at[b, rows, head], do_smem.at[slot], do_ready.at[slot])
 
     _stream(load, (q_free,), steps, slots)
@@ -437,9 +540,13 @@ def _launch(kernel, scratch, operands, *, out_type, grid, grid_names, interpret)
 
 
 def dq_call(q, k, v, do, row_terms, modes, gate, *, streaming: Streaming,
-            tiles: BackwardTiles, interpret: bool):
+            tiles: BackwardTiles, interpret: bool, plan=None, bounds=None):
   """dQ [B, Tp, N, D] from padded q, k, v, dO, the row terms [B, N, 4, Tp] float32 (lse_FA,
-  lse_SSA, D_FA, D_SSA) and per (batch, KV head) modes int32 and gates float32 [B * K]."""
+  lse_SSA, D_FA, D_SSA) and per (batch, KV head) modes int32 and gates float32 [B * K].
+  Packed rows: `plan`, the seven q_plan fields of `common.packed_plan` over programs of
+  `_dq_rows` rows and KV tiles of dq_block_kv (int32 [B * K * nq] each), `modes` its q_modes
+  [B * K * nq], the row terms with each row's gate as a fifth [B, N, 5, Tp], `bounds` [B, 3,
+  Tp] int32 (see `_packed_masks`), `gate` unused."""
   b, tp, n, d = q.shape
   kh = k.shape[2]
   groups = n // kh
@@ -447,47 +554,57 @@ def dq_call(q, k, v, do, row_terms, modes, gate, *, streaming: Streaming,
   dtype = q.dtype
   swz = _swizzled(dtype)
   bq, bkv, slots = tiles.dq_block_q, tiles.dq_block_kv, tiles.slots
+  packed = plan is not None
   scratch = (
       (plgpu.SMEM((_COMPUTE_WGS, bq, d), dtype, transforms=swz),
        plgpu.SMEM((_COMPUTE_WGS, bq, d), dtype, transforms=swz),
-       plgpu.SMEM((_COMPUTE_WGS, _ROW_TERMS, bq), jnp.float32),
+       plgpu.SMEM((_COMPUTE_WGS, row_terms.shape[2], bq), jnp.float32),
+       plgpu.SMEM((_COMPUTE_WGS, 3, bq), jnp.int32) if packed else None,
        plgpu.SMEM((slots, bkv, d), dtype, transforms=swz),
        plgpu.SMEM((slots, bkv, d), dtype, transforms=swz),
        plgpu.SMEM((_COMPUTE_WGS, bq, bkv), dtype, transforms=swz) if interpret else None),
-      (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * 3,
+      (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * 4,
       (plgpu.Barrier(num_barriers=slots),) * 2,
       (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=slots),) * 2)
   kernel = functools.partial(_dq_kernel, groups=groups, num_kv_heads=kh, streaming=streaming,
                              tiles=tiles, scale=d ** -0.5, num_q_tiles=tp // rows,
-                             interpret=interpret)
-  return _launch(kernel, scratch, (modes, gate, q, k, v, do, row_terms),
-                 out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+                             interpret=interpret, packed=packed)
+  operands = ((modes, *plan, q, k, v, do, row_terms, bounds) if packed else
+              (modes, gate, q, k, v, do, row_terms))
+  return _launch(kernel, scratch, operands, out_type=jax.ShapeDtypeStruct(q.shape, dtype),
                  grid=(n // (_COMPUTE_WGS if groups >= 2 else 1), tp // rows, b),
                  grid_names=("hp", "qt", "b"), interpret=interpret)
 
 
 def dkv_call(q, k, v, do, row_terms, modes, gate, *, streaming: Streaming,
-             tiles: BackwardTiles, interpret: bool):
-  """(dK, dV) [B, Tp, K, D], the G query heads of each KV head summed; operands as `dq_call`."""
+             tiles: BackwardTiles, interpret: bool, plan=None, bounds=None):
+  """(dK, dV) [B, Tp, K, D], the G query heads of each KV head summed; operands as `dq_call`,
+  packed rows' `plan` the three k_plan fields (q_lo, q_hi_full, q_hi_sparse) over key tiles
+  of 2 x dkv_block_k and query tiles of dkv_block_q (int32 [B * nk] each), `modes` its
+  k_modes [B * K * nk]."""
   b, tp, n, d = q.shape
   kh = k.shape[2]
   dtype = q.dtype
   swz = _swizzled(dtype)
   bk, bq, slots = tiles.dkv_block_k, tiles.dkv_block_q, tiles.slots
+  packed = plan is not None
   scratch = (
       (plgpu.SMEM((_COMPUTE_WGS, bk, d), dtype, transforms=swz),
        plgpu.SMEM((_COMPUTE_WGS, bk, d), dtype, transforms=swz),
        plgpu.SMEM((slots, bq, d), dtype, transforms=swz),
        plgpu.SMEM((slots, bq, d), dtype, transforms=swz),
-       plgpu.SMEM((slots, _ROW_TERMS, bq), jnp.float32),
+       plgpu.SMEM((slots, row_terms.shape[2], bq), jnp.float32),
+       plgpu.SMEM((slots, 3, bq), jnp.int32) if packed else None,
        plgpu.SMEM((_COMPUTE_WGS, bk, bq), dtype, transforms=swz) if interpret else None),
       (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * 2,
-      (plgpu.Barrier(num_barriers=slots),) * 3,
+      (plgpu.Barrier(num_barriers=slots),) * 4,
       plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=slots))
   kernel = functools.partial(_dkv_kernel, groups=n // kh, num_kv_heads=kh, streaming=streaming,
                              tiles=tiles, scale=d ** -0.5, num_q_tiles=tp // bq,
-                             interpret=interpret)
+                             interpret=interpret, packed=packed)
+  operands = ((modes, *plan, q, k, v, do, row_terms, bounds) if packed else
+              (modes, gate, q, k, v, do, row_terms))
   kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
-  return _launch(kernel, scratch, (modes, gate, q, k, v, do, row_terms),
-                 out_type=(kv_type, kv_type), grid=(kh, tp // (_COMPUTE_WGS * bk), b),
+  return _launch(kernel, scratch, operands, out_type=(kv_type, kv_type),
+                 grid=(kh, tp // (_COMPUTE_WGS * bk), b),
                  grid_names=("kvh", "kt", "b"), interpret=interpret)
