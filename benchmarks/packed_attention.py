@@ -14,7 +14,10 @@ streaming, which ones drawn per segment). Cases, each timed side by side:
    (batch 4), on the Triton kernels and on the default (`auto`: the Mosaic GPU forwards on
    Hopper, packed and unpacked). Target: packed within 10% of the separate rows.
 
-Times exclude compilation (medians after two warm-up calls, `attention_torch.timed`) and
+With --mosaic-training (a Hopper GPU), case 1 also runs on the Mosaic GPU training kernels
+(`mosaic_gpu.make_packed_hybrid(training="mosaic")` and `make_hybrid(training="mosaic")` for
+the separate rows), after their gradients are checked against the reference's on the short
+row. Times exclude compilation (medians after two warm-up calls, `attention_torch.timed`) and
 name the device. Checks first: the packed kernels (Triton, and `auto`'s) against the reference on a short
 packed row.
 --dry-run shrinks the shapes so that the script runs on a CPU (interpret mode).
@@ -35,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention_torch import timed  # noqa: E402
 
 from elastic_jax.attention import Streaming  # noqa: E402
-from elastic_jax.attention import pallas_gpu  # noqa: E402
+from elastic_jax.attention import mosaic_gpu, pallas_gpu  # noqa: E402
 from elastic_jax.attention import reference  # noqa: E402
 from elastic_jax.attention import get_hybrid_attention  # noqa: E402
 
@@ -72,7 +75,13 @@ def main(argv=None):
   p.add_argument("--reps", type=int, default=10)
   p.add_argument("--seconds", type=float, default=3.0)
   p.add_argument("--skip-reference", action="store_true")
+  p.add_argument("--mosaic-training", action="store_true",
+                 help="also train on the Mosaic GPU training kernels (Hopper only)")
   args = p.parse_args(argv)
+  hopper = str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+  if args.mosaic_training and (args.dry_run or not hopper):
+    p.error("--mosaic-training needs a Hopper GPU (several Mosaic kernels in one jitted "
+            "computation stall the interpreter of a dry run)")
   interpret = args.dry_run
   n, k, d = (4, 2, 32) if args.dry_run else (32, 8, 128)
   st = Streaming(1, 4, 16) if args.dry_run else Streaming(1, 16, 128)
@@ -101,19 +110,40 @@ def main(argv=None):
     if not err <= 1e-2:
       raise SystemExit(f"the {name} disagrees with the reference; stopping")
 
+  trainers = [("", packed, unpacked)]
+  if args.mosaic_training:
+    m_packed = mosaic_gpu.make_packed_hybrid(training="mosaic")
+    m_unpacked = mosaic_gpu.make_hybrid(training="mosaic")
+    cot0 = jax.random.normal(jax.random.key(8), q.shape, jnp.float32)
+    got = grad_fn(lambda q, k, v, g: m_packed(q, k, v, g, seg, pos, st, False))(
+        q, kk, v, g, cot0)
+    want = grad_fn(lambda q, k, v, g: ref(q, k, v, g, st, seg, pos))(
+        up(q), up(kk), up(v), g, cot0)
+    errs = [float(jnp.linalg.norm(up(a) - b) / jnp.linalg.norm(b)) for a, b in zip(got, want)]
+    print("check: Mosaic packed training gradients (dq, dk, dv, dgate) vs float32 reference, "
+          "relative errors " + ", ".join(f"{e:.2e}" for e in errs), flush=True)
+    if not max(errs) <= 1e-2:
+      raise SystemExit("the Mosaic training kernels disagree with the reference; stopping")
+    trainers.append((", Mosaic training", m_packed, m_unpacked))
+
   rows = []
   # 1. Training mode, fwd+bwd.
   n_seg, seg_len = train_case
   (q, kk, v, g, seg, pos), (qs, ks, vs, gs) = segments_case(n_seg, seg_len, n, k, d, 0.75, 1)
   cot = jax.random.normal(jax.random.key(9), q.shape, jnp.float32)
-  f_packed = grad_fn(lambda q, k, v, g: packed(q, k, v, g, seg, pos, st, interpret))
-  f_rows = grad_fn(lambda q, k, v, g: unpacked(q, k, v, g, st, interpret))
-  t_packed = time_it(lambda: jax.block_until_ready(f_packed(q, kk, v, g, cot)))[0]
-  t_rows = time_it(lambda: jax.block_until_ready(
-      f_rows(qs, ks, vs, gs, cot.reshape(qs.shape))))[0]
   label = f"{n_seg} x {seg_len}"
-  rows.append((f"train fwd+bwd, one row of {label} segments (packed kernels)", t_packed))
-  rows.append((f"train fwd+bwd, {label} as separate rows (unpacked kernels)", t_rows))
+  for tag, train_packed, train_rows in trainers:
+    f_packed = grad_fn(lambda q, k, v, g: train_packed(q, k, v, g, seg, pos, st, interpret))
+    f_rows = grad_fn(lambda q, k, v, g: train_rows(q, k, v, g, st, interpret))
+    t_packed = time_it(lambda: jax.block_until_ready(f_packed(q, kk, v, g, cot)))[0]
+    t_rows = time_it(lambda: jax.block_until_ready(
+        f_rows(qs, ks, vs, gs, cot.reshape(qs.shape))))[0]
+    rows.append((f"train fwd+bwd, one row of {label} segments (packed kernels{tag})",
+                 t_packed))
+    rows.append((f"train fwd+bwd, {label} as separate rows (unpacked kernels{tag})", t_rows))
+    if tag:
+      print(f"training{tag}: packed / separate rows {t_packed / t_rows:.2f}x", flush=True)
+  t_packed, t_rows = rows[0][1], rows[1][1]
   t_ref = None
   if not args.skip_reference:
     f_ref = grad_fn(lambda q, k, v, g: ref(q, k, v, g, st, seg, pos))
