@@ -280,22 +280,32 @@ def test_backward_walks_visit_each_needed_tile_once_with_its_terms(st):
             tiles(window), mode, ("dkv", k_start))
 
 
-def test_mosaic_training_kernels_on_packed_rows():
-  """make_packed_hybrid(training="mosaic") on a packed row (segment ids and positions): every
-  row's gate mixes its head's two outputs; tiles whose rows are full, streaming or routed
-  differently; a long middle segment whose keys past the sink reach only their window's rows
-  (the dK/dV walk stops there). Output and gradients (the gate's per row) against the float32
-  reference, run eagerly as the unpacked test."""
+def test_mosaic_training_kernels_on_packed_rows(monkeypatch):
+  """make_packed_hybrid(training="mosaic") on a packed row (segment ids and positions): each
+  row's gate mixes its head's two outputs. Segments of 128, 384, 40 and 50 tokens (padded to
+  640): tiles whose rows are full, streaming or routed differently; segments starting on a
+  tile edge (the plan's unmasked tiles); a long mixed segment whose keys past the sink reach
+  only their window's rows (the dK/dV walk stops there, the FA term goes on). Output and
+  gradients (the gate's per row) against the float32 reference, run eagerly as the unpacked
+  test; the Mosaic dQ and dK/dV kernels must have run. Traced under jit (not run), both
+  run-time branches must leave residuals of one layout."""
+  from elastic_jax.attention import mosaic_gpu_backward
+  calls = []
+  for name in ("dq_call", "dkv_call"):
+    real = getattr(mosaic_gpu_backward, name)
+    monkeypatch.setattr(mosaic_gpu_backward, name,
+                        lambda *a, _real=real, _name=name, **kw: calls.append(_name) or
+                        _real(*a, **kw))
   st = Streaming(1, 1, 128)
-  seg, pos, gate = _packed_row([40, 560, 40], [np.asarray(c) for c in
-                                               ((1.0, 0.0), (0.6, 0.0), (1.0, 0.3))], 2)
+  gates = ((0.6, 0.0), (1.0, 0.3), (1.0, 0.0), (0.0, 0.0))
+  seg, pos, gate = _packed_row([128, 384, 40, 50], [np.asarray(c) for c in gates], 2)
   q, kk, v = _inputs(1, seg.shape[1], 2, 2, 64, jnp.bfloat16, seed=11)
   d_out = jax.random.normal(jax.random.key(12), q.shape, jnp.float32).astype(jnp.bfloat16)
   fn = mosaic_gpu.make_packed_hybrid(training="mosaic")
   with jax.disable_jit():
-    assert bool(mosaic_gpu.positions_count_up(seg, pos))      # the Mosaic path is taken
     out, vjp = jax.vjp(lambda *x: fn(*x, seg, pos, st, INTERPRET), q, kk, v, gate)
     grads = vjp(d_out)
+  assert sorted(calls) == ["dkv_call", "dq_call"]
   up = [x.astype(jnp.float32) for x in (q, kk, v)]
   ref = lambda *x: hybrid_attention(*x, sink_blocks=1, local_blocks=1, block=128,
                                     segment_ids=seg, positions=pos)
@@ -305,6 +315,8 @@ def test_mosaic_training_kernels_on_packed_rows():
                           ref_vjp(d_out.astype(jnp.float32))):
     err = float(jnp.linalg.norm(got.astype(jnp.float32) - w) / jnp.linalg.norm(w))
     assert err <= 1e-2, (name, err)
+  loss = lambda *x: jnp.sum(fn(*x, seg, pos, st, False).astype(jnp.float32))
+  jax.make_jaxpr(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))))(q, kk, v, gate)
 
 
 def test_packed_training_falls_back_where_positions_do_not_count_up():

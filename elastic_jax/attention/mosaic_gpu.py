@@ -717,9 +717,12 @@ def _packed_trains(q_shape, k_shape, dtype, streaming, tiles, backward_tiles) ->
   """Whether the Mosaic GPU training kernels take packed rows of these shapes: `trains`, and
   rows long enough that both training paths pad them alike (the residuals of either path then
   have one layout, so the choice can be made at run time)."""
-  return (trains(q_shape, k_shape, dtype, streaming, tiles, backward_tiles) and q_shape[1] > 64
-          and mosaic_gpu_backward.padded_length(q_shape[1], q_shape[2] // k_shape[2],
-                                                backward_tiles) == -(-q_shape[1] // 128) * 128)
+  t, groups = q_shape[1], q_shape[2] // k_shape[2]
+  triton_tp = -(-t // 128) * 128          # the Triton training kernels' padding, for t > 64
+  forward_tp = t + (-t % math.lcm(_rows_per_program(groups, tiles), tiles.block_kv))
+  return (trains(q_shape, k_shape, dtype, streaming, tiles, backward_tiles) and t > 64
+          and forward_tp == triton_tp
+          and mosaic_gpu_backward.padded_length(t, groups, backward_tiles) == triton_tp)
 
 
 def packed_forward_train(q, k, v, gate_btk, segment_ids, positions, streaming: Streaming, *,

@@ -224,10 +224,10 @@ def _packed_masks(query, key, bounds):
   """FA's and SSA's masks of packed rows from the query's bounds (segment start, end of its
   sink, start of its window; `mosaic_gpu._row_bounds` with every row streaming): key j is
   visible to query i iff start_i <= j <= i, and to SSA also iff j < sink_end_i or j >=
-  window_i."""
+  window_i. Bounds given as None are not needed (SSA's mask is None then)."""
   start, sink_end, window = bounds
   fa = (key >= start) & (key <= query)
-  return fa, fa & ((key < sink_end) | (key >= window))
+  return fa, None if sink_end is None else fa & ((key < sink_end) | (key >= window))
 
 
 def packed_dq_walk(plan, mode):
@@ -463,8 +463,9 @@ def _dkv_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwa
             i * block_q)
         if packed:
           plgpu.barrier_wait(bounds_ready.at[slot])
+          # The sink and window bounds only where the SSA term runs (registers).
           bounds = [bcast(plgpu.load(bounds_smem.at[slot, x], layout=column))
-                    for x in range(3)]
+                    if x == 0 or sa else None for x in range(3)]
           oks = _packed_masks(query, key, bounds)
         else:
           oks = (query >= key,) * 2
