@@ -236,6 +236,9 @@ def test_mosaic_training_kernels_match_reference_gradients(b, t, n, k, d, gates,
   _, swapped_vjp = jax.vjp(lambda *x: ref(1.0 - gate, *x), *up)
   swapped = swapped_vjp(d_out.astype(jnp.float32))[0]
   assert float(jnp.abs(grads[0].astype(jnp.float32) - swapped).max()) > 0.1
+  # The native path traces under jit (kernels for the GPU, not run here).
+  loss = lambda *x: jnp.sum(fn(*x, st, False).astype(jnp.float32))
+  jax.make_jaxpr(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))))(q, kk, v, gate)
 
 
 @pytest.mark.parametrize("st", [Streaming(1, 1, 128), Streaming(2, 3, 128), Streaming(1, 2, 256)])
