@@ -274,6 +274,18 @@ def test_python_api_bad_input(world):
     with pytest.raises(ej.ElasticJaxError) as err:
       hybrid_attention(*args, block=4, local_blocks=1, **kw)
     assert words in str(err.value)
+  # The kernel builders and the Mosaic XA forward (ValueError: programming errors of a caller
+  # that picks kernels itself).
+  from elastic_jax.attention import Streaming, mosaic_gpu
+  for make in (mosaic_gpu.make_hybrid, mosaic_gpu.make_packed_hybrid):
+    with pytest.raises(ValueError, match="training kernels 'cuda' are unknown"):
+      make(training="cuda")
+  q64, k64 = jax.numpy.ones((1, 128, 2, 64), jax.numpy.bfloat16), jax.numpy.ones(
+      (1, 128, 2, 64), jax.numpy.bfloat16)
+  with pytest.raises(ValueError, match="runs the XAttention settings, not 'fa-ssa'"):
+    mosaic_gpu.xa_forward_hard(q64, k64, k64, jax.numpy.ones((1, 2)),
+                               jax.numpy.ones((1, 2, 1, 1), bool), Streaming(1, 1, 128),
+                               patterns="fa-ssa", xa_block=128, interpret=True)
 
 
 def test_nan_weights_warn_at_conversion(world, tmp_path):

@@ -477,7 +477,7 @@ def hybrid_forward(q, k, v, gate_bk, streaming: Streaming, *,
                    tiles: MosaicTiles = DEFAULT_TILES, interpret: bool = False):
   """Inference forward: this kernel where every gate is 0 or 1, the Triton kernel otherwise
   (decided at run time: one compilation serves both). Shapes as `hybrid_forward_hard`."""
-  hard = jnp.all((gate_bk <= 0.0) | (gate_bk >= 1.0))
+  hard = hard_gates(gate_bk)
   return lax.cond(
       hard,
       lambda: hybrid_forward_hard(q, k, v, gate_bk, streaming, tiles=tiles,
@@ -539,12 +539,41 @@ def make_xa_hybrid(tiles: MosaicTiles = DEFAULT_TILES):
     if not xa_applies(q.shape, k.shape, q.dtype, streaming, xa_block, tiles):
       return triton()
     return lax.cond(
-        jnp.all((gate_bk <= 0.0) | (gate_bk >= 1.0)),
+        hard_gates(gate_bk),
         lambda: xa_forward_hard(q, k, v, gate_bk, xa_keep, streaming, patterns=patterns,
                                 xa_block=xa_block, tiles=tiles, interpret=interpret),
         triton)
 
   return with_fused_backward(forward, forward_train, backward, num_arrays=5, num_static=4)
+
+
+def hard_gates(gate) -> jax.Array:
+  """Whether every gate is 0 or 1 (a traced bool): what this kernel's inference forward takes."""
+  return jnp.all((gate <= 0.0) | (gate >= 1.0))
+
+
+def _after(done, operands):
+  """`operands`, made to wait for `done`: one kernel launch after the other. Pallas's GPU
+  interpreter keeps global state and stalls when two kernels run at once (a GPU runs them in
+  order anyway)."""
+  return lax.optimization_barrier((done, operands))[1]
+
+
+def _mix(o_fa, o_sa, r, dtype):
+  """r O_FA + (1 - r) O_SSA in float32, cast to `dtype` (r broadcasts against [B, T, N, D])."""
+  return (r * o_fa.astype(jnp.float32) + (1.0 - r) * o_sa.astype(jnp.float32)).astype(dtype)
+
+
+def _row_terms(tp: int, lse_fa, lse_sa, d_fa, d_sa, *more):
+  """The backward kernels' row terms [B, N, 4 (+ more), Tp] float32: the log-sum-exps [B, N,
+  Tp], the row deltas [B, T, N] padded to Tp, then any further [B, N, Tp] terms."""
+  rows = lambda x: pad_to(x, 1, tp).transpose(0, 2, 1)
+  return jnp.stack([lse_fa, lse_sa, rows(d_fa), rows(d_sa), *more], axis=2)
+
+
+def _check_training(training: str):
+  if training not in ("triton", "mosaic"):
+    raise ValueError(f"training kernels '{training}' are unknown (triton, mosaic)")
 
 
 def trains(q_shape, k_shape, dtype, streaming: Streaming, tiles: MosaicTiles = DEFAULT_TILES,
@@ -573,14 +602,10 @@ def forward_train(q, k, v, gate_bk, streaming: Streaming, *, tiles: MosaicTiles 
                                     streaming=streaming, tiles=tiles, scale=d ** -0.5,
                                     interpret=interpret, lse=True)
   o_fa, lse_fa = run(MODE_FULL, qp, kp, vp)
-  # One launch after the other: Pallas's GPU interpreter keeps global state and stalls when
-  # two kernels run at once (a GPU runs them in order anyway).
-  _, (qs, ks, vs) = lax.optimization_barrier((o_fa, (qp, kp, vp)))
-  o_sa, lse_sa = run(MODE_SPARSE, qs, ks, vs)
+  o_sa, lse_sa = run(MODE_SPARSE, *_after(o_fa, (qp, kp, vp)))
   o_fa, o_sa = o_fa[:, :t], o_sa[:, :t]
   r = jnp.repeat(gate_bk.astype(jnp.float32), n // kh, axis=1)[:, None, :, None]
-  o = (r * o_fa.astype(jnp.float32) + (1.0 - r) * o_sa.astype(jnp.float32)).astype(q.dtype)
-  return o, (qp, kp, vp, gate_bk, o_fa, o_sa, lse_fa, lse_sa)
+  return _mix(o_fa, o_sa, r, q.dtype), (qp, kp, vp, gate_bk, o_fa, o_sa, lse_fa, lse_sa)
 
 
 def backward(residuals, d_out, streaming: Streaming, *,
@@ -591,15 +616,13 @@ def backward(residuals, d_out, streaming: Streaming, *,
   qp, kp, vp, gate_bk, o_fa, o_sa, lse_fa, lse_sa = residuals
   t, tp = d_out.shape[1], qp.shape[1]
   d_fa, d_sa, d_gate = row_deltas(d_out, o_fa, o_sa, gate_bk)
-  rows = lambda x: pad_to(x, 1, tp).transpose(0, 2, 1)                   # [B, N, Tp]
-  terms = jnp.stack([lse_fa, lse_sa, rows(d_fa), rows(d_sa)], axis=2)    # [B, N, 4, Tp]
+  terms = _row_terms(tp, lse_fa, lse_sa, d_fa, d_sa)
   do = pad_to(d_out.astype(qp.dtype), 1, tp)
   gate = gate_bk.astype(jnp.float32).reshape(-1)
   kw = dict(streaming=streaming, tiles=backward_tiles, interpret=interpret)
   operands = (qp, kp, vp, do, terms, modes_from_gate(gate), gate)
   dq = mosaic_gpu_backward.dq_call(*operands, **kw)
-  _, operands = lax.optimization_barrier((dq, operands))     # in order, as forward_train's
-  dk, dv = mosaic_gpu_backward.dkv_call(*operands, **kw)
+  dk, dv = mosaic_gpu_backward.dkv_call(*_after(dq, operands), **kw)
   return dq[:, :t], dk[:, :t], dv[:, :t], d_gate
 
 
@@ -610,8 +633,7 @@ def make_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "triton",
   and `backward` on this file's kernels where `trains`, the Triton ones elsewhere). The
   Mosaic training kernels are checked in interpret mode only, so "triton" stays the default
   until they are checked natively on a Hopper GPU."""
-  if training not in ("triton", "mosaic"):
-    raise ValueError(f"training kernels '{training}' are unknown (triton, mosaic)")
+  _check_training(training)
   triton_forward, triton_train, triton_backward = pallas_gpu.hybrid_parts()
 
   def forward(q, k, v, gate_bk, streaming, interpret):
@@ -675,7 +697,7 @@ def positions_count_up(seg, pos):
 def packed_rows_apply(seg, pos, gate_btk):
   """Whether this kernel computes packed rows exactly (a traced bool): every gate 0 or 1, and
   positions that count up by one from a non-negative start within each segment."""
-  return positions_count_up(seg, pos) & jnp.all((gate_btk <= 0.0) | (gate_btk >= 1.0))
+  return positions_count_up(seg, pos) & hard_gates(gate_btk)
 
 
 @functools.partial(jax.jit, static_argnames=("streaming", "rows", "block_kv"))
@@ -739,14 +761,14 @@ def packed_forward_train(q, k, v, gate_btk, segment_ids, positions, streaming: S
     (qp, kp, vp), walks, bounds = _packed_operands(
         q, k, v, jnp.full(gate_btk.shape, forced, jnp.float32), segment_ids, positions,
         streaming, rows, tiles.block_kv)
-    if outs:   # one launch after the other (see forward_train)
-      _, (qp, kp, vp) = lax.optimization_barrier((outs[-1][0], (qp, kp, vp)))
+    if outs:
+      qp, kp, vp = _after(outs[-1][0], (qp, kp, vp))
     outs.append(_call(qp, kp, vp, None, streaming=streaming, tiles=tiles, scale=d ** -0.5,
                       interpret=interpret, walks=walks, row_bounds=bounds, lse=True))
   (o_fa, lse_fa), (o_sa, lse_sa) = outs
   o_fa, o_sa = o_fa[:, :t], o_sa[:, :t]
   r = jnp.repeat(gate_btk.astype(jnp.float32), n // kh, axis=2)[..., None]      # [B, T, N, 1]
-  o = (r * o_fa.astype(jnp.float32) + (1.0 - r) * o_sa.astype(jnp.float32)).astype(q.dtype)
+  o = _mix(o_fa, o_sa, r, q.dtype)
   tp = qp.shape[1]
   seg, pos = pad_packed(segment_ids, positions, tp)
   gate = pad_to(gate_btk.astype(jnp.float32), 1, tp).transpose(0, 2, 1)        # [B, K, Tp]
@@ -765,9 +787,8 @@ def packed_backward(residuals, d_out, streaming: Streaming, *,
   t, tp, n = d_out.shape[1], qp.shape[1], qp.shape[2]
   groups = n // kp.shape[2]
   d_fa, d_sa, d_gate = row_deltas(d_out, o_fa, o_sa, gate_btk)
-  rows = lambda x: pad_to(x, 1, tp).transpose(0, 2, 1)                    # [B, N, Tp]
-  r = jnp.repeat(gate, groups, axis=1)                                    # [B, N, Tp]
-  terms = jnp.stack([lse_fa, lse_sa, rows(d_fa), rows(d_sa), r], axis=2)  # [B, N, 5, Tp]
+  terms = _row_terms(tp, lse_fa, lse_sa, d_fa, d_sa,
+                     jnp.repeat(gate, groups, axis=1))          # each row's gate, [B, N, Tp]
   gate_rows = gate.transpose(0, 2, 1)                                     # [B, Tp, K]
   bounds = _row_bounds(seg, pos, jnp.zeros_like(gate_rows), streaming)[:, 0]   # [B, 3, Tp]
   do = pad_to(d_out.astype(qp.dtype), 1, tp)
@@ -781,7 +802,7 @@ def packed_backward(residuals, d_out, streaming: Streaming, *,
   kw = dict(streaming=streaming, tiles=bt, interpret=interpret, bounds=bounds)
   dq = mosaic_gpu_backward.dq_call(qp, kp, vp, do, terms, flat(q_sched["q_modes"]), None,
                                    plan=[flat(q_plan[..., x]) for x in range(7)], **kw)
-  _, (qp, kp, vp, do, terms) = lax.optimization_barrier((dq, (qp, kp, vp, do, terms)))
+  qp, kp, vp, do, terms = _after(dq, (qp, kp, vp, do, terms))
   dk, dv = mosaic_gpu_backward.dkv_call(
       qp, kp, vp, do, terms, flat(k_sched["k_modes"]), None,
       plan=[flat(k_sched["k_plan"][..., x]) for x in range(3)], **kw)
@@ -796,8 +817,7 @@ def make_packed_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "trit
   on `packed_forward_train` and `packed_backward` where `_packed_trains` and, at run time,
   `positions_count_up` (the Triton kernels otherwise; both leave residuals of one layout).
   "triton" stays the default until the Mosaic training kernels are checked natively."""
-  if training not in ("triton", "mosaic"):
-    raise ValueError(f"training kernels '{training}' are unknown (triton, mosaic)")
+  _check_training(training)
   triton_forward, triton_train, triton_backward = pallas_gpu.packed_parts()
 
   def forward(q, k, v, gate_btk, seg, pos, streaming, interpret):

@@ -361,10 +361,7 @@ def _dq_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwar
       for a, z, masked in pieces:
         dq = lax.fori_loop(a, z, functools.partial(step, first=first - lo, fa=fa, sa=sa,
                                                    masked=masked), dq)
-    q_smem[...] = (dq * scale).astype(dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows_here, head])
-    plgpu.wait_smem_to_gmem(0)
+    _write_out([(q_smem, dq * scale, dq_ref.at[b, rows_here, head])])   # Q's buffer is free
 
   @pl.when(wg == _COMPUTE_WGS)
   def _memory():
@@ -376,6 +373,17 @@ def _dq_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwar
       plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kv_head], v_smem.at[slot], v_ready.at[slot])
 
     _stream(load, (k_free, v_free), steps, slots)
+
+
+def _write_out(results):
+  """Each (shared-memory buffer, float32 value, device-memory destination): the value cast to
+  the buffer's type, stored there, then copied out with the bulk copy engine."""
+  for smem, value, _ in results:
+    smem[...] = value.astype(smem.dtype)
+  plgpu.commit_smem()
+  for smem, _, gmem in results:
+    plgpu.copy_smem_to_gmem(smem, gmem)
+  plgpu.wait_smem_to_gmem(0)
 
 
 def _stream(load, free, steps, slots: int):
@@ -500,12 +508,8 @@ def _dkv_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwa
       return carry
 
     dk, dv = lax.fori_loop(0, groups, one_head, (zeros, zeros))
-    k_smem[...] = (dk * scale).astype(dtype)
-    v_smem[...] = dv.astype(dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, mine, kv_head])
-    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, mine, kv_head])
-    plgpu.wait_smem_to_gmem(0)
+    _write_out([(k_smem, dk * scale, dk_ref.at[b, mine, kv_head]),
+                (v_smem, dv, dv_ref.at[b, mine, kv_head])])
 
   @pl.when(wg == _COMPUTE_WGS)
   def _memory():
