@@ -54,10 +54,10 @@ from jax.experimental import pallas as pl
 from elastic_jax.attention import mosaic_gpu_backward, pallas_gpu
 from elastic_jax.attention.common import (MODE_FULL, MODE_SPARSE, kernel_or_reference,
                                           modes_from_gate, packed_plan, pad_packed, pad_to,
-                                          row_deltas, segment_bounds, with_fused_backward)
+                                          row_deltas, segment_bounds, with_fused_backward,
+                                          xa_operands)
 from elastic_jax.attention.mosaic_gpu_backward import DEFAULT_BACKWARD_TILES, BackwardTiles
 from elastic_jax.attention.reference import MASK_VALUE, Streaming, split_patterns
-from elastic_jax.attention.xattention import block_lists
 
 try:  # the Mosaic GPU dialect ships with jaxlib; keep the package importable without it
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -518,13 +518,14 @@ def xa_forward_hard(q, k, v, gate_bk, xa_keep, streaming: Streaming, *, patterns
     raise ValueError(f"xa_keep has shape {xa_keep.shape}; {(b, kh, nb, nb)} expected for "
                      f"{t} tokens in blocks of {xa_block}")
   q, k, v = (pad_to(x, 1, tiles.block_kv) for x in (q, k, v))
-  below = xa_keep & jnp.tri(nb, k=-1, dtype=bool)[None, None]   # the diagonal: walked apart
-  index, count = block_lists(below)
+  # The kernels' shared lists (blocks above the diagonal dropped, the diagonal last); this
+  # walk counts the blocks below the diagonal and walks the diagonal block apart.
+  index, count, _ = xa_operands(xa_keep, nb, b * kh)
   xa = XAWalk(mode=MODE_SPARSE if lo == "xa" else MODE_FULL, block=xa_block, num_blocks=nb)
   modes = modes_from_gate(gate_bk.astype(jnp.float32)).reshape(-1)
   out = _call(q, k, v, modes, streaming=streaming, tiles=tiles, scale=q.shape[3] ** -0.5,
               interpret=interpret, xa=xa,
-              xa_lists=(index.reshape(-1), count.reshape(-1)))
+              xa_lists=(index.reshape(-1), (count - 1).reshape(-1)))
   return out[:, :t]
 
 
