@@ -35,6 +35,11 @@ wherever d <= 0.6. Times are medians of --reps calls after two warm-ups; a ratio
 time over the row's (> 1: faster than dense). At the first length the XA kernels' outputs are
 checked against the float32 reference on the same kept blocks, and the scoring kernel's block
 masses against the jnp ones.
+
+Training (--train-lengths, the first --focus): gradients of q, k, v (and the gate) with every
+head sparse, through the Triton kernels (SSA, and XA on the kept blocks under "fa-xa"); on a
+Hopper GPU also through the Mosaic GPU training kernels (SSA, XA, XA at every gate 0.5, after
+a check of their gradients against the Triton kernels'), and the Triton kernels at gates 0.5.
 """
 
 from __future__ import annotations
@@ -245,6 +250,14 @@ def main(argv=None):
   # the gate's gradient needs.
   from elastic_jax.attention.pallas_gpu import make_hybrid, make_xa_hybrid
   hybrid, xa_fn = make_hybrid(), make_xa_hybrid()
+  # The Mosaic GPU training kernels (opt-in in the library) on a Hopper GPU where they take
+  # the layout; not in a dry run (several Mosaic kernels in one computation stall the
+  # interpreter).
+  mosaic_train = (not args.dry_run and _hopper()
+                  and mosaic_gpu.xa_trains((1, 1, n, d), (1, 1, kh, d), dtype, st, xa.block))
+  if mosaic_train:
+    hybrid_m = mosaic_gpu.make_hybrid(training="mosaic")
+    xa_m = mosaic_gpu.make_xa_hybrid(training="mosaic")
   if args.dry_run:
     args.train_lengths = sorted({min(x, 384) for x in args.train_lengths})
 
@@ -266,6 +279,21 @@ def main(argv=None):
                 q, k, v, g, keep, st, "fa-xa", xa.block, interpret), 4), cot, q, k, v, zeros,
                 reps=args.reps))]
     print(f"\ntraining (forward+backward) at T={t}: XA density {density:.3f}")
+    if mosaic_train:
+      xa_grads = grads(lambda q, k, v, g: xa_m(q, k, v, g, keep, st, "fa-xa", xa.block, False), 4)
+      half = jnp.full((1, kh), 0.5, jnp.float32)
+      triton = grads(lambda q, k, v, g: xa_fn(q, k, v, g, keep, st, "fa-xa", xa.block, False), 4)
+      rel = lambda a, b: float(jnp.linalg.norm((a - b).astype(jnp.float32))
+                               / jnp.linalg.norm(b.astype(jnp.float32)))
+      print("  check: Mosaic XA training gradients at gates 0.5 against the Triton kernels': "
+            + ", ".join(f"{name} rel {rel(a, b):.2e}" for name, a, b in zip(
+                ("dq", "dk", "dv", "dgate"), xa_grads(cot, q, k, v, half),
+                triton(cot, q, k, v, half))))
+      rows += [("ours SSA Mosaic", timed(grads(lambda q, k, v, g: hybrid_m(q, k, v, g, st, False),
+                                               4), cot, q, k, v, zeros, reps=args.reps)),
+               ("XA Mosaic", timed(xa_grads, cot, q, k, v, zeros, reps=args.reps)),
+               ("XA Mosaic, gates 0.5", timed(xa_grads, cot, q, k, v, half, reps=args.reps)),
+               ("XA Triton, gates 0.5", timed(triton, cot, q, k, v, half, reps=args.reps))]
     for name, sec in rows:
       print(f"  {name:<22} {sec * 1e3:9.2f} ms   {rows[0][1] / sec:6.2f}x cuDNN")
     sys.stdout.flush()

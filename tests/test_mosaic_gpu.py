@@ -283,6 +283,114 @@ def test_backward_walks_visit_each_needed_tile_once_with_its_terms(st):
             tiles(window), mode, ("dkv", k_start))
 
 
+@pytest.mark.parametrize("pair,xa_block", [(("full", "xa"), 128), (("xa", "stream"), 256)])
+def test_xa_backward_walks_visit_each_needed_tile_once_with_its_terms(pair, xa_block):
+  """Under the XAttention settings, the dQ walk (per query program) and the dK/dV walk (per key
+  program): listed ranges expanded through the kernels' kept-block lists (a query block's row,
+  a key block's column) and flagged ranges through their per-tile tests, every program and
+  mode visits distinct tiles, exactly those holding a pair one of its terms needs (token-level
+  masks of random kept blocks, some above the diagonal), each with exactly those terms."""
+  from elastic_jax.attention import mosaic_gpu_backward as mb
+  from elastic_jax.attention.common import xa_operands
+  st, t, tile = Streaming(1, 2, 128), 1536, 64
+  nb = t // xa_block
+  keep_in = _kept_blocks(1, 1, t, xa_block, seed=xa_block)
+  index, count, keep = (np.asarray(x) for x in xa_operands(keep_in, nb, 1))
+  col_index, col_count = (np.asarray(x) for x in mb.xa_column_lists(jnp.asarray(keep)))
+  pos = np.arange(t)
+  causal = pos[None] <= pos[:, None]
+  masks = {"full": causal,
+           "stream": causal & ((pos[None] // st.block < st.sink_blocks)
+                               | (pos[:, None] // st.block - pos[None] // st.block
+                                  < st.local_blocks)),
+           "xa": causal & keep[0][pos[:, None] // xa_block, pos[None] // xa_block].astype(bool)}
+  terms_of = {MODE_FULL: (True, False), MODE_SPARSE: (False, True), MODE_MIX: (True, True)}
+
+  def check(walk, listed, per_xa, needed, mode, where):
+    ranges, flags = walk
+    seen = {}
+    for rg in ranges:
+      for p in range(int(rg.lo), int(rg.hi)):
+        tile = int(listed[p // per_xa]) * per_xa + p % per_xa if rg.listed else p
+        on = [None, None] if not rg.flagged else flags(tile)
+        terms = tuple(bool(want and (flag is None or flag))
+                      for want, flag in zip((rg.fa, rg.sa), on))
+        assert tile not in seen, (where, mode, tile)
+        if any(terms):
+          seen[tile] = terms
+    want = {}
+    for x, (term_on, tiles) in enumerate(zip(terms_of[mode], needed)):
+      for tile_ in tiles if term_on else ():
+        want.setdefault(tile_, [False, False])[x] = True
+    assert seen == {k: tuple(v) for k, v in want.items()}, (where, mode)
+
+  for q_start in range(0, t, 64):
+    r = slice(q_start, q_start + 64)
+    qb = q_start // xa_block
+    needed = [{int(j) // tile for j in np.nonzero(masks[p][r].any(0))[0]} for p in pair]
+    for mode in terms_of:
+      walk = mb.xa_dq_walk(q_start, 64, mode, st, tile, pair, int(count[0, qb]) - 1, xa_block,
+                           lambda kb, qb=qb: bool(keep[0, qb, kb]))
+      check(walk, index[0, qb], xa_block // tile, needed, mode, ("dq", q_start))
+  for k_start in range(0, t, 128):
+    kr = slice(k_start, k_start + 128)
+    kb = k_start // xa_block
+    needed = [{int(i) // tile for i in np.nonzero(masks[p][:, kr].any(1))[0]} for p in pair]
+    for mode in terms_of:
+      walk = mb.xa_dkv_walk(k_start, mode, st, tile, t // tile, pair, int(col_count[0, kb]),
+                            xa_block, lambda qb, kb=kb: bool(keep[0, qb, kb]))
+      check(walk, col_index[0, kb], xa_block // tile, needed, mode, ("dkv", k_start))
+
+
+@pytest.mark.parametrize("t,n,k,d,patterns,gates,xa_block", [
+    # G = 2: a mixed, an XA-only and a full head under "fa-xa".
+    (300, 6, 3, 64, "fa-xa", [[0.4, 0.0, 1.0]], 128),
+    # G = 1 (two row tiles a dQ program), head_dim 128, blocks of 256: a mixed and an XA-only
+    # head under "xa-ssa".
+    (600, 2, 2, 128, "xa-ssa", [[0.5, 1.0]], 256),
+])
+def test_mosaic_training_kernels_under_xattention(monkeypatch, t, n, k, d, patterns, gates,
+                                                  xa_block):
+  """make_xa_hybrid(training="mosaic"): the training forward (the XA term's launch walking the
+  kept blocks) and the dQ and dK/dV kernels (rows and columns of the kept-block lists, mixed
+  heads' tiles switched per tile) against the float32 reference's output and gradients on the
+  same random kept blocks; the reference that keeps every block must be far off (the lists
+  matter). Run eagerly as the other training tests; the Mosaic kernels must have run."""
+  from elastic_jax.attention import mosaic_gpu_backward
+  calls = []
+  for name in ("dq_call", "dkv_call"):
+    real = getattr(mosaic_gpu_backward, name)
+    monkeypatch.setattr(mosaic_gpu_backward, name,
+                        lambda *a, _real=real, _name=name, **kw: calls.append(_name) or
+                        _real(*a, **kw))
+  st = Streaming(1, 1, 128)
+  q, kk, v = _inputs(1, t, n, k, d, jnp.bfloat16, seed=t)
+  keep = _kept_blocks(1, k, t, xa_block, seed=t + 3)
+  gate = jnp.asarray(gates, jnp.float32)
+  d_out = jax.random.normal(jax.random.key(t + 1), q.shape, jnp.float32).astype(jnp.bfloat16)
+  fn = mosaic_gpu.make_xa_hybrid(training="mosaic")
+  with jax.disable_jit():
+    out, vjp = jax.vjp(lambda *x: fn(*x, keep, st, patterns, xa_block, INTERPRET), q, kk, v,
+                       gate)
+    grads = vjp(d_out)
+  assert sorted(calls) == ["dkv_call", "dq_call"]
+  up = [x.astype(jnp.float32) for x in (q, kk, v)]
+  ref = lambda kept, *x: dense_hybrid_attention(*x[:3], x[3], st, patterns=patterns,
+                                                xa_keep=kept, xa_block=xa_block)
+  want, ref_vjp = jax.vjp(lambda *x: ref(keep, *x), *up, gate)
+  assert float(jnp.abs(out.astype(jnp.float32) - want).max()) <= TOL[jnp.bfloat16]
+  errs = []
+  for got, w in zip(grads, ref_vjp(d_out.astype(jnp.float32))):
+    errs.append(float(jnp.linalg.norm(got.astype(jnp.float32) - w) / jnp.linalg.norm(w)))
+  assert max(errs) <= 1e-2, errs
+  _, every_vjp = jax.vjp(lambda *x: ref(jnp.ones_like(keep), *x), *up, gate)
+  every = every_vjp(d_out.astype(jnp.float32))
+  assert min(float(jnp.linalg.norm(g.astype(jnp.float32) - w) / jnp.linalg.norm(w))
+             for g, w in zip(grads[:3], every[:3])) > 10 * max(errs)
+  loss = lambda *x: jnp.sum(fn(*x, keep, st, patterns, xa_block, False).astype(jnp.float32))
+  jax.make_jaxpr(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))))(q, kk, v, gate)
+
+
 def test_mosaic_training_kernels_on_packed_rows(monkeypatch):
   """make_packed_hybrid(training="mosaic") on a packed row (segment ids and positions): each
   row's gate mixes its head's two outputs. Segments of 128, 384, 40 and 50 tokens (padded to

@@ -25,7 +25,8 @@ settings, `xa_forward_hard`) walk their kept-block lists: a third walk (`xa_walk
 read at run time. Training runs the Triton kernels (`pallas_gpu`) unless `make_hybrid(
 training="mosaic")` asks for this file's `forward_train` (the kernel launched twice with every
 head full, then streaming, also writing each row's log-sum-exp) and the Mosaic GPU dQ and
-dK/dV kernels (`mosaic_gpu_backward`). Its layout constraints (`applies`): bf16 or fp16,
+dK/dV kernels (`mosaic_gpu_backward`); `make_xa_hybrid(training="mosaic")` likewise under the
+XAttention settings (`xa_forward_train`, `xa_backward`). Its layout constraints (`applies`): bf16 or fp16,
 head_dim a multiple of 64 whose tiles fit in shared memory (up to 128 with the default tiles),
 the streaming block a multiple of the KV tile (128) so the window's edges fall on tile edges,
 and G even or 1. T is padded inside. Interpret mode (`interpret=True`) runs it on a CPU.
@@ -56,7 +57,8 @@ from elastic_jax.attention.common import (MODE_FULL, MODE_SPARSE, kernel_or_refe
                                           modes_from_gate, packed_plan, pad_packed, pad_to,
                                           row_deltas, segment_bounds, with_fused_backward,
                                           xa_operands)
-from elastic_jax.attention.mosaic_gpu_backward import DEFAULT_BACKWARD_TILES, BackwardTiles
+from elastic_jax.attention.mosaic_gpu_backward import (DEFAULT_BACKWARD_TILES, BackwardTiles,
+                                                      XATerms)
 from elastic_jax.attention.reference import MASK_VALUE, Streaming, split_patterns
 
 try:  # the Mosaic GPU dialect ships with jaxlib; keep the package importable without it
@@ -529,10 +531,14 @@ def xa_forward_hard(q, k, v, gate_bk, xa_keep, streaming: Streaming, *, patterns
   return out[:, :t]
 
 
-def make_xa_hybrid(tiles: MosaicTiles = DEFAULT_TILES):
+def make_xa_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "triton",
+                   backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES):
   """`pallas_gpu.make_xa_hybrid` with this kernel as the undifferentiated forward where gates
-  are 0 or 1 (decided at run time) and it `xa_applies`; training keeps the Triton kernels."""
-  triton_forward, forward_train, backward = pallas_gpu.xa_parts()
+  are 0 or 1 (decided at run time) and it `xa_applies`. training: "triton" (the Triton
+  training kernels) or "mosaic" (`xa_forward_train` and `xa_backward` where `xa_trains`, the
+  Triton ones elsewhere; checked in interpret mode only, as `make_hybrid`'s)."""
+  _check_training(training)
+  triton_forward, triton_train, triton_backward = pallas_gpu.xa_parts()
 
   def forward(q, k, v, gate_bk, xa_keep, streaming, patterns, xa_block, interpret):
     triton = lambda: triton_forward(q, k, v, gate_bk, xa_keep, streaming, patterns, xa_block,
@@ -545,7 +551,24 @@ def make_xa_hybrid(tiles: MosaicTiles = DEFAULT_TILES):
                                 xa_block=xa_block, tiles=tiles, interpret=interpret),
         triton)
 
-  return with_fused_backward(forward, forward_train, backward, num_arrays=5, num_static=4)
+  def mosaic_trains(q_shape, k_shape, dtype, streaming, xa_block):
+    return training == "mosaic" and xa_trains(q_shape, k_shape, dtype, streaming, xa_block,
+                                              tiles, backward_tiles)
+
+  def train(q, k, v, gate_bk, xa_keep, streaming, patterns, xa_block, interpret):
+    if mosaic_trains(q.shape, k.shape, q.dtype, streaming, xa_block):
+      return xa_forward_train(q, k, v, gate_bk, xa_keep, streaming, patterns=patterns,
+                              xa_block=xa_block, tiles=tiles, backward_tiles=backward_tiles,
+                              interpret=interpret)
+    return triton_train(q, k, v, gate_bk, xa_keep, streaming, patterns, xa_block, interpret)
+
+  def grads(streaming, patterns, xa_block, interpret, res, d_out):
+    if mosaic_trains(d_out.shape, res[1].shape, d_out.dtype, streaming, xa_block):
+      return (*xa_backward(res, d_out, streaming, patterns=patterns, xa_block=xa_block,
+                           backward_tiles=backward_tiles, interpret=interpret), None)
+    return triton_backward(streaming, patterns, xa_block, interpret, res, d_out)
+
+  return with_fused_backward(forward, train, grads, num_arrays=5, num_static=4)
 
 
 def hard_gates(gate) -> jax.Array:
@@ -594,16 +617,35 @@ def forward_train(q, k, v, gate_bk, streaming: Streaming, *, tiles: MosaicTiles 
   two launches with every head full, then every head streaming; the second visits only the
   sink and window tiles, so the pair costs one full pass and a small one, as the one-walk
   Triton training forward does. Shapes as `hybrid_forward_hard`."""
+  return _forward_train(q, k, v, gate_bk, streaming, tiles, backward_tiles, interpret)
+
+
+def _training_length(t: int, groups: int, tiles: MosaicTiles, backward_tiles: BackwardTiles):
+  """T padded to whole programs of the forward and of both backward kernels."""
+  tp = mosaic_gpu_backward.padded_length(t, groups, backward_tiles)
+  return tp + -tp % math.lcm(_rows_per_program(groups, tiles), tiles.block_kv)
+
+
+def _forward_train(q, k, v, gate_bk, streaming, tiles, backward_tiles, interpret, xa=None):
+  """`forward_train`; under the XAttention settings xa = (`XATerms`, `common.xa_operands`'s
+  lists), and a launch whose pattern is "xa" walks every head's kept blocks."""
   b, t, n, d = q.shape
   kh = k.shape[2]
-  tp = mosaic_gpu_backward.padded_length(t, n // kh, backward_tiles)
-  tp += -tp % math.lcm(_rows_per_program(n // kh, tiles), tiles.block_kv)
+  tp = _training_length(t, n // kh, tiles, backward_tiles)
   qp, kp, vp = (pad_to(x, 1, tp) for x in (q, k, v))
-  run = lambda mode, q, k, v: _call(q, k, v, jnp.full((b * kh,), mode, jnp.int32),
-                                    streaming=streaming, tiles=tiles, scale=d ** -0.5,
-                                    interpret=interpret, lse=True)
-  o_fa, lse_fa = run(MODE_FULL, qp, kp, vp)
-  o_sa, lse_sa = run(MODE_SPARSE, *_after(o_fa, (qp, kp, vp)))
+
+  def run(term, mode, q, k, v):
+    walk = lists = None
+    if xa is not None and xa[0].pair[term] == "xa":
+      index, count, _ = xa[1]
+      walk = XAWalk(mode=mode, block=xa[0].block, num_blocks=xa[0].num_blocks)
+      lists = (index.reshape(-1), (count - 1).reshape(-1))
+    return _call(q, k, v, jnp.full((b * kh,), mode, jnp.int32), streaming=streaming,
+                 tiles=tiles, scale=d ** -0.5, interpret=interpret, xa=walk, xa_lists=lists,
+                 lse=True)
+
+  o_fa, lse_fa = run(0, MODE_FULL, qp, kp, vp)
+  o_sa, lse_sa = run(1, MODE_SPARSE, *_after(o_fa, (qp, kp, vp)))
   o_fa, o_sa = o_fa[:, :t], o_sa[:, :t]
   r = jnp.repeat(gate_bk.astype(jnp.float32), n // kh, axis=1)[:, None, :, None]
   return _mix(o_fa, o_sa, r, q.dtype), (qp, kp, vp, gate_bk, o_fa, o_sa, lse_fa, lse_sa)
@@ -614,6 +656,11 @@ def backward(residuals, d_out, streaming: Streaming, *,
   """(dq, dk, dv, d_gate) from `forward_train`'s residuals: the Mosaic GPU dQ and dK/dV
   kernels (`mosaic_gpu_backward`); the gate's gradient is rowsum(dO * (O_FA - O_SSA)) summed
   per (batch, KV head) (`common.row_deltas`)."""
+  return _backward(residuals, d_out, streaming, backward_tiles, interpret)
+
+
+def _backward(residuals, d_out, streaming, backward_tiles, interpret, dq_xa=None, dkv_xa=None):
+  """`backward`; under the XAttention settings dq_xa and dkv_xa are the kernels' `xa`."""
   qp, kp, vp, gate_bk, o_fa, o_sa, lse_fa, lse_sa = residuals
   t, tp = d_out.shape[1], qp.shape[1]
   d_fa, d_sa, d_gate = row_deltas(d_out, o_fa, o_sa, gate_bk)
@@ -622,9 +669,62 @@ def backward(residuals, d_out, streaming: Streaming, *,
   gate = gate_bk.astype(jnp.float32).reshape(-1)
   kw = dict(streaming=streaming, tiles=backward_tiles, interpret=interpret)
   operands = (qp, kp, vp, do, terms, modes_from_gate(gate), gate)
-  dq = mosaic_gpu_backward.dq_call(*operands, **kw)
-  dk, dv = mosaic_gpu_backward.dkv_call(*_after(dq, operands), **kw)
+  dq = mosaic_gpu_backward.dq_call(*operands, xa=dq_xa, **kw)
+  dk, dv = mosaic_gpu_backward.dkv_call(*_after(dq, operands), xa=dkv_xa, **kw)
   return dq[:, :t], dk[:, :t], dv[:, :t], d_gate
+
+
+def xa_trains(q_shape, k_shape, dtype, streaming: Streaming, xa_block: int,
+              tiles: MosaicTiles = DEFAULT_TILES,
+              backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES) -> bool:
+  """Whether the Mosaic GPU training kernels take the XAttention settings with blocks of
+  `xa_block` tokens: `trains`, `xa_applies`, and blocks made of whole programs of both
+  backward kernels."""
+  groups = q_shape[2] // k_shape[2]
+  return (trains(q_shape, k_shape, dtype, streaming, tiles, backward_tiles)
+          and xa_applies(q_shape, k_shape, dtype, streaming, xa_block, tiles)
+          and all(xa_block % x == 0
+                  for x in mosaic_gpu_backward.program_sizes(groups, backward_tiles)))
+
+
+def xa_forward_train(q, k, v, gate_bk, xa_keep, streaming: Streaming, *, patterns: str,
+                     xa_block: int, tiles: MosaicTiles = DEFAULT_TILES,
+                     backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES,
+                     interpret: bool = False):
+  """`forward_train` under the XAttention settings ("fa-xa", "xa-ssa"; kept blocks xa_keep
+  [B, K, nb, nb] as `xa_forward_hard`): the launch of XA's term walks every head's kept
+  blocks. Residuals: `forward_train`'s and the kept-block lists (`common.xa_operands`)."""
+  pair = split_patterns(patterns)
+  if "xa" not in pair:
+    raise ValueError(f"xa_forward_train runs the XAttention settings, not '{patterns}'")
+  if not xa_trains(q.shape, k.shape, q.dtype, streaming, xa_block, tiles, backward_tiles):
+    raise ValueError(f"the Mosaic GPU training kernels do not take XAttention blocks of "
+                     f"{xa_block} with q {q.shape} {q.dtype}, k {k.shape}, {streaming} (see "
+                     f"mosaic_gpu.xa_trains)")
+  b, t, n, _ = q.shape
+  kh = k.shape[2]
+  nb = -(-t // xa_block)
+  if xa_keep.shape != (b, kh, nb, nb):
+    raise ValueError(f"xa_keep has shape {xa_keep.shape}; {(b, kh, nb, nb)} expected for "
+                     f"{t} tokens in blocks of {xa_block}")
+  num_blocks = -(-_training_length(t, n // kh, tiles, backward_tiles) // xa_block)
+  lists = xa_operands(xa_keep, num_blocks, b * kh)
+  out, res = _forward_train(q, k, v, gate_bk, streaming, tiles, backward_tiles, interpret,
+                            xa=(XATerms(pair, xa_block, num_blocks), lists))
+  return out, (*res, *lists)
+
+
+def xa_backward(residuals, d_out, streaming: Streaming, *, patterns: str, xa_block: int,
+                backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES,
+                interpret: bool = False):
+  """(dq, dk, dv, d_gate) from `xa_forward_train`'s residuals: `backward` with the XA term
+  walking the kept blocks (the dQ kernel a query block's row of the lists, the dK/dV kernel
+  a key block's column, `mosaic_gpu_backward.xa_column_lists`)."""
+  *residuals, index, count, keep = residuals
+  terms = XATerms(split_patterns(patterns), xa_block, keep.shape[-1])
+  columns = mosaic_gpu_backward.xa_column_lists(keep)
+  return _backward(residuals, d_out, streaming, backward_tiles, interpret,
+                   dq_xa=(terms, (index, count, keep)), dkv_xa=(terms, (*columns, keep)))
 
 
 def make_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "triton",

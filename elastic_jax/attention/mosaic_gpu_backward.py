@@ -27,6 +27,13 @@ and the gate per row (a fifth row term); their masks compare each key with the q
 bounds (`_packed_masks`), on every tile outside the plan's unmasked ranges.
 The streaming window needs no mask: `applies` demands SSA blocks made of whole tiles on both
 kernels' sides, so a tile is wholly inside or outside a head's window.
+XAttention settings (`xa_dq_walk`, `xa_dkv_walk`): the FA and SSA terms carry the patterns of
+the pair ("full"/"xa" or "xa"/"stream"). An XA term alone walks a listed range (the kept
+blocks of the program's query block, or for dK/dV the later query blocks that kept its key
+block, `xa_column_lists`; whole blocks, no mask) and then the diagonal block. A mixed head
+walks every causal tile with both terms and switches each off per tile where its pattern does
+not attend (flagged ranges): the term's row log-sum-exps are raised by `_OFF` there, so its
+probabilities are exactly zero.
 
 Interpret mode (`interpret=True`) runs the kernels on a CPU: there the register operands of
 wgmma take a trip through shared memory and accumulators are added after (no run_state).
@@ -39,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -81,8 +89,7 @@ def applies(groups: int, streaming: Streaming, tiles: BackwardTiles = DEFAULT_BA
   whole tiles on both kernels' sides, G even or 1 for the dQ head pairs, head_dim a multiple
   of 64 up to 128 (dK and dV accumulators of 192 would take 192 registers a thread, and the
   tiles of 256 would overflow shared memory)."""
-  sizes = (_dq_rows(groups, tiles), tiles.dq_block_kv, _COMPUTE_WGS * tiles.dkv_block_k,
-           tiles.dkv_block_q)
+  sizes = program_sizes(groups, tiles)
   return ((groups == 1 or groups % 2 == 0) and tiles.slots >= 2
           and head_dim % 64 == 0 and head_dim <= 128
           and tiles.dq_block_q % 64 == 0 and tiles.dkv_block_k % 64 == 0   # wgmma: M of 64
@@ -94,18 +101,50 @@ def _dq_rows(groups: int, tiles: BackwardTiles) -> int:
   return tiles.dq_block_q if groups >= 2 else _COMPUTE_WGS * tiles.dq_block_q
 
 
+def program_sizes(groups: int, tiles: BackwardTiles = DEFAULT_BACKWARD_TILES) -> tuple:
+  """Tokens per dQ program, per K/V tile of dQ, per dK/dV program and per Q tile of dK/dV:
+  streaming and XAttention blocks must be made of each."""
+  return (_dq_rows(groups, tiles), tiles.dq_block_kv, _COMPUTE_WGS * tiles.dkv_block_k,
+          tiles.dkv_block_q)
+
+
 def padded_length(t: int, groups: int, tiles: BackwardTiles = DEFAULT_BACKWARD_TILES) -> int:
   """T padded to whole programs of both kernels."""
-  return t + (-t % math.lcm(_dq_rows(groups, tiles), tiles.dq_block_kv,
-                            _COMPUTE_WGS * tiles.dkv_block_k, tiles.dkv_block_q))
+  return t + (-t % math.lcm(*program_sizes(groups, tiles)))
 
 
-def _ranges_tile(s, ranges):
-  """The tile of step `s` of a walk made of `ranges` [(lo, hi, ...)] in order."""
+class Range(NamedTuple):
+  """A piece of a walk: tiles lo .. hi - 1 in order, with the FA / SSA terms fa, sa (fixed at
+  trace time). listed: lo .. hi - 1 are positions in the program's kept-block list (each
+  listed block's tiles in turn, all of them before the diagonal: no mask). flagged: each
+  tile's terms are switched on or off at run time by its own test (XAttention's kept blocks,
+  the streaming window) as a MIX head under the XAttention settings walks. unmasked: packed
+  rows' tiles [a, b) that need no mask."""
+  lo: Any
+  hi: Any
+  fa: bool
+  sa: bool
+  listed: bool = False
+  flagged: bool = False
+  unmasked: tuple | None = None
+
+
+def _as_ranges(walk) -> list[Range]:
+  """A walk's pieces as `Range`s: (lo, hi, fa, sa) tuples, packed rows' (lo, hi, fa, sa,
+  unmasked_lo, unmasked_hi), or `Range`s already."""
+  return [x if isinstance(x, Range) else
+          Range(*x[:4], unmasked=tuple(x[4:]) if len(x) == 6 else None) for x in walk]
+
+
+def _ranges_tile(s, ranges, listed_tile=None):
+  """The tile of step `s` of a walk made of `ranges` in order; a listed range's positions go
+  through `listed_tile(position)`."""
   tile, offset = jnp.int32(0), jnp.int32(0)
-  for lo, hi, *_ in ranges:
+  for lo, hi, _, _, listed, *_ in _as_ranges(ranges):
     n = hi - lo
-    tile = jnp.where((s >= offset) & (s < offset + n), lo + s - offset, tile)
+    here = lo + s - offset
+    tile = jnp.where((s >= offset) & (s < offset + n),
+                     listed_tile(here) if listed else here, tile)
     offset = offset + n
   return tile
 
@@ -119,6 +158,26 @@ def _offsets(ranges):
   return out, offset
 
 
+def _stream_tiles(q_start, rows: int, streaming: Streaming, block_kv: int):
+  """(causal end, end of the sink, start of the window past the sink) in KV tiles for a
+  program of `rows` rows from `q_start` (inside one streaming block)."""
+  per_block = streaming.block // block_kv
+  causal_end = (q_start + rows + block_kv - 1) // block_kv
+  sink_end = jnp.minimum(streaming.sink_blocks * per_block, causal_end)
+  window = jnp.maximum(q_start // streaming.block - streaming.local_blocks + 1, 0) * per_block
+  return causal_end, sink_end, jnp.maximum(window, sink_end)
+
+
+def _stream_reach(k_start, streaming: Streaming, block_q: int, num_q_tiles):
+  """The query tile up to which a key from `k_start` is seen by the streaming pattern: every
+  later row for a sink key, else the rows whose window still reaches its block."""
+  blk = streaming.block
+  kb = k_start // blk
+  reach = jnp.where(kb < streaming.sink_blocks, num_q_tiles,
+                    jnp.minimum((kb + streaming.local_blocks) * blk // block_q, num_q_tiles))
+  return jnp.maximum(reach, k_start // block_q)
+
+
 def dq_walk(q_start, rows: int, mode, streaming: Streaming, block_kv: int):
   """The KV tiles a dQ program of `rows` rows from `q_start` visits: ranges (lo, hi, fa, sa)
   in order, fa / sa whether the FA / SSA term applies on them (fixed per range, the bounds
@@ -126,11 +185,7 @@ def dq_walk(q_start, rows: int, mode, streaming: Streaming, block_kv: int):
     FULL    [0, causal end) FA;
     SPARSE  sink tiles, then the window up to the diagonal, SSA;
     MIX     sink tiles FA+SSA, the tiles between FA, the window FA+SSA."""
-  per_block = streaming.block // block_kv
-  causal_end = (q_start + rows + block_kv - 1) // block_kv
-  sink_end = jnp.minimum(streaming.sink_blocks * per_block, causal_end)
-  window = jnp.maximum(q_start // streaming.block - streaming.local_blocks + 1, 0) * per_block
-  win_lo = jnp.maximum(window, sink_end)
+  causal_end, sink_end, win_lo = _stream_tiles(q_start, rows, streaming, block_kv)
   full, sparse, mix = mode == MODE_FULL, mode == MODE_SPARSE, mode == MODE_MIX
   upto = lambda on, lo, hi: (lo, jnp.where(on, hi, lo))
   return [(*upto(full, 0, causal_end), True, False),
@@ -146,12 +201,8 @@ def dkv_walk(k_start, keys: int, mode, streaming: Streaming, block_q: int, num_q
   ranges (lo, hi, fa, sa) as `dq_walk`'s. Query tiles from the one holding the first key see
   it causally (FA); the SSA pattern sees a sink key from every later row and another key from
   the rows whose window still reaches its block."""
-  blk = streaming.block
   lo = k_start // block_q
-  kb = k_start // blk
-  reach = jnp.where(kb < streaming.sink_blocks, num_q_tiles,
-                    jnp.minimum((kb + streaming.local_blocks) * blk // block_q, num_q_tiles))
-  reach = jnp.maximum(reach, lo)
+  reach = _stream_reach(k_start, streaming, block_q, num_q_tiles)
   full, sparse, mix = mode == MODE_FULL, mode == MODE_SPARSE, mode == MODE_MIX
   upto = lambda on, a, z: (a, jnp.where(on, z, a))
   del keys
@@ -159,6 +210,88 @@ def dkv_walk(k_start, keys: int, mode, streaming: Streaming, block_q: int, num_q
           (*upto(sparse, lo, reach), False, True),
           (*upto(mix, lo, reach), True, True),
           (*upto(mix, reach, num_q_tiles), True, False)]
+
+
+@dataclasses.dataclass(frozen=True)
+class XATerms:
+  """The XAttention settings of a backward launch: the patterns of the FA and SSA terms
+  (("full", "xa") under "fa-xa", ("xa", "stream") under "xa-ssa"), the XA block in tokens (a
+  multiple of both kernels' program sizes) and the blocks per kept-block list."""
+  pair: tuple
+  block: int
+  num_blocks: int
+
+
+def xa_dq_walk(q_start, rows: int, mode, streaming: Streaming, block_kv: int, pair, below,
+               xa_block: int, kept):
+  """`dq_walk` under the XAttention settings: the FA term's pattern is pair[0], the SSA
+  term's pair[1]. A head of one pattern walks it alone: "full" its causal tiles, "stream"
+  its sink then its window, "xa" the `below` kept blocks before its diagonal block (a listed
+  range) then the diagonal block up to the causal end. A MIX head walks every causal tile
+  with both terms, each tile's terms switched by its own test (flagged). Returns (ranges,
+  flags): flags(tile) -> per term, whether it applies to that KV tile (None: always), with
+  kept(block) whether this program's query block kept that key block."""
+  per_xa = xa_block // block_kv
+  causal_end, sink_end, win_lo = _stream_tiles(q_start, rows, streaming, block_kv)
+  tests = {"full": lambda j: None, "stream": lambda j: (j < sink_end) | (j >= win_lo),
+           "xa": lambda j: kept(j // per_xa)}
+  full, sparse, mix = mode == MODE_FULL, mode == MODE_SPARSE, mode == MODE_MIX
+  upto = lambda on, lo, hi: (lo, jnp.where(on, hi, lo))
+  out = []
+  for on, pattern, fa in ((full, pair[0], True), (sparse, pair[1], False)):
+    if pattern == "full":
+      out.append(Range(*upto(on, 0, causal_end), fa, not fa))
+    elif pattern == "stream":
+      out += [Range(*upto(on, 0, sink_end), fa, not fa),
+              Range(*upto(on, win_lo, causal_end), fa, not fa)]
+    else:
+      out += [Range(*upto(on, 0, below * per_xa), fa, not fa, listed=True),
+              Range(*upto(on, q_start // xa_block * per_xa, causal_end), fa, not fa)]
+  return (out + [Range(*upto(mix, 0, causal_end), True, True, flagged=True)],
+          lambda j: [tests[pattern](j) for pattern in pair])
+
+
+def xa_dkv_walk(k_start, mode, streaming: Streaming, block_q: int, num_q_tiles, pair, above,
+                xa_block: int, kept):
+  """`dkv_walk` under the XAttention settings (patterns as `xa_dq_walk`): "full" the query
+  tiles from the keys' own on, "stream" those up to its reach, "xa" the `above` later query
+  blocks that kept this key block (a listed range) then the key block's own query tiles; a
+  MIX head every query tile from its keys' own on, flagged. Returns (ranges, flags) as
+  `xa_dq_walk`, flags per query tile, kept(block) whether that query block kept this
+  program's key block."""
+  per_xa = xa_block // block_q
+  lo = k_start // block_q
+  reach = _stream_reach(k_start, streaming, block_q, num_q_tiles)
+  tests = {"full": lambda i: None, "stream": lambda i: i < reach,
+           "xa": lambda i: kept(i // per_xa)}
+  diagonal_end = jnp.minimum((k_start // xa_block + 1) * per_xa, num_q_tiles)
+  full, sparse, mix = mode == MODE_FULL, mode == MODE_SPARSE, mode == MODE_MIX
+  upto = lambda on, a, z: (a, jnp.where(on, z, a))
+  out = []
+  for on, pattern, fa in ((full, pair[0], True), (sparse, pair[1], False)):
+    if pattern == "full":
+      out.append(Range(*upto(on, lo, num_q_tiles), fa, not fa))
+    elif pattern == "stream":
+      out.append(Range(*upto(on, lo, reach), fa, not fa))
+    else:
+      out += [Range(*upto(on, 0, above * per_xa), fa, not fa, listed=True),
+              Range(*upto(on, lo, diagonal_end), fa, not fa)]
+  return (out + [Range(*upto(mix, lo, num_q_tiles), True, True, flagged=True)],
+          lambda i: [tests[pattern](i) for pattern in pair])
+
+
+def xa_column_lists(keep):
+  """The dK/dV kernel's kept-block lists from `common.xa_operands`'s keep [slots, nb, nb]
+  int32: per key block J, the later query blocks I > J that keep it, ascending (index [slots,
+  nb, nb] int32; those first), and how many (count [slots, nb] int32)."""
+  nb = keep.shape[-1]
+  later = jnp.swapaxes(keep != 0, 1, 2) & ~jnp.tri(nb, dtype=bool)[None]   # [slot, J, I > J]
+  j = jnp.arange(nb, dtype=jnp.int32)
+  index = jnp.argsort(jnp.where(later, j, nb + j), axis=-1).astype(jnp.int32)
+  return index, later.sum(-1).astype(jnp.int32)
+
+
+_OFF = 2.0 ** 100   # added to a row's log-sum-exp: exp2(S c - lse) = 0 where a term is off
 
 
 def _swizzled(dtype):
@@ -204,6 +337,22 @@ def _probs(x, lse_terms, oks, fa: bool, sa: bool, bcast):
         p = jnp.where(ok, p, 0.0)
     out.append(p)
   return out
+
+
+def _switched(lse_terms, on):
+  """The row log-sum-exps of a flagged tile: each term's raised by `_OFF` where its test
+  (`on`: a traced bool per term, None for a term every tile has) is false."""
+  if on is None:
+    return lse_terms
+  return [lse if flag is None else lse + jnp.where(flag, 0.0, _OFF)
+          for lse, flag in zip(lse_terms, on)]
+
+
+def _listed(index_ref, list_at, position, per_block: int, num_blocks: int):
+  """The tile at `position` of a kept-block list (row `list_at` of the flattened index):
+  listed block position // per_block, its tile position % per_block."""
+  entry = list_at * num_blocks + jnp.clip(position // per_block, 0, num_blocks - 1)
+  return index_ref[entry] * per_block + lax.rem(position, jnp.int32(per_block))
 
 
 def _dscores(probs, dp, d_terms, weights, bcast):
@@ -267,14 +416,19 @@ def _split(lo, hi, unmasked_lo, unmasked_hi):
 
 
 def _dq_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: BackwardTiles, scale,
-               num_q_tiles, interpret, packed: bool):
+               num_q_tiles, interpret, packed: bool, xa: XATerms | None = None):
   """dQ of one program: `rows` query rows of one or two query heads (as the forward).
-  Unpacked rows: refs (modes [B*K], gates [B*K], q, k, v, dO, row terms, dq, scratch);
-  packed: (modes [B*K*nq], the plan's seven fields [B*K*nq] each, q, k, v, dO, row terms with
-  the per-row gate as a fifth, bounds [B, 3, Tp], dq, scratch)."""
+  Unpacked rows: refs (modes [B*K], gates [B*K], q, k, v, dO, row terms, dq, scratch), under
+  the XAttention settings (`xa`) with the row lists of `common.xa_operands` (index, count,
+  keep; flattened) after the gates; packed: (modes [B*K*nq], the plan's seven fields [B*K*nq]
+  each, q, k, v, dO, row terms with the per-row gate as a fifth, bounds [B, 3, Tp], dq,
+  scratch)."""
+  xa_refs = None
   if packed:
     modes_ref, *plan_refs = refs[:8]
     q_ref, k_ref, v_ref, do_ref, rows_ref, bounds_ref, dq_ref, scoped = refs[8:]
+  elif xa is not None:
+    modes_ref, gate_ref, *xa_refs, q_ref, k_ref, v_ref, do_ref, rows_ref, dq_ref, scoped = refs
   else:
     modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, rows_ref, dq_ref, scoped = refs
   (q_smem2, do_smem2, rows_smem2, bounds_smem2, k_smem, v_smem, ds_smem2), ready, (
@@ -294,13 +448,23 @@ def _dq_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwar
   kv_head = lax.div(hp * heads_per_program, jnp.int32(groups))
   slot_bk = b * num_kv_heads + kv_head
   q_start = qt * rows
+  listed_tile = flags = None
   if packed:
     at = slot_bk * num_q_tiles + qt
     ranges = packed_dq_walk([ref[at] for ref in plan_refs], modes_ref[at])
-  else:
+  elif xa is None:
     r = gate_ref[slot_bk]
-    ranges = [(*x, 0, 0) for x in dq_walk(q_start, rows, modes_ref[slot_bk], streaming,
-                                           block_kv)]
+    ranges = dq_walk(q_start, rows, modes_ref[slot_bk], streaming, block_kv)
+  else:   # the program's rows lie in query block q_start // xa.block: its row of the lists
+    r = gate_ref[slot_bk]
+    index_ref, count_ref, keep_ref = xa_refs
+    per_xa = xa.block // block_kv
+    list_at = slot_bk * xa.num_blocks + q_start // xa.block
+    ranges, flags = xa_dq_walk(
+        q_start, rows, modes_ref[slot_bk], streaming, block_kv, xa.pair,
+        count_ref[list_at] - 1, xa.block, lambda kb: keep_ref[list_at * xa.num_blocks + kb] != 0)
+    listed_tile = lambda p: _listed(index_ref, list_at, p, per_xa, xa.num_blocks)
+  ranges = _as_ranges(ranges)
   firsts, steps = _offsets(ranges)
 
   @pl.when(wg < _COMPUTE_WGS)
@@ -330,7 +494,7 @@ def _dq_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwar
     c = scale * _LOG2E
     staging = ds_smem2.at[wg] if interpret else None
 
-    def step(j, dq, first, fa, sa, masked):
+    def step(j, dq, first, fa, sa, masked, flagged):
       s = first + j
       slot = lax.rem(s, jnp.int32(slots))
       plgpu.barrier_wait(k_ready.at[slot])
@@ -341,7 +505,8 @@ def _dq_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwar
         col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + (
             j * block_kv)
         oks = _packed_masks(row, col, bounds) if packed else (row >= col,) * 2
-      probs = _probs(x, terms[:2], oks, fa, sa, bcast)    # x is dead before dP is live
+      lse = _switched(terms[:2], flags(j) if flagged else None)
+      probs = _probs(x, lse, oks, fa, sa, bcast)    # x is dead before dP is live
       plgpu.barrier_wait(v_ready.at[slot])
       dp = _product(do_smem, v_smem.at[slot].transpose((1, 0)), shape)
       plgpu.barrier_arrive(v_free.at[slot])
@@ -352,15 +517,18 @@ def _dq_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwar
 
     dq = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
     first_masked = row0 // block_kv       # tiles from here hold keys after the first row
-    for (lo, hi, fa, sa, u_lo, u_hi), first in zip(ranges, firsts):
-      # Unpacked: the tiles before the diagonal need no mask; packed: those of the plan's
-      # unmasked range (tiles wholly inside the rows' segment, before them).
-      pieces = (_split(lo, hi, u_lo, u_hi) if packed else
-                [(lo, jnp.clip(first_masked, lo, hi), False),
-                 (jnp.clip(first_masked, lo, hi), hi, True)])
+    for rg, first in zip(ranges, firsts):
+      # Unpacked: the tiles before the diagonal need no mask (listed blocks all precede it);
+      # packed: those of the plan's unmasked range (tiles wholly inside the rows' segment,
+      # before them).
+      split = jnp.clip(first_masked, rg.lo, rg.hi)
+      pieces = (_split(rg.lo, rg.hi, *rg.unmasked) if packed else
+                [(rg.lo, rg.hi, False)] if rg.listed else
+                [(rg.lo, split, False), (split, rg.hi, True)])
       for a, z, masked in pieces:
-        dq = lax.fori_loop(a, z, functools.partial(step, first=first - lo, fa=fa, sa=sa,
-                                                   masked=masked), dq)
+        dq = lax.fori_loop(a, z, functools.partial(
+            step, first=first - rg.lo, fa=rg.fa, sa=rg.sa, masked=masked,
+            flagged=rg.flagged), dq)
     _write_out([(q_smem, dq * scale, dq_ref.at[b, rows_here, head])])   # Q's buffer is free
 
   @pl.when(wg == _COMPUTE_WGS)
@@ -368,7 +536,7 @@ def _dq_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwar
     plgpu.set_max_registers(40, action="decrease")
 
     def load(s, slot):
-      keys = pl.ds(_ranges_tile(s, ranges) * block_kv, block_kv)
+      keys = pl.ds(_ranges_tile(s, ranges, listed_tile) * block_kv, block_kv)
       plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kv_head], k_smem.at[slot], k_ready.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kv_head], v_smem.at[slot], v_ready.at[slot])
 
@@ -407,14 +575,20 @@ def _stream(load, free, steps, slots: int):
 
 
 def _dkv_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: BackwardTiles,
-                scale, num_q_tiles, interpret, packed: bool):
+                scale, num_q_tiles, interpret, packed: bool, xa: XATerms | None = None):
   """dK and dV of one program: 2 x block_k keys of one KV head, summed over its G query heads.
-  Unpacked rows: refs (modes [B*K], gates [B*K], q, k, v, dO, row terms, dk, dv, scratch);
-  packed: (modes [B*K*nk], the key plan's three fields [B*nk] each, q, k, v, dO, row terms
-  with the per-row gate as a fifth, bounds [B, 3, Tp], dk, dv, scratch)."""
+  Unpacked rows: refs (modes [B*K], gates [B*K], q, k, v, dO, row terms, dk, dv, scratch),
+  under the XAttention settings (`xa`) with the column lists (`xa_column_lists`: index,
+  count) and `common.xa_operands`'s keep (flattened) after the gates; packed: (modes
+  [B*K*nk], the key plan's three fields [B*nk] each, q, k, v, dO, row terms with the per-row
+  gate as a fifth, bounds [B, 3, Tp], dk, dv, scratch)."""
+  xa_refs = None
   if packed:
     modes_ref, *plan_refs = refs[:4]
     q_ref, k_ref, v_ref, do_ref, rows_ref, bounds_ref, dk_ref, dv_ref, scoped = refs[4:]
+  elif xa is not None:
+    (modes_ref, gate_ref, *xa_refs, q_ref, k_ref, v_ref, do_ref, rows_ref, dk_ref, dv_ref,
+     scoped) = refs
   else:
     modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, rows_ref, dk_ref, dv_ref, scoped = refs
   (k_smem2, v_smem2, q_smem, do_smem, rows_smem, bounds_smem, st_smem2), (k_ready, v_ready), (
@@ -430,13 +604,26 @@ def _dkv_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwa
   k_start = kt * keys                               # first tiles first: the most query tiles
   wg = lax.axis_index("wg")
   slot_bk = b * num_kv_heads + kv_head
+  listed_tile = flags = None
   if packed:
     num_k_tiles = k_ref.shape[1] // keys
     plan = [ref[b * num_k_tiles + kt] for ref in plan_refs]
     ranges = packed_dkv_walk(plan, modes_ref[slot_bk * num_k_tiles + kt])
-  else:
+  elif xa is None:
     r = gate_ref[slot_bk]
     ranges = dkv_walk(k_start, keys, modes_ref[slot_bk], streaming, block_q, num_q_tiles)
+  else:   # the program's keys lie in key block k_start // xa.block: its column lists
+    r = gate_ref[slot_bk]
+    index_ref, count_ref, keep_ref = xa_refs
+    per_xa = xa.block // block_q
+    key_block = k_start // xa.block
+    list_at = slot_bk * xa.num_blocks + key_block
+    ranges, flags = xa_dkv_walk(
+        k_start, modes_ref[slot_bk], streaming, block_q, num_q_tiles, xa.pair,
+        count_ref[list_at], xa.block,
+        lambda qb: keep_ref[(slot_bk * xa.num_blocks + qb) * xa.num_blocks + key_block] != 0)
+    listed_tile = lambda p: _listed(index_ref, list_at, p, per_xa, xa.num_blocks)
+  ranges = _as_ranges(ranges)
   firsts, per_head = _offsets(ranges)
   steps = groups * per_head
 
@@ -456,7 +643,7 @@ def _dkv_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwa
     c = scale * _LOG2E
     staging = st_smem2.at[wg] if interpret else None
 
-    def step(i, carry, first, fa, sa, masked):
+    def step(i, carry, first, fa, sa, masked, flagged):
       dk, dv = carry
       s = first + i
       slot = lax.rem(s, jnp.int32(slots))
@@ -479,7 +666,8 @@ def _dkv_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwa
           oks = (query >= key,) * 2
       # P from the scores first, the D terms after dP: fewer live registers at once.
       plgpu.barrier_wait(rows_ready.at[slot])
-      probs = _probs(x, load_terms((0, 1)), oks, fa, sa, bcast)
+      lse = _switched(load_terms((0, 1)), flags(i) if flagged else None)
+      probs = _probs(x, lse, oks, fa, sa, bcast)
       plgpu.barrier_wait(do_ready.at[slot])
       dp = _product(v_smem, do_smem.at[slot].transpose((1, 0)), shape)
       if packed:
@@ -498,13 +686,14 @@ def _dkv_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwa
     masked_hi = (key0 + block_k + block_q - 1) // block_q   # query tiles before: diagonal
 
     def one_head(g, carry):
-      for (lo, hi, fa, sa), first in zip(ranges, firsts):
+      for rg, first in zip(ranges, firsts):
         # Packed rows: every visited tile masked (segments end anywhere); unpacked: the
-        # query tiles that straddle the diagonal.
-        split = hi if packed else jnp.clip(masked_hi, lo, hi)
-        for a, z, masked in ((lo, split, True), (split, hi, False)):
+        # query tiles that straddle the diagonal (listed blocks all lie past it).
+        split = rg.hi if packed else rg.lo if rg.listed else jnp.clip(masked_hi, rg.lo, rg.hi)
+        for a, z, masked in ((rg.lo, split, True), (split, rg.hi, False)):
           carry = lax.fori_loop(a, z, functools.partial(
-              step, first=g * per_head + first - lo, fa=fa, sa=sa, masked=masked), carry)
+              step, first=g * per_head + first - rg.lo, fa=rg.fa, sa=rg.sa, masked=masked,
+              flagged=rg.flagged), carry)
       return carry
 
     dk, dv = lax.fori_loop(0, groups, one_head, (zeros, zeros))
@@ -517,7 +706,7 @@ def _dkv_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwa
 
     def load(s, slot):
       g = lax.div(s, jnp.maximum(per_head, 1))
-      rows = pl.ds(_ranges_tile(s - g * per_head, ranges) * block_q, block_q)
+      rows = pl.ds(_ranges_tile(s - g * per_head, ranges, listed_tile) * block_q, block_q)
       head = kv_head * groups + g
       plgpu.copy_gmem_to_smem(q_ref.at[b, rows, head], q_smem.at[slot], q_ready.at[slot])
       plgpu.copy_gmem_to_smem(rows_ref.at[b, head, :, rows], rows_smem.at[slot],
@@ -545,13 +734,14 @@ def _launch(kernel, scratch, operands, *, out_type, grid, grid_names, interpret)
 
 
 def dq_call(q, k, v, do, row_terms, modes, gate, *, streaming: Streaming,
-            tiles: BackwardTiles, interpret: bool, plan=None, bounds=None):
+            tiles: BackwardTiles, interpret: bool, plan=None, bounds=None, xa=None):
   """dQ [B, Tp, N, D] from padded q, k, v, dO, the row terms [B, N, 4, Tp] float32 (lse_FA,
   lse_SSA, D_FA, D_SSA) and per (batch, KV head) modes int32 and gates float32 [B * K].
   Packed rows: `plan`, the seven q_plan fields of `common.packed_plan` over programs of
   `_dq_rows` rows and KV tiles of dq_block_kv (int32 [B * K * nq] each), `modes` its q_modes
   [B * K * nq], the row terms with each row's gate as a fifth [B, N, 5, Tp], `bounds` [B, 3,
-  Tp] int32 (see `_packed_masks`), `gate` unused."""
+  Tp] int32 (see `_packed_masks`), `gate` unused. XAttention settings: xa = (`XATerms`, the
+  row lists (index, count, keep) of `common.xa_operands`)."""
   b, tp, n, d = q.shape
   kh = k.shape[2]
   groups = n // kh
@@ -571,22 +761,24 @@ def dq_call(q, k, v, do, row_terms, modes, gate, *, streaming: Streaming,
       (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * 4,
       (plgpu.Barrier(num_barriers=slots),) * 2,
       (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=slots),) * 2)
+  terms, lists = xa if xa is not None else (None, ())
   kernel = functools.partial(_dq_kernel, groups=groups, num_kv_heads=kh, streaming=streaming,
                              tiles=tiles, scale=d ** -0.5, num_q_tiles=tp // rows,
-                             interpret=interpret, packed=packed)
+                             interpret=interpret, packed=packed, xa=terms)
   operands = ((modes, *plan, q, k, v, do, row_terms, bounds) if packed else
-              (modes, gate, q, k, v, do, row_terms))
+              (modes, gate, *(x.reshape(-1) for x in lists), q, k, v, do, row_terms))
   return _launch(kernel, scratch, operands, out_type=jax.ShapeDtypeStruct(q.shape, dtype),
                  grid=(n // (_COMPUTE_WGS if groups >= 2 else 1), tp // rows, b),
                  grid_names=("hp", "qt", "b"), interpret=interpret)
 
 
 def dkv_call(q, k, v, do, row_terms, modes, gate, *, streaming: Streaming,
-             tiles: BackwardTiles, interpret: bool, plan=None, bounds=None):
+             tiles: BackwardTiles, interpret: bool, plan=None, bounds=None, xa=None):
   """(dK, dV) [B, Tp, K, D], the G query heads of each KV head summed; operands as `dq_call`,
   packed rows' `plan` the three k_plan fields (q_lo, q_hi_full, q_hi_sparse) over key tiles
   of 2 x dkv_block_k and query tiles of dkv_block_q (int32 [B * nk] each), `modes` its
-  k_modes [B * K * nk]."""
+  k_modes [B * K * nk]. XAttention settings: xa = (`XATerms`, (index, count) of
+  `xa_column_lists`, keep of `common.xa_operands`)."""
   b, tp, n, d = q.shape
   kh = k.shape[2]
   dtype = q.dtype
@@ -604,11 +796,12 @@ def dkv_call(q, k, v, do, row_terms, modes, gate, *, streaming: Streaming,
       (plgpu.Barrier(num_barriers=_COMPUTE_WGS),) * 2,
       (plgpu.Barrier(num_barriers=slots),) * 4,
       plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=slots))
+  terms, lists = xa if xa is not None else (None, ())
   kernel = functools.partial(_dkv_kernel, groups=n // kh, num_kv_heads=kh, streaming=streaming,
                              tiles=tiles, scale=d ** -0.5, num_q_tiles=tp // bq,
-                             interpret=interpret, packed=packed)
+                             interpret=interpret, packed=packed, xa=terms)
   operands = ((modes, *plan, q, k, v, do, row_terms, bounds) if packed else
-              (modes, gate, q, k, v, do, row_terms))
+              (modes, gate, *(x.reshape(-1) for x in lists), q, k, v, do, row_terms))
   kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
   return _launch(kernel, scratch, operands, out_type=(kv_type, kv_type),
                  grid=(kh, tp // (_COMPUTE_WGS * bk), b),

@@ -14,8 +14,10 @@ estimated cheaply from antidiagonal sums:
      (`reference.hybrid_attention`'s "xa" pattern, the kernels' XA mode).
 Grouped-query attention (decision): the unit that is kept or skipped is the KV head, as for
 the routing; its block mass is the mean of its G query heads' masses (each query head's rows
-sum to 1, so the mean keeps the threshold's meaning). Query blocks are scored in chunks of
-`chunk_blocks`, so memory stays O(chunk_blocks * block/S * T/S) per head at any T.
+sum to 1, so the mean keeps the threshold's meaning). Scores are formed in tiles of
+`chunk_blocks` x `chunk_blocks` blocks, only those on or below the diagonal, in one pass
+(`block_mass`), so memory stays O(rows * (rows + nb)) per head at any T, rows = chunk_blocks *
+block/S.
 
 Shape letters: B batch, T tokens, N query heads, K KV heads, G = N / K, D head dim; I, J query
 and key blocks (nb = ceil(T / block) of each).
@@ -39,7 +41,7 @@ class XAttention:
   stride: int = 16
   block: int = 128
   threshold: float = 0.9
-  chunk_blocks: int = 16          # query blocks scored at once (memory, not the result)
+  chunk_blocks: int = 64          # blocks per side of a scoring tile (memory, not the result)
 
   def __post_init__(self):
     if self.stride < 1 or self.block < 1 or self.block % self.stride:
@@ -58,7 +60,14 @@ def num_blocks(t: int, xa: XAttention) -> int:
 @functools.partial(jax.jit, static_argnames=("xa",))
 def block_mass(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention,
                segment_ids_bt: jax.Array | None = None) -> jax.Array:
-  """Antidiagonal block masses A [B, K, nb, nb] float32 (zero above the diagonal)."""
+  """Antidiagonal block masses A [B, K, nb, nb] float32 (zero above the diagonal).
+
+  The stride rows are cut into chunks of `chunk_blocks` query blocks and the stride columns
+  into tiles of as many key blocks; a chunk scores only the tiles on or left of its diagonal
+  (the causal half of the products), in one pass: each tile's probabilities are summed per key
+  block relative to the tile's own row maxima, and once the chunk's tiles are done the rows'
+  softmax is assembled from those partial sums (weights exp(tile max - row max), exact, no
+  second product). Memory per head: O(rows x (rows + nb)) for rows = chunk_blocks * block/S."""
   b, t, n, d = q_btnh.shape
   kh = k_btkh.shape[2]
   g = n // kh
@@ -67,6 +76,7 @@ def block_mass(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention,
   per_blk = blk // s                       # stride rows per block
   chunk = min(xa.chunk_blocks, nb)
   n_chunks = -(-nb // chunk)
+  rows = chunk * per_blk                   # stride rows of a chunk, stride columns of a tile
   tp = n_chunks * chunk * blk              # whole chunks: every chunk has the same shape
   ns = tp // s                             # stride rows
   real = -(-t // s)                        # stride rows holding at least one real token
@@ -80,30 +90,44 @@ def block_mass(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention,
   else:
     seg_s = pad(segment_ids_bt)[:, ::s]    # a stride row's segment: that of its first token
   scale = 1.0 / (d ** 0.5 * s)
-  cols = jnp.arange(ns)
   # Half-precision q and k: their products are exact in float32, so the tensor cores' default
   # (float32 accumulation) gives the scores at full speed; float32 inputs ask for HIGHEST, not
   # the GPU default (TF32 operands).
   half = jnp.dtype(q_btnh.dtype).itemsize == 2
   precision = jax.lax.Precision.DEFAULT if half else jax.lax.Precision.HIGHEST
+  cut = lambda x, start, axis: jax.lax.dynamic_slice_in_dim(x, start, rows, axis=axis)
 
-  def one_chunk(c):
-    rows = c * chunk * per_blk + jnp.arange(chunk * per_blk)
-    q_c = jax.lax.dynamic_slice_in_dim(q_r, c * chunk * per_blk, chunk * per_blk, axis=3)
-    scores = jnp.einsum("bkgrx,bkcx->bkgrc", q_c, k_r, precision=precision,
-                        preferred_element_type=jnp.float32) * scale
-    seg_r = jax.lax.dynamic_slice_in_dim(seg_s, c * chunk * per_blk, chunk * per_blk, axis=1)
-    ok = ((cols[None, None, :] <= rows[None, :, None]) & (cols < real)[None, None, :]
-          & (seg_r[:, :, None] == seg_s[:, None, :]))                     # [B, R, C]
-    ok = ok & (rows < real)[None, :, None]
-    scores = jnp.where(ok[:, None, None], scores, MASK_VALUE)
-    p = jax.nn.softmax(scores, axis=-1) * ok[:, None, None]
-    # [B, K, G, chunk, per_blk, nb', per_blk] -> sum the tile, mean over the group.
-    p = p.reshape(b, kh, g, chunk, per_blk, ns // per_blk, per_blk)
-    return p.sum(axis=(4, 6)).mean(axis=2)                                 # [B, K, chunk, nb']
+  def one_chunk(r):
+    i = r * rows + jnp.arange(rows)
+    q_c, seg_i = cut(q_r, r * rows, 3), cut(seg_s, r * rows, 1)
+
+    def tile(c, carry):                    # the (r, c) tile, c <= r
+      part, tile_max = carry
+      j = c * rows + jnp.arange(rows)
+      scores = jnp.einsum("bkgrx,bkcx->bkgrc", q_c, cut(k_r, c * rows, 2),
+                          precision=precision, preferred_element_type=jnp.float32) * scale
+      ok = ((j[None, None, :] <= i[None, :, None]) & (j < real)[None, None, :]
+            & (i < real)[None, :, None] & (seg_i[:, :, None] == cut(seg_s, c * rows, 1)[:, None]))
+      scores = jnp.where(ok[:, None, None], scores, MASK_VALUE)         # [B, K, G, R, R]
+      m = scores.max(axis=-1)
+      e = jnp.exp(scores - m[..., None]) * ok[:, None, None]
+      e = e.reshape(*e.shape[:-1], chunk, per_blk).sum(-1)              # per key block
+      part = jax.lax.dynamic_update_slice_in_dim(part, e, c * chunk, axis=4)
+      return part, jax.lax.dynamic_update_slice_in_dim(tile_max, m[..., None], c, axis=4)
+
+    part, tile_max = jax.lax.fori_loop(
+        0, r + 1, tile, (jnp.zeros((b, kh, g, rows, n_chunks * chunk), jnp.float32),
+                         jnp.full((b, kh, g, rows, n_chunks), MASK_VALUE, jnp.float32)))
+    # Tiles right of the diagonal keep zero partial sums; rows without a real column too.
+    weight = jnp.exp(tile_max - tile_max.max(axis=-1, keepdims=True))
+    part = part * jnp.repeat(weight, chunk, axis=-1)
+    total = part.sum(axis=-1, keepdims=True)
+    p = part / jnp.where(total > 0, total, 1.0)
+    # [B, K, G, chunk, per_blk, nb'] -> sum each block's rows, mean over the group.
+    return p.reshape(b, kh, g, chunk, per_blk, n_chunks * chunk).sum(4).mean(2)
 
   out = jax.lax.map(one_chunk, jnp.arange(n_chunks))   # [n_chunks, B, K, chunk, nb']
-  out = out.transpose(1, 2, 0, 3, 4).reshape(b, kh, n_chunks * chunk, ns // per_blk)
+  out = out.transpose(1, 2, 0, 3, 4).reshape(b, kh, n_chunks * chunk, n_chunks * chunk)
   return out[:, :, :nb, :nb]
 
 
@@ -154,10 +178,11 @@ def select(q_btnh, k_btkh, xa: XAttention, segment_ids_bt=None, attn_impl: str =
   """Scoring then selection: kept blocks [B, K, nb, nb] bool (no gradient flows through).
 
   attn_impl: "reference" (plain jnp, `block_mass`), "pallas_gpu" (the scoring kernel; unpacked
-  rows only), "auto" (the plain-jnp scoring everywhere: on an H200 it took 2.1 ms at 32K
-  tokens and 27 ms at 128K against the kernel's 3.5 and 47 ms, `benchmarks/xattention.py`,
-  2026-12-03, then with float32 products of bf16 inputs, which now take the tensor cores'
-  default path; XLA fuses the masked softmax and the tile sums well enough).
+  rows only), "auto" (the plain-jnp scoring everywhere: on an H200 its earlier full-width form
+  took 2.1 ms at 32K tokens and 27 ms at 128K against the kernel's 3.5 and 47 ms,
+  `benchmarks/xattention.py`, 2026-12-03, then with float32 products of bf16 inputs; the
+  causal one-pass form now in `block_mass` forms about half the products and is not yet timed
+  on a GPU).
   """
   if attn_impl not in ("reference", "pallas_gpu", "auto"):
     raise ValueError(f"XAttention scoring implementation '{attn_impl}' is unknown")
