@@ -2,6 +2,7 @@
 and its time and TFLOP/s beside the device's bf16 matrix-product rate.
 
     python benchmarks/kernel_profile.py --kernel dq [--length 32768] [--msr 0.75 | --mixed]
+        [--xa --density 0.5]
     ncu --clock-control none --section LaunchStats --section SpeedOfLight --section Occupancy \\
         --launch-skip 2 --launch-count 1 python benchmarks/kernel_profile.py --kernel dkv --reps 1
     MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=dump python benchmarks/kernel_profile.py \\
@@ -15,6 +16,8 @@ Kernels (elastic_jax/attention/mosaic_gpu.py, mosaic_gpu_backward.py):
   train_forward  the training forward: every head full, then every head streaming, with
                  log-sum-exps (`forward_train`; two launches)
   dq, dkv        the backward kernels on `forward_train`'s residuals
+--xa runs the training kernels under "fa-xa" (`xa_forward_train`, the backward kernels with
+the kept-block lists): the streaming heads become XA heads on random kept blocks of --density.
 Shape: B = 1, 32 query / 8 KV heads, head_dim 128, bf16; SSA sink 1 + local 16 blocks of 128.
 --msr m sends the last round(m * 8) KV heads to SSA (r = 0) and the others to FA (r = 1);
 --mixed sets every gate to 0.5 (training kernels only). TFLOP/s counts the matrix products the
@@ -49,7 +52,10 @@ def main(argv=None):
   p.add_argument("--length", type=int, default=32768)
   p.add_argument("--msr", type=float, default=0.75)
   p.add_argument("--mixed", action="store_true", help="every gate 0.5 (training kernels)")
-  p.add_argument("--density", type=float, default=0.5, help="kept XA blocks (--kernel xa)")
+  p.add_argument("--density", type=float, default=0.5,
+                 help="kept XA blocks (--kernel xa, --xa)")
+  p.add_argument("--xa", action="store_true",
+                 help="training kernels under fa-xa: streaming heads become XA heads")
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--dry-run", action="store_true")
   args = p.parse_args(argv)
@@ -57,6 +63,8 @@ def main(argv=None):
     p.error("--length and --reps must be positive, --msr in [0, 1], --density in (0, 1]")
   if args.mixed and args.kernel in ("forward", "xa"):
     p.error("--mixed: the inference kernels take gates of 0 or 1 only")
+  if args.xa and args.kernel in ("forward", "xa"):
+    p.error("--xa is for the training kernels (--kernel xa times the inference forward)")
   n, kh, d, st, t = 32, 8, 128, Streaming(1, 16, 128), args.length
   interpret = args.dry_run
   if args.dry_run:
@@ -72,21 +80,25 @@ def main(argv=None):
   # Several Mosaic kernels in one jitted computation stall the GPU interpreter: eager there.
   jit = (lambda f: f) if interpret else jax.jit
 
+  nb = -(-t // 128)
+  keep = jax.random.bernoulli(keys[3], args.density, (1, kh, nb, nb)) | jnp.eye(nb, dtype=bool)
   if args.kernel == "forward":
     run, operands = jit(lambda q, k, v: mosaic_gpu.hybrid_forward_hard(
         q, k, v, gate, st, interpret=interpret)), (q, k, v)
   elif args.kernel == "xa":
-    nb = -(-t // 128)
-    keep = jax.random.bernoulli(keys[3], args.density, (1, kh, nb, nb)) | jnp.eye(nb, dtype=bool)
     run, operands = jit(lambda q, k, v: mosaic_gpu.xa_forward_hard(
         q, k, v, gate, keep, st, patterns="fa-xa", xa_block=128, interpret=interpret)), (q, k, v)
   else:
-    forward_train = jit(lambda q, k, v: mosaic_gpu.forward_train(q, k, v, gate, st,
-                                                                 interpret=interpret))
+    if args.xa:
+      forward_train = jit(lambda q, k, v: mosaic_gpu.xa_forward_train(
+          q, k, v, gate, keep, st, patterns="fa-xa", xa_block=128, interpret=interpret))
+    else:
+      forward_train = jit(lambda q, k, v: mosaic_gpu.forward_train(q, k, v, gate, st,
+                                                                   interpret=interpret))
     if args.kernel == "train_forward":
       run, operands = forward_train, (q, k, v)
     else:
-      _, (qp, kp, vp, _, o_fa, o_sa, lse_fa, lse_sa) = forward_train(q, k, v)
+      _, (qp, kp, vp, _, o_fa, o_sa, lse_fa, lse_sa, *lists) = forward_train(q, k, v)
       d_out = jax.random.normal(keys[4], q.shape, jnp.float32).astype(jnp.bfloat16)
       d_fa, d_sa, _ = row_deltas(d_out, o_fa, o_sa, gate)
       tp = qp.shape[1]
@@ -94,8 +106,14 @@ def main(argv=None):
       terms = jnp.stack([lse_fa, lse_sa, rows(d_fa), rows(d_sa)], axis=2)
       flat = gate.reshape(-1)
       call = {"dq": mosaic_gpu_backward.dq_call, "dkv": mosaic_gpu_backward.dkv_call}[args.kernel]
+      xa = None
+      if args.xa:   # the dQ kernel reads a query block's row of the lists, dK/dV a column
+        index, count, kept = lists
+        terms_xa = mosaic_gpu_backward.XATerms(("full", "xa"), 128, kept.shape[-1])
+        xa = (terms_xa, (index, count, kept) if args.kernel == "dq" else
+              (*mosaic_gpu_backward.xa_column_lists(kept), kept))
       run = jit(lambda *x: call(*x, streaming=st, tiles=mosaic_gpu_backward.BackwardTiles(),
-                                interpret=interpret))
+                                interpret=interpret, xa=xa))
       operands = (qp, kp, vp, pad_to(d_out, 1, tp), terms, modes_from_gate(flat), flat)
 
   for _ in range(2):
@@ -108,15 +126,17 @@ def main(argv=None):
   sec = statistics.median(times)
   causal = t * (t + 1) / 2
   kept = float(streaming_kept_fraction(jnp.asarray(t), st)) * causal
-  sparse_pairs = args.density * causal if args.kernel == "xa" else kept
+  xa_pairs = args.density * causal        # about: random blocks, and the diagonal's
+  sparse_pairs = xa_pairs if args.kernel == "xa" or args.xa else kept
   visited = (kh - streams) * causal + streams * sparse_pairs
   if args.mixed:
     visited = kh * causal
-  if args.kernel == "train_forward":   # every head full, then every head streaming
-    visited = kh * (causal + kept)
+  if args.kernel == "train_forward":   # every head full, then every head sparse
+    visited = kh * (causal + sparse_pairs)
   flops = FLOPS_PER_PAIR[args.kernel] * d * (n // kh) * visited
   print(f"{jax.devices()[0].device_kind}: {args.kernel} T={t} "
         + ("gates 0.5" if args.mixed else f"MSR {streams / kh:g}")
+        + (f", fa-xa at density {args.density:g}" if args.xa else "")
         + f": {sec * 1e3:.3f} ms (median of {args.reps}), {flops / sec / 1e12:.1f} TFLOP/s"
         + (" (dry run: interpret mode, times mean nothing)" if args.dry_run else ""))
 

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The Hopper kernels' native checks and benchmarks, in stages, each writing its logs to OUT.
+#
+#   bash benchmarks/hopper_suite.sh OUT [STAGE ...]      (default: every stage, in order)
+#
+# Stages (each bounded by its own timeout; a failed stage is logged and the next one runs):
+#   tests      the kernel tests natively: Mosaic GPU (forward, XAttention, training kernels,
+#              packed rows), Triton and packed kernels, against the float32 reference
+#   profile    benchmarks/kernel_profile.py per Mosaic kernel at 32K (MSR 0.75, gates 0.5,
+#              fa-xa at density 0.5), with the compiler's register and spill report
+#   attention  benchmarks/attention.py with the Mosaic training rows, JSON beside the log
+#   xattention benchmarks/xattention.py (forward and training rows)
+#   packed     benchmarks/packed_attention.py with the Mosaic training rows
+# Run from the repository root on a machine with a Hopper GPU and the project installed.
+set -u
+out=${1:?usage: hopper_suite.sh OUT [STAGE ...]}
+shift
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(tests profile attention xattention packed)
+mkdir -p "$out"
+export JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+py=${PYTHON:-python}
+
+run() {   # run NAME SECONDS COMMAND...: log to OUT/NAME.log, note the exit status and time
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc $rc, $((SECONDS - start)) s" | tee -a "$out/summary.txt"
+}
+
+for stage in "${stages[@]}"; do
+  case $stage in
+    tests)
+      run tests 900 "$py" -m pytest -q -x tests/test_mosaic_gpu.py tests/test_pallas_gpu.py \
+        tests/test_packed_kernels.py tests/test_xattention.py ;;
+    profile)
+      for args in "forward" "xa" "train_forward" "dq" "dkv" "dq --mixed" "dkv --mixed" \
+                  "train_forward --xa" "dq --xa" "dkv --xa" "dq --xa --mixed" "dkv --xa --mixed"; do
+        name=profile_$(echo "$args" | tr -d ' -')
+        MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$out/ptxas_$name" \
+          run "$name" 300 "$py" benchmarks/kernel_profile.py --kernel $args
+      done ;;
+    attention)
+      run attention 1800 "$py" benchmarks/attention.py --lengths 32768 131072 \
+        --train-lengths 65536 --mosaic-training --json "$out/attention.json" ;;
+    xattention)
+      run xattention 1200 "$py" benchmarks/xattention.py --lengths 32768 131072 \
+        --train-lengths 16384 --reps 5 ;;
+    packed)
+      run packed 900 "$py" benchmarks/packed_attention.py --mosaic-training ;;
+    *)
+      echo "unknown stage '$stage' (tests, profile, attention, xattention, packed)" >&2
+      exit 2 ;;
+  esac
+done
