@@ -277,7 +277,8 @@ def test_python_api_bad_input(world):
   # The kernel builders and the Mosaic XA forward (ValueError: programming errors of a caller
   # that picks kernels itself).
   from elastic_jax.attention import Streaming, mosaic_gpu
-  for make in (mosaic_gpu.make_hybrid, mosaic_gpu.make_packed_hybrid, mosaic_gpu.make_xa_hybrid):
+  for make in (mosaic_gpu.make_hybrid, mosaic_gpu.make_packed_hybrid, mosaic_gpu.make_xa_hybrid,
+               mosaic_gpu.make_packed_xa_hybrid):
     with pytest.raises(ValueError, match="training kernels 'cuda' are unknown"):
       make(training="cuda")
   q64, k64 = jax.numpy.ones((1, 128, 2, 64), jax.numpy.bfloat16), jax.numpy.ones(
@@ -295,6 +296,18 @@ def test_python_api_bad_input(world):
     with pytest.raises(ValueError, match=words):
       mosaic_gpu.xa_forward_train(q64, k64, k64, jax.numpy.ones((1, 2)), kw.pop("xa_keep"),
                                   Streaming(1, 1, 128), interpret=True, **kw)
+  ids = jax.numpy.zeros((1, 128), int)
+  for kw, words in ((dict(patterns="fa-ssa", xa_block=128), "not 'fa-ssa'"),
+                    (dict(patterns="fa-xa", xa_block=64), "do not take packed rows with "
+                                                          "XAttention blocks of 64"),
+                    (dict(patterns="fa-xa", xa_block=128, xa_keep=jax.numpy.ones((1, 2, 2, 2),
+                                                                                  bool)),
+                     "xa_keep has shape")):
+    kw = dict(dict(xa_keep=jax.numpy.ones((1, 2, 1, 1), bool)), **kw)
+    with pytest.raises(ValueError, match=words):
+      mosaic_gpu.packed_xa_forward_train(q64, k64, k64, jax.numpy.ones((1, 128, 2)), ids, ids,
+                                         kw.pop("xa_keep"), Streaming(1, 1, 128),
+                                         interpret=True, **kw)
 
 
 def test_nan_weights_warn_at_conversion(world, tmp_path):

@@ -76,7 +76,7 @@ def _inputs(t, n=4, kh=2, d=8, b=2, seed=0, sharp=3.0):
   return q, k, v
 
 
-@pytest.mark.parametrize("t,chunk", [(64, 16), (100, 2), (131, 3)])
+@pytest.mark.parametrize("t,chunk", [(64, 16), (100, 2), (131, 3), (80, 4)])
 def test_block_mass_matches_numpy(t, chunk):
   xa = XAttention(stride=4, block=16, threshold=0.9, chunk_blocks=chunk)
   q, k, _ = _inputs(t)

@@ -34,7 +34,8 @@ and G even or 1. T is padded inside. Interpret mode (`interpret=True`) runs it o
 Packed rows (segment ids and positions, `packed_forward_hard`, end of this file): the walk
 starts at the tile of the segment start of the program's first row (`common.packed_plan`),
 and masked tiles compare each key with three per-row bounds; see the section there. Their
-training (`packed_forward_train`, `packed_backward`) is opt-in like the unpacked one.
+training (`packed_forward_train`, `packed_backward`; under the XAttention settings
+`packed_xa_forward_train`, `packed_xa_backward`) is opt-in like the unpacked one.
 
 Shape letters: B batch, T tokens, N query heads, K KV heads, G = N / K, D head dim.
 """
@@ -60,6 +61,7 @@ from elastic_jax.attention.common import (MODE_FULL, MODE_SPARSE, kernel_or_refe
 from elastic_jax.attention.mosaic_gpu_backward import (DEFAULT_BACKWARD_TILES, BackwardTiles,
                                                       XATerms)
 from elastic_jax.attention.reference import MASK_VALUE, Streaming, split_patterns
+from elastic_jax.attention.xattention import block_lists
 
 try:  # the Mosaic GPU dialect ships with jaxlib; keep the package importable without it
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -205,6 +207,13 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
     at = (b * num_kv_heads + kv_head) * num_q_tiles + qt
     steps, lo, n1, second_start, unmasked_lo, unmasked_hi = (ref[at] for ref in plan_ref)
     tile_of = lambda s: _tile_of(s, lo, n1, second_start)
+    if xa is not None:   # every row XA (`packed_xa_walk`): steps < n1 read list positions lo..
+      (index_ref,) = xa_refs
+      list_at = (b * num_kv_heads + kv_head) * xa.num_blocks + q_start // xa.block
+      tile_of = lambda s: jnp.where(
+          s < n1, mosaic_gpu_backward.kept_list_tile(
+              index_ref, list_at, lo + jnp.minimum(s, n1 - 1), xa.block // block_kv,
+              xa.num_blocks), second_start + s - n1)
   else:
     slot = b * num_kv_heads + kv_head
     mode = modes_ref[slot]
@@ -392,7 +401,8 @@ def _call(q, k, v, modes, *, streaming: Streaming, tiles: MosaicTiles, scale, in
   each int32 [B * K * nq] (one array per field: Pallas's GPU interpreter stalls when a kernel
   reads two scalars of one array), and `row_bounds` [B, K, 3, Tp] int32 (`_row_bounds`);
   `modes` is unused then. XAttention heads (unpacked rows): `xa` and `xa_lists`, the kept
-  blocks below the diagonal as (index int32 [B * K * nb * nb], count int32 [B * K * nb]).
+  blocks below the diagonal as (index int32 [B * K * nb * nb], count int32 [B * K * nb]);
+  packed rows with every row XA (`packed_xa_walk`): `xa` and xa_lists = (index,).
   lse: also return each row's base-2 log-sum-exp of its scaled scores, float32 [B, N, Tp]
   (the backward's residual)."""
   b, tp, n, d = q.shape
@@ -413,6 +423,9 @@ def _call(q, k, v, modes, *, streaming: Streaming, tiles: MosaicTiles, scale, in
     if packed:
       *plan_ref, q_ref, k_ref, v_ref, rows_ref = refs
       modes_ref = None
+      if xa is not None:
+        *plan_ref, index_ref = plan_ref
+        xa_refs = (index_ref,)
     elif xa is not None:
       (modes_ref, *xa_refs, q_ref, k_ref, v_ref), plan_ref, rows_ref = refs, None, None
     else:
@@ -442,8 +455,8 @@ def _call(q, k, v, modes, *, streaming: Streaming, tiles: MosaicTiles, scale, in
     )
 
   kwargs = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
-  operands = ((*walks, q, k, v, row_bounds) if packed else
-              (modes, *(xa_lists if xa is not None else ()), q, k, v))
+  operands = ((*walks, *(xa_lists if xa is not None else ()), q, k, v, row_bounds) if packed
+              else (modes, *(xa_lists if xa is not None else ()), q, k, v))
   out_type = jax.ShapeDtypeStruct(q.shape, dtype)
   if lse:
     out_type = (out_type, jax.ShapeDtypeStruct((b, n, tp), jnp.float32))
@@ -620,10 +633,12 @@ def forward_train(q, k, v, gate_bk, streaming: Streaming, *, tiles: MosaicTiles 
   return _forward_train(q, k, v, gate_bk, streaming, tiles, backward_tiles, interpret)
 
 
-def _training_length(t: int, groups: int, tiles: MosaicTiles, backward_tiles: BackwardTiles):
-  """T padded to whole programs of the forward and of both backward kernels."""
+def _training_length(t: int, groups: int, tiles: MosaicTiles, backward_tiles: BackwardTiles,
+                     xa_block: int = 1):
+  """T padded to whole programs of the forward and of both backward kernels (and to whole XA
+  blocks: the dK/dV kernel walks a listed query block's every tile)."""
   tp = mosaic_gpu_backward.padded_length(t, groups, backward_tiles)
-  return tp + -tp % math.lcm(_rows_per_program(groups, tiles), tiles.block_kv)
+  return tp + -tp % math.lcm(_rows_per_program(groups, tiles), tiles.block_kv, xa_block)
 
 
 def _forward_train(q, k, v, gate_bk, streaming, tiles, backward_tiles, interpret, xa=None):
@@ -631,7 +646,7 @@ def _forward_train(q, k, v, gate_bk, streaming, tiles, backward_tiles, interpret
   lists), and a launch whose pattern is "xa" walks every head's kept blocks."""
   b, t, n, d = q.shape
   kh = k.shape[2]
-  tp = _training_length(t, n // kh, tiles, backward_tiles)
+  tp = _training_length(t, n // kh, tiles, backward_tiles, xa[0].block if xa else 1)
   qp, kp, vp = (pad_to(x, 1, tp) for x in (q, k, v))
 
   def run(term, mode, q, k, v):
@@ -707,7 +722,7 @@ def xa_forward_train(q, k, v, gate_bk, xa_keep, streaming: Streaming, *, pattern
   if xa_keep.shape != (b, kh, nb, nb):
     raise ValueError(f"xa_keep has shape {xa_keep.shape}; {(b, kh, nb, nb)} expected for "
                      f"{t} tokens in blocks of {xa_block}")
-  num_blocks = -(-_training_length(t, n // kh, tiles, backward_tiles) // xa_block)
+  num_blocks = _training_length(t, n // kh, tiles, backward_tiles, xa_block) // xa_block
   lists = xa_operands(xa_keep, num_blocks, b * kh)
   out, res = _forward_train(q, k, v, gate_bk, streaming, tiles, backward_tiles, interpret,
                             xa=(XATerms(pair, xa_block, num_blocks), lists))
@@ -803,8 +818,10 @@ def packed_rows_apply(seg, pos, gate_btk):
 
 @functools.partial(jax.jit, static_argnames=("streaming", "rows", "block_kv"))
 def _packed_operands(q, k, v, gate_btk, segment_ids, positions, streaming: Streaming, rows: int,
-                     block_kv: int):
-  """Padded q, k, v, the programs' walks (`packed_walk`'s fields, flat) and `_row_bounds`."""
+                     block_kv: int, xa_lists=None, xa_block: int = 0):
+  """Padded q, k, v, the programs' walks (`packed_walk`'s fields, flat) and `_row_bounds`.
+  With xa_lists (`common.xa_operands`'s, blocks of xa_block tokens) every row is an XA row:
+  the walks are `packed_xa_walk`'s."""
   t = q.shape[1]
   tp = t + (-t % math.lcm(rows, block_kv))
   q, k, v = (pad_to(x, 1, tp) for x in (q, k, v))
@@ -812,9 +829,42 @@ def _packed_operands(q, k, v, gate_btk, segment_ids, positions, streaming: Strea
   gate = pad_to(gate_btk.astype(jnp.float32), 1, tp)
   plan = packed_plan(seg, pos, gate, streaming, rows, block_kv)
   q_plan = jnp.broadcast_to(plan["q_plan"][:, None], plan["q_modes"].shape + (_PLAN_WIDTH,))
-  walks = packed_walk([q_plan[..., x] for x in range(7)], plan["q_modes"])
+  if xa_lists is None:
+    walks = packed_walk([q_plan[..., x] for x in range(7)], plan["q_modes"])
+  else:
+    walks = packed_xa_walk(q_plan, xa_lists, rows, block_kv, xa_block)
   return (q, k, v), [x.reshape(-1).astype(jnp.int32) for x in walks], _row_bounds(
       seg, pos, gate, streaming)
+
+
+def _listed_before(keep, rows, ends):
+  """Per program: how many of its list row's kept entries lie before `ends`. keep [B, K, nb,
+  nb] int32 (`common.xa_operands`'s, reshaped), rows [n] the program's list row, ends [B, K,
+  n] a block index (entries j < ends counted)."""
+  prefix = jnp.concatenate([jnp.zeros(keep.shape[:3] + (1,), jnp.int32),
+                            jnp.cumsum(keep, axis=-1)], axis=-1)       # [B, K, nb, nb + 1]
+  return jnp.take_along_axis(prefix[:, :, rows], ends[..., None], axis=-1)[..., 0]
+
+
+def packed_xa_walk(q_plan, xa_lists, rows: int, block_kv: int, xa_block: int):
+  """`packed_walk` with every row an XA row: per program (q_plan [B, K, nq, 8] of
+  `common.packed_plan`), its query block's kept blocks below the diagonal from the block
+  holding kv_lo on (list positions [first, count - 1), read as tiles through the list), then
+  the diagonal block's tiles from kv_lo to the causal end; every tile masked (the rows'
+  segments). Fields as `packed_walk`'s, lo the first list position in tiles."""
+  index, count, keep = xa_lists
+  b, kh, nq = q_plan.shape[:3]
+  nb = keep.shape[-1]
+  per_block = xa_block // block_kv
+  q_block = jnp.arange(nq, dtype=jnp.int32) * rows // xa_block                 # [nq]
+  kv_lo, causal_hi = q_plan[..., 0], q_plan[..., 3]
+  keep = keep.reshape(b, kh, nb, nb)
+  first = _listed_before(keep, q_block, kv_lo * block_kv // xa_block)
+  below = count.reshape(b, kh, nb)[:, :, q_block] - 1
+  n1 = (below - first) * per_block
+  second = jnp.maximum(q_block[None, None] * per_block, kv_lo)
+  zero = jnp.zeros_like(n1)
+  return n1 + causal_hi - second, first * per_block, n1, second, zero, zero
 
 
 def packed_forward_hard(q, k, v, gate_btk, segment_ids, positions, streaming: Streaming, *,
@@ -854,27 +904,74 @@ def packed_forward_train(q, k, v, gate_btk, segment_ids, positions, streaming: S
   `positions_count_up`): O = r O_FA + (1 - r) O_SSA per row, and the residuals in the layout
   of the Triton packed kernels' (`pallas_gpu.packed_parts`), so that either backward takes
   them. Two launches of the packed forward kernel with every row full, then streaming."""
+  return _packed_forward_train(q, k, v, gate_btk, segment_ids, positions, streaming, tiles,
+                               interpret)
+
+
+def _packed_xa_lists(xa_keep, tp: int, xa_block: int):
+  """The kept-block lists of packed rows, with as many blocks as the Triton packed kernels'
+  (a power of two), so that both paths leave residuals of one layout."""
+  nbp = pl.next_power_of_2(max(xa_keep.shape[-1], -(-tp // xa_block)))
+  return xa_operands(xa_keep, nbp, xa_keep.shape[0] * xa_keep.shape[1])
+
+
+def _packed_forward_train(q, k, v, gate_btk, segment_ids, positions, streaming, tiles,
+                          interpret, xa_keep=None, pair=("full", "stream"), xa_block=0):
+  """`packed_forward_train`; under the XAttention settings (xa_keep, the pattern pair, the XA
+  block) the launch of XA's term walks every row's kept blocks (`packed_xa_walk`)."""
   b, t, n, d = q.shape
   kh = k.shape[2]
   rows = _rows_per_program(n // kh, tiles)
+  tp = t + (-t % math.lcm(rows, tiles.block_kv))
+  lists = None if xa_keep is None else _packed_xa_lists(xa_keep, tp, xa_block)
   outs = []
-  for forced in (1.0, 0.0):
+  for pattern, forced in zip(pair, (1.0, 0.0)):
+    xa = pattern == "xa"       # XA rows: every key of the segment's kept blocks (full bounds)
     (qp, kp, vp), walks, bounds = _packed_operands(
-        q, k, v, jnp.full(gate_btk.shape, forced, jnp.float32), segment_ids, positions,
-        streaming, rows, tiles.block_kv)
+        q, k, v, jnp.full(gate_btk.shape, 1.0 if xa else forced, jnp.float32), segment_ids,
+        positions, streaming, rows, tiles.block_kv, lists if xa else None, xa_block)
     if outs:
       qp, kp, vp = _after(outs[-1][0], (qp, kp, vp))
+    walk = XAWalk(MODE_FULL, xa_block, lists[0].shape[-1]) if xa else None
     outs.append(_call(qp, kp, vp, None, streaming=streaming, tiles=tiles, scale=d ** -0.5,
-                      interpret=interpret, walks=walks, row_bounds=bounds, lse=True))
+                      interpret=interpret, walks=walks, row_bounds=bounds, lse=True, xa=walk,
+                      xa_lists=(lists[0].reshape(-1),) if xa else None))
   (o_fa, lse_fa), (o_sa, lse_sa) = outs
   o_fa, o_sa = o_fa[:, :t], o_sa[:, :t]
   r = jnp.repeat(gate_btk.astype(jnp.float32), n // kh, axis=2)[..., None]      # [B, T, N, 1]
   o = _mix(o_fa, o_sa, r, q.dtype)
-  tp = qp.shape[1]
   seg, pos = pad_packed(segment_ids, positions, tp)
   gate = pad_to(gate_btk.astype(jnp.float32), 1, tp).transpose(0, 2, 1)        # [B, K, Tp]
-  return o, (qp, kp, vp, seg, pos, gate, None, gate_btk, o_fa, o_sa, lse_fa, lse_sa,
-             segment_ids, positions, None)
+  return o, (qp, kp, vp, seg, pos, gate, None if lists is None else lists[2], gate_btk, o_fa,
+             o_sa, lse_fa, lse_sa, segment_ids, positions, xa_keep)
+
+
+def packed_xa_list_spans(keep, q_plan, k_plan, xa_block: int, backward_tiles: BackwardTiles,
+                         groups: int):
+  """The parts of the kept-block lists the packed backward kernels walk (keep [B * K, nb, nb]
+  int32 of `common.xa_operands`; `common.packed_plan`'s q_plan broadcast to [B, K, nq, 8]
+  over dQ programs, k_plan [B, nk, 4] over dK/dV programs):
+    first [B, K, nq]: per dQ program, its row's first entry not before the block holding
+      kv_lo (blocks of earlier segments are skipped; entries from there to count - 1 are
+      walked);
+    later [B, K, nk]: per dK/dV program, how many entries of its column (the later query
+      blocks that kept its key block) lie before its segment's end."""
+  b, kh, nq = q_plan.shape[:3]
+  nb = keep.shape[-1]
+  bt = backward_tiles
+  keys = mosaic_gpu_backward._COMPUTE_WGS * bt.dkv_block_k
+  dq_rows = mosaic_gpu_backward._dq_rows(groups, bt)
+  keep = keep.reshape(b, kh, nb, nb)
+  q_blocks = jnp.arange(nq, dtype=jnp.int32) * dq_rows // xa_block
+  first = _listed_before(keep, q_blocks, q_plan[..., 0] * bt.dq_block_kv // xa_block)
+  nk = k_plan.shape[1]
+  k_blocks = jnp.arange(nk, dtype=jnp.int32) * keys // xa_block
+  ends = -(-k_plan[..., 1] * bt.dkv_block_q // xa_block)                    # [B, nk]
+  ends = jnp.broadcast_to(jnp.maximum(ends, k_blocks[None] + 1)[:, None], (b, kh, nk))
+  columns = jnp.swapaxes(keep, 2, 3)
+  later = _listed_before(columns, k_blocks, ends) - _listed_before(
+      columns, k_blocks, jnp.broadcast_to(k_blocks[None, None] + 1, ends.shape))
+  return first, later
 
 
 def packed_backward(residuals, d_out, streaming: Streaming, *,
@@ -883,10 +980,19 @@ def packed_backward(residuals, d_out, streaming: Streaming, *,
   """(dq, dk, dv, d_gate, 0, 0) of packed rows from `packed_forward_train`'s residuals (the
   gate's gradient per row; float0 zeros for the segment ids and positions): the Mosaic GPU
   dQ and dK/dV kernels walking `common.packed_plan`'s schedules, masks from per-row bounds."""
-  (qp, kp, vp, seg, pos, gate, _, gate_btk, o_fa, o_sa, lse_fa, lse_sa, segment_ids,
+  return _packed_backward(residuals, d_out, streaming, backward_tiles, interpret)
+
+
+def _packed_backward(residuals, d_out, streaming, backward_tiles, interpret, pair=None,
+                     xa_block: int = 0):
+  """`packed_backward`; under the XAttention settings (the pattern pair and the XA block) the
+  kernels also walk the kept-block lists built from the residuals' kept blocks
+  (`packed_xa_dq_walk`, `packed_xa_dkv_walk`)."""
+  (qp, kp, vp, seg, pos, gate, keep, gate_btk, o_fa, o_sa, lse_fa, lse_sa, segment_ids,
    positions, _) = residuals
-  t, tp, n = d_out.shape[1], qp.shape[1], qp.shape[2]
-  groups = n // kp.shape[2]
+  b, t, n = d_out.shape[:3]
+  tp, kh = qp.shape[1], kp.shape[2]
+  groups = n // kh
   d_fa, d_sa, d_gate = row_deltas(d_out, o_fa, o_sa, gate_btk)
   terms = _row_terms(tp, lse_fa, lse_sa, d_fa, d_sa,
                      jnp.repeat(gate, groups, axis=1))          # each row's gate, [B, N, Tp]
@@ -895,18 +1001,27 @@ def packed_backward(residuals, d_out, streaming: Streaming, *,
   do = pad_to(d_out.astype(qp.dtype), 1, tp)
   bt = backward_tiles
   flat = lambda x: x.reshape(-1).astype(jnp.int32)
-  q_sched = packed_plan(seg, pos, gate_rows, streaming, mosaic_gpu_backward._dq_rows(groups, bt),
-                        bt.dq_block_kv)
+  dq_rows, keys = mosaic_gpu_backward._dq_rows(groups, bt), mosaic_gpu_backward._COMPUTE_WGS * (
+      bt.dkv_block_k)
+  q_sched = packed_plan(seg, pos, gate_rows, streaming, dq_rows, bt.dq_block_kv)
   q_plan = jnp.broadcast_to(q_sched["q_plan"][:, None], q_sched["q_modes"].shape + (8,))
-  k_sched = packed_plan(seg, pos, gate_rows, streaming, bt.dkv_block_q,
-                        mosaic_gpu_backward._COMPUTE_WGS * bt.dkv_block_k)
+  k_sched = packed_plan(seg, pos, gate_rows, streaming, bt.dkv_block_q, keys)
+  dq_xa = dkv_xa = None
+  if pair is not None:
+    terms_xa = XATerms(pair, xa_block, keep.shape[-1])
+    index, count = block_lists(keep != 0)
+    first, later = packed_xa_list_spans(keep, q_plan, k_sched["k_plan"], xa_block, bt,
+                                        groups)
+    dq_xa = (terms_xa, (index, count, keep, first))
+    dkv_xa = (terms_xa, (mosaic_gpu_backward.xa_column_lists(keep)[0], later, keep))
   kw = dict(streaming=streaming, tiles=bt, interpret=interpret, bounds=bounds)
   dq = mosaic_gpu_backward.dq_call(qp, kp, vp, do, terms, flat(q_sched["q_modes"]), None,
-                                   plan=[flat(q_plan[..., x]) for x in range(7)], **kw)
+                                   plan=[flat(q_plan[..., x]) for x in range(7)], xa=dq_xa,
+                                   **kw)
   qp, kp, vp, do, terms = _after(dq, (qp, kp, vp, do, terms))
   dk, dv = mosaic_gpu_backward.dkv_call(
       qp, kp, vp, do, terms, flat(k_sched["k_modes"]), None,
-      plan=[flat(k_sched["k_plan"][..., x]) for x in range(3)], **kw)
+      plan=[flat(k_sched["k_plan"][..., x]) for x in range(3)], xa=dkv_xa, **kw)
   zero_int = lambda x: np.zeros(x.shape, jax.dtypes.float0)
   return (dq[:, :t], dk[:, :t], dv[:, :t], d_gate, zero_int(segment_ids), zero_int(positions))
 
@@ -954,8 +1069,92 @@ def make_packed_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "trit
   return with_fused_backward(forward, train, grads, num_arrays=6)
 
 
+def packed_xa_forward_train(q, k, v, gate_btk, segment_ids, positions, xa_keep,
+                            streaming: Streaming, *, patterns: str, xa_block: int,
+                            tiles: MosaicTiles = DEFAULT_TILES,
+                            backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES,
+                            interpret: bool = False):
+  """`packed_forward_train` under the XAttention settings ("fa-xa", "xa-ssa"; xa_keep [B, K,
+  nb, nb] the kept blocks of `xa_block` tokens, `xattention.select` with the segment ids):
+  the launch of XA's term walks every row's kept blocks from its segment's on
+  (`packed_xa_walk`). Residuals in the layout of the Triton packed XA kernels'."""
+  pair = split_patterns(patterns)
+  if "xa" not in pair:
+    raise ValueError(f"packed_xa_forward_train runs the XAttention settings, not '{patterns}'")
+  if not _packed_xa_trains(q.shape, k.shape, q.dtype, streaming, xa_block, tiles,
+                           backward_tiles):
+    raise ValueError(f"the Mosaic GPU training kernels do not take packed rows with XAttention "
+                     f"blocks of {xa_block}, q {q.shape} {q.dtype}, k {k.shape}, {streaming} "
+                     f"(see mosaic_gpu._packed_xa_trains)")
+  b, t = q.shape[:2]
+  nb = -(-t // xa_block)
+  if xa_keep.shape != (b, k.shape[2], nb, nb):
+    raise ValueError(f"xa_keep has shape {xa_keep.shape}; {(b, k.shape[2], nb, nb)} expected "
+                     f"for {t} tokens in blocks of {xa_block}")
+  return _packed_forward_train(q, k, v, gate_btk, segment_ids, positions, streaming, tiles,
+                               interpret, xa_keep, pair, xa_block)
+
+
+def packed_xa_backward(residuals, d_out, streaming: Streaming, *, patterns: str, xa_block: int,
+                       backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES,
+                       interpret: bool = False):
+  """(dq, dk, dv, d_gate, 0, 0, 0) from `packed_xa_forward_train`'s residuals (or the Triton
+  packed XA kernels'): `packed_backward` with the XA term walking the kept-block lists."""
+  grads = _packed_backward(residuals, d_out, streaming, backward_tiles, interpret,
+                           split_patterns(patterns), xa_block)
+  return (*grads, np.zeros(residuals[-1].shape, jax.dtypes.float0))
+
+
+def _packed_xa_trains(q_shape, k_shape, dtype, streaming, xa_block, tiles, backward_tiles):
+  """`_packed_trains` under the XAttention settings: also `xa_trains`, and rows padded to
+  whole XA blocks (the dK/dV kernel walks a listed query block's every tile)."""
+  triton_tp = -(-q_shape[1] // 128) * 128
+  return (_packed_trains(q_shape, k_shape, dtype, streaming, tiles, backward_tiles)
+          and xa_trains(q_shape, k_shape, dtype, streaming, xa_block, tiles, backward_tiles)
+          and triton_tp % xa_block == 0)
+
+
+def make_packed_xa_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "triton",
+                          backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES):
+  """`pallas_gpu.make_packed_xa_hybrid` (packed rows under the XAttention settings), whose
+  undifferentiated forward it keeps. training: "triton", or "mosaic" to train on
+  `packed_xa_forward_train` and `packed_xa_backward` where `_packed_xa_trains` and, at run
+  time, `positions_count_up` (the Triton kernels otherwise; both leave residuals of one
+  layout). "triton" stays the default until the Mosaic training kernels are checked
+  natively."""
+  _check_training(training)
+  triton_forward, triton_train, triton_backward = pallas_gpu.packed_parts(xa=True)
+
+  def mosaic_trains(q_shape, k_shape, dtype, streaming, xa_block):
+    return training == "mosaic" and _packed_xa_trains(q_shape, k_shape, dtype, streaming,
+                                                      xa_block, tiles, backward_tiles)
+
+  def train(q, k, v, gate_btk, seg, pos, xa_keep, streaming, patterns, xa_block, interpret):
+    triton = lambda: triton_train(q, k, v, gate_btk, seg, pos, xa_keep, streaming, patterns,
+                                  xa_block, interpret)
+    if not mosaic_trains(q.shape, k.shape, q.dtype, streaming, xa_block):
+      return triton()
+    return lax.cond(positions_count_up(seg, pos),
+                    lambda: packed_xa_forward_train(q, k, v, gate_btk, seg, pos, xa_keep,
+                                                    streaming, patterns=patterns,
+                                                    xa_block=xa_block, tiles=tiles,
+                                                    backward_tiles=backward_tiles,
+                                                    interpret=interpret), triton)
+
+  def grads(streaming, patterns, xa_block, interpret, res, d_out):
+    triton = lambda: triton_backward(streaming, patterns, xa_block, interpret, res, d_out)
+    if not mosaic_trains(d_out.shape, res[1].shape, d_out.dtype, streaming, xa_block):
+      return triton()
+    return lax.cond(positions_count_up(res[3], res[4]),     # the padded segment ids, positions
+                    lambda: packed_xa_backward(res, d_out, streaming, patterns=patterns,
+                                               xa_block=xa_block, backward_tiles=backward_tiles,
+                                               interpret=interpret), triton)
+
+  return with_fused_backward(triton_forward, train, grads, num_arrays=7, num_static=4)
+
+
 hybrid_attention = functools.partial(kernel_or_reference, make_hybrid(),
                                      xa_kernel=make_xa_hybrid(),
                                      xa_kernel_applies=pallas_gpu.xa_kernel_applies,
                                      packed_kernel=make_packed_hybrid(),
-                                     packed_xa_kernel=pallas_gpu.make_packed_xa_hybrid())
+                                     packed_xa_kernel=make_packed_xa_hybrid())

@@ -33,7 +33,9 @@ blocks of the program's query block, or for dK/dV the later query blocks that ke
 block, `xa_column_lists`; whole blocks, no mask) and then the diagonal block. A mixed head
 walks every causal tile with both terms and switches each off per tile where its pattern does
 not attend (flagged ranges): the term's row log-sum-exps are raised by `_OFF` there, so its
-probabilities are exactly zero.
+probabilities are exactly zero. Packed rows (`packed_xa_dq_walk`, `packed_xa_dkv_walk`) walk
+only the part of a list that can hold their segment (`mosaic_gpu.packed_xa_list_spans`), every
+tile masked with the per-row bounds, the XA term with FA's mask.
 
 Interpret mode (`interpret=True`) runs the kernels on a CPU: there the register operands of
 wgmma take a trip through shared memory and accumulators are added after (no run_state).
@@ -55,6 +57,7 @@ from jax.experimental import pallas as pl
 
 from elastic_jax.attention.common import MODE_FULL, MODE_MIX, MODE_SPARSE
 from elastic_jax.attention.reference import Streaming
+from elastic_jax.attention.xattention import block_lists
 
 try:  # the Mosaic GPU dialect ships with jaxlib; keep the package importable without it
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -116,7 +119,8 @@ def padded_length(t: int, groups: int, tiles: BackwardTiles = DEFAULT_BACKWARD_T
 class Range(NamedTuple):
   """A piece of a walk: tiles lo .. hi - 1 in order, with the FA / SSA terms fa, sa (fixed at
   trace time). listed: lo .. hi - 1 are positions in the program's kept-block list (each
-  listed block's tiles in turn, all of them before the diagonal: no mask). flagged: each
+  listed block's tiles in turn; off the diagonal block: before it for dQ, after it for dK/dV,
+  so unpacked rows need no mask there). flagged: each
   tile's terms are switched on or off at run time by its own test (XAttention's kept blocks,
   the streaming window) as a MIX head under the XAttention settings walks. unmasked: packed
   rows' tiles [a, b) that need no mask."""
@@ -158,6 +162,11 @@ def _offsets(ranges):
   return out, offset
 
 
+def _upto(on, lo, hi):
+  """The range [lo, hi) where `on` (a traced bool), else the empty [lo, lo)."""
+  return lo, jnp.where(on, hi, lo)
+
+
 def _stream_tiles(q_start, rows: int, streaming: Streaming, block_kv: int):
   """(causal end, end of the sink, start of the window past the sink) in KV tiles for a
   program of `rows` rows from `q_start` (inside one streaming block)."""
@@ -187,13 +196,12 @@ def dq_walk(q_start, rows: int, mode, streaming: Streaming, block_kv: int):
     MIX     sink tiles FA+SSA, the tiles between FA, the window FA+SSA."""
   causal_end, sink_end, win_lo = _stream_tiles(q_start, rows, streaming, block_kv)
   full, sparse, mix = mode == MODE_FULL, mode == MODE_SPARSE, mode == MODE_MIX
-  upto = lambda on, lo, hi: (lo, jnp.where(on, hi, lo))
-  return [(*upto(full, 0, causal_end), True, False),
-          (*upto(mix, sink_end, win_lo), True, False),
-          (*upto(sparse, 0, sink_end), False, True),
-          (*upto(sparse, win_lo, causal_end), False, True),
-          (*upto(mix, 0, sink_end), True, True),
-          (*upto(mix, win_lo, causal_end), True, True)]
+  return [(*_upto(full, 0, causal_end), True, False),
+          (*_upto(mix, sink_end, win_lo), True, False),
+          (*_upto(sparse, 0, sink_end), False, True),
+          (*_upto(sparse, win_lo, causal_end), False, True),
+          (*_upto(mix, 0, sink_end), True, True),
+          (*_upto(mix, win_lo, causal_end), True, True)]
 
 
 def dkv_walk(k_start, keys: int, mode, streaming: Streaming, block_q: int, num_q_tiles):
@@ -204,12 +212,11 @@ def dkv_walk(k_start, keys: int, mode, streaming: Streaming, block_q: int, num_q
   lo = k_start // block_q
   reach = _stream_reach(k_start, streaming, block_q, num_q_tiles)
   full, sparse, mix = mode == MODE_FULL, mode == MODE_SPARSE, mode == MODE_MIX
-  upto = lambda on, a, z: (a, jnp.where(on, z, a))
   del keys
-  return [(*upto(full, lo, num_q_tiles), True, False),
-          (*upto(sparse, lo, reach), False, True),
-          (*upto(mix, lo, reach), True, True),
-          (*upto(mix, reach, num_q_tiles), True, False)]
+  return [(*_upto(full, lo, num_q_tiles), True, False),
+          (*_upto(sparse, lo, reach), False, True),
+          (*_upto(mix, lo, reach), True, True),
+          (*_upto(mix, reach, num_q_tiles), True, False)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,18 +243,17 @@ def xa_dq_walk(q_start, rows: int, mode, streaming: Streaming, block_kv: int, pa
   tests = {"full": lambda j: None, "stream": lambda j: (j < sink_end) | (j >= win_lo),
            "xa": lambda j: kept(j // per_xa)}
   full, sparse, mix = mode == MODE_FULL, mode == MODE_SPARSE, mode == MODE_MIX
-  upto = lambda on, lo, hi: (lo, jnp.where(on, hi, lo))
   out = []
   for on, pattern, fa in ((full, pair[0], True), (sparse, pair[1], False)):
     if pattern == "full":
-      out.append(Range(*upto(on, 0, causal_end), fa, not fa))
+      out.append(Range(*_upto(on, 0, causal_end), fa, not fa))
     elif pattern == "stream":
-      out += [Range(*upto(on, 0, sink_end), fa, not fa),
-              Range(*upto(on, win_lo, causal_end), fa, not fa)]
+      out += [Range(*_upto(on, 0, sink_end), fa, not fa),
+              Range(*_upto(on, win_lo, causal_end), fa, not fa)]
     else:
-      out += [Range(*upto(on, 0, below * per_xa), fa, not fa, listed=True),
-              Range(*upto(on, q_start // xa_block * per_xa, causal_end), fa, not fa)]
-  return (out + [Range(*upto(mix, 0, causal_end), True, True, flagged=True)],
+      out += [Range(*_upto(on, 0, below * per_xa), fa, not fa, listed=True),
+              Range(*_upto(on, q_start // xa_block * per_xa, causal_end), fa, not fa)]
+  return (out + [Range(*_upto(mix, 0, causal_end), True, True, flagged=True)],
           lambda j: [tests[pattern](j) for pattern in pair])
 
 
@@ -266,17 +272,16 @@ def xa_dkv_walk(k_start, mode, streaming: Streaming, block_q: int, num_q_tiles, 
            "xa": lambda i: kept(i // per_xa)}
   diagonal_end = jnp.minimum((k_start // xa_block + 1) * per_xa, num_q_tiles)
   full, sparse, mix = mode == MODE_FULL, mode == MODE_SPARSE, mode == MODE_MIX
-  upto = lambda on, a, z: (a, jnp.where(on, z, a))
   out = []
   for on, pattern, fa in ((full, pair[0], True), (sparse, pair[1], False)):
     if pattern == "full":
-      out.append(Range(*upto(on, lo, num_q_tiles), fa, not fa))
+      out.append(Range(*_upto(on, lo, num_q_tiles), fa, not fa))
     elif pattern == "stream":
-      out.append(Range(*upto(on, lo, reach), fa, not fa))
+      out.append(Range(*_upto(on, lo, reach), fa, not fa))
     else:
-      out += [Range(*upto(on, 0, above * per_xa), fa, not fa, listed=True),
-              Range(*upto(on, lo, diagonal_end), fa, not fa)]
-  return (out + [Range(*upto(mix, lo, num_q_tiles), True, True, flagged=True)],
+      out += [Range(*_upto(on, 0, above * per_xa), fa, not fa, listed=True),
+              Range(*_upto(on, lo, diagonal_end), fa, not fa)]
+  return (out + [Range(*_upto(mix, lo, num_q_tiles), True, True, flagged=True)],
           lambda i: [tests[pattern](i) for pattern in pair])
 
 
@@ -286,9 +291,7 @@ def xa_column_lists(keep):
   nb, nb] int32; those first), and how many (count [slots, nb] int32)."""
   nb = keep.shape[-1]
   later = jnp.swapaxes(keep != 0, 1, 2) & ~jnp.tri(nb, dtype=bool)[None]   # [slot, J, I > J]
-  j = jnp.arange(nb, dtype=jnp.int32)
-  index = jnp.argsort(jnp.where(later, j, nb + j), axis=-1).astype(jnp.int32)
-  return index, later.sum(-1).astype(jnp.int32)
+  return block_lists(later)
 
 
 _OFF = 2.0 ** 100   # added to a row's log-sum-exp: exp2(S c - lse) = 0 where a term is off
@@ -348,7 +351,7 @@ def _switched(lse_terms, on):
           for lse, flag in zip(lse_terms, on)]
 
 
-def _listed(index_ref, list_at, position, per_block: int, num_blocks: int):
+def kept_list_tile(index_ref, list_at, position, per_block: int, num_blocks: int):
   """The tile at `position` of a kept-block list (row `list_at` of the flattened index):
   listed block position // per_block, its tile position % per_block."""
   entry = list_at * num_blocks + jnp.clip(position // per_block, 0, num_blocks - 1)
@@ -379,6 +382,14 @@ def _packed_masks(query, key, bounds):
   return fa, None if sink_end is None else fa & ((key < sink_end) | (key >= window))
 
 
+def _term_masks(masks, xa: XATerms | None):
+  """The two terms' masks of packed rows from `_packed_masks`'s (FA, SSA): under the
+  XAttention settings an XA term takes FA's (its kept blocks are the walk's or the flag's)."""
+  if xa is None:
+    return masks
+  return tuple(masks[1] if pattern == "stream" else masks[0] for pattern in xa.pair)
+
+
 def packed_dq_walk(plan, mode):
   """The KV tiles of a dQ program over packed rows, from its `common.packed_plan` entries
   (kv_lo, sink_hi, win_lo, causal_hi, in_lo, in_hi, sparse_in_hi) and its run-time mode:
@@ -388,11 +399,10 @@ def packed_dq_walk(plan, mode):
   kv_lo, sink_hi, win_lo, causal_hi, in_lo, in_hi, sparse_in_hi = plan
   full, sparse, mix = mode == MODE_FULL, mode == MODE_SPARSE, mode == MODE_MIX
   w = jnp.maximum(win_lo, sink_hi)
-  upto = lambda on, lo, hi: (lo, jnp.where(on, hi, lo))
-  return [(*upto(full, kv_lo, causal_hi), True, False, in_lo, in_hi),
-          (*upto(sparse, kv_lo, sink_hi), False, True, in_lo, sparse_in_hi),
-          (*upto(sparse, w, causal_hi), False, True, in_lo, sparse_in_hi),
-          (*upto(mix, kv_lo, causal_hi), True, True, in_lo, in_lo)]
+  return [(*_upto(full, kv_lo, causal_hi), True, False, in_lo, in_hi),
+          (*_upto(sparse, kv_lo, sink_hi), False, True, in_lo, sparse_in_hi),
+          (*_upto(sparse, w, causal_hi), False, True, in_lo, sparse_in_hi),
+          (*_upto(mix, kv_lo, causal_hi), True, True, in_lo, in_lo)]
 
 
 def packed_dkv_walk(plan, mode):
@@ -401,11 +411,64 @@ def packed_dkv_walk(plan, mode):
   ranges (lo, hi, fa, sa), every tile masked."""
   q_lo, q_hi_full, q_hi_sparse = plan
   full, sparse, mix = mode == MODE_FULL, mode == MODE_SPARSE, mode == MODE_MIX
-  upto = lambda on, lo, hi: (lo, jnp.where(on, hi, lo))
-  return [(*upto(full, q_lo, q_hi_full), True, False),
-          (*upto(sparse, q_lo, q_hi_sparse), False, True),
-          (*upto(mix, q_lo, q_hi_sparse), True, True),
-          (*upto(mix, q_hi_sparse, q_hi_full), True, False)]
+  return [(*_upto(full, q_lo, q_hi_full), True, False),
+          (*_upto(sparse, q_lo, q_hi_sparse), False, True),
+          (*_upto(mix, q_lo, q_hi_sparse), True, True),
+          (*_upto(mix, q_hi_sparse, q_hi_full), True, False)]
+
+
+def packed_xa_dq_walk(plan, mode, q_start, pair, listed, xa_block: int, block_kv: int, kept):
+  """`packed_dq_walk` under the XAttention settings (patterns as `xa_dq_walk`): `Range`s and
+  flags. An XA term alone walks positions listed = (first, end) of its query block's kept
+  list (the blocks strictly below the diagonal from the one holding the segment start of the
+  program's first row on), then the diagonal block from kv_lo; a MIX program its causal tiles
+  from kv_lo with both terms, the XA term flagged by the tile's kept bit (the per-row masks
+  do the rest: the streaming term's window, every row's segment). Listed tiles are masked
+  (unmasked None), as are the XA term's diagonal tiles."""
+  kv_lo, sink_hi, win_lo, causal_hi, in_lo, in_hi, sparse_in_hi = plan
+  per_xa = xa_block // block_kv
+  full, sparse, mix = mode == MODE_FULL, mode == MODE_SPARSE, mode == MODE_MIX
+  tests = {"full": lambda j: None, "stream": lambda j: None, "xa": lambda j: kept(j // per_xa)}
+  out = []
+  for on, pattern, fa in ((full, pair[0], True), (sparse, pair[1], False)):
+    if pattern == "full":
+      out.append(Range(*_upto(on, kv_lo, causal_hi), fa, not fa, unmasked=(in_lo, in_hi)))
+    elif pattern == "stream":
+      out += [Range(*_upto(on, kv_lo, sink_hi), fa, not fa, unmasked=(in_lo, sparse_in_hi)),
+              Range(*_upto(on, jnp.maximum(win_lo, sink_hi), causal_hi), fa, not fa,
+                    unmasked=(in_lo, sparse_in_hi))]
+    else:
+      first, end = listed
+      out += [Range(*_upto(on, first * per_xa, end * per_xa), fa, not fa, listed=True),
+              Range(*_upto(on, jnp.maximum(q_start // xa_block * per_xa, kv_lo), causal_hi),
+                    fa, not fa, unmasked=(in_lo, in_lo))]
+  return (out + [Range(*_upto(mix, kv_lo, causal_hi), True, True, flagged=True,
+                       unmasked=(in_lo, in_lo))],
+          lambda j: [tests[pattern](j) for pattern in pair])
+
+
+def packed_xa_dkv_walk(plan, mode, k_start, pair, above, xa_block: int, block_q: int, kept):
+  """`packed_dkv_walk` under the XAttention settings: `Range`s and flags, every tile masked.
+  An XA term alone walks the first `above` entries of its key block's column list (the later
+  query blocks that kept it, those before its segment's end), then the key block's own query
+  tiles up to the segment's end; a MIX program its query tiles [q_lo, q_hi_full) with both
+  terms, the XA term flagged by the query block's kept bit."""
+  q_lo, q_hi_full, q_hi_sparse = plan
+  per_xa = xa_block // block_q
+  full, sparse, mix = mode == MODE_FULL, mode == MODE_SPARSE, mode == MODE_MIX
+  tests = {"full": lambda i: None, "stream": lambda i: None, "xa": lambda i: kept(i // per_xa)}
+  diagonal_end = jnp.minimum((k_start // xa_block + 1) * per_xa, q_hi_full)
+  out = []
+  for on, pattern, fa in ((full, pair[0], True), (sparse, pair[1], False)):
+    if pattern == "full":
+      out.append(Range(*_upto(on, q_lo, q_hi_full), fa, not fa))
+    elif pattern == "stream":
+      out.append(Range(*_upto(on, q_lo, q_hi_sparse), fa, not fa))
+    else:
+      out += [Range(*_upto(on, 0, above * per_xa), fa, not fa, listed=True),
+              Range(*_upto(on, q_lo, jnp.maximum(diagonal_end, q_lo)), fa, not fa)]
+  return (out + [Range(*_upto(mix, q_lo, q_hi_full), True, True, flagged=True)],
+          lambda i: [tests[pattern](i) for pattern in pair])
 
 
 def _split(lo, hi, unmasked_lo, unmasked_hi):
@@ -422,11 +485,15 @@ def _dq_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwar
   the XAttention settings (`xa`) with the row lists of `common.xa_operands` (index, count,
   keep; flattened) after the gates; packed: (modes [B*K*nq], the plan's seven fields [B*K*nq]
   each, q, k, v, dO, row terms with the per-row gate as a fifth, bounds [B, 3, Tp], dq,
-  scratch)."""
+  scratch), under the XAttention settings with (index, count, keep, each program's first
+  listed position [B*K*nq]) after the plan."""
   xa_refs = None
   if packed:
     modes_ref, *plan_refs = refs[:8]
-    q_ref, k_ref, v_ref, do_ref, rows_ref, bounds_ref, dq_ref, scoped = refs[8:]
+    rest = refs[8:]
+    if xa is not None:
+      xa_refs, rest = rest[:4], rest[4:]
+    q_ref, k_ref, v_ref, do_ref, rows_ref, bounds_ref, dq_ref, scoped = rest
   elif xa is not None:
     modes_ref, gate_ref, *xa_refs, q_ref, k_ref, v_ref, do_ref, rows_ref, dq_ref, scoped = refs
   else:
@@ -449,21 +516,26 @@ def _dq_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwar
   slot_bk = b * num_kv_heads + kv_head
   q_start = qt * rows
   listed_tile = flags = None
-  if packed:
-    at = slot_bk * num_q_tiles + qt
+  at = slot_bk * num_q_tiles + qt
+  if xa is not None:   # the program's rows lie in query block q_start // xa.block: its row
+    index_ref, count_ref, keep_ref, *first_ref = xa_refs
+    list_at = slot_bk * xa.num_blocks + q_start // xa.block
+    kept = lambda kb: keep_ref[list_at * xa.num_blocks + kb] != 0
+    listed_tile = lambda p: kept_list_tile(index_ref, list_at, p, xa.block // block_kv,
+                                           xa.num_blocks)
+  if packed and xa is None:
     ranges = packed_dq_walk([ref[at] for ref in plan_refs], modes_ref[at])
+  elif packed:
+    ranges, flags = packed_xa_dq_walk(
+        [ref[at] for ref in plan_refs], modes_ref[at], q_start, xa.pair,
+        (first_ref[0][at], count_ref[list_at] - 1), xa.block, block_kv, kept)
   elif xa is None:
     r = gate_ref[slot_bk]
     ranges = dq_walk(q_start, rows, modes_ref[slot_bk], streaming, block_kv)
-  else:   # the program's rows lie in query block q_start // xa.block: its row of the lists
+  else:
     r = gate_ref[slot_bk]
-    index_ref, count_ref, keep_ref = xa_refs
-    per_xa = xa.block // block_kv
-    list_at = slot_bk * xa.num_blocks + q_start // xa.block
-    ranges, flags = xa_dq_walk(
-        q_start, rows, modes_ref[slot_bk], streaming, block_kv, xa.pair,
-        count_ref[list_at] - 1, xa.block, lambda kb: keep_ref[list_at * xa.num_blocks + kb] != 0)
-    listed_tile = lambda p: _listed(index_ref, list_at, p, per_xa, xa.num_blocks)
+    ranges, flags = xa_dq_walk(q_start, rows, modes_ref[slot_bk], streaming, block_kv, xa.pair,
+                               count_ref[list_at] - 1, xa.block, kept)
   ranges = _as_ranges(ranges)
   firsts, steps = _offsets(ranges)
 
@@ -494,7 +566,7 @@ def _dq_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwar
     c = scale * _LOG2E
     staging = ds_smem2.at[wg] if interpret else None
 
-    def step(j, dq, first, fa, sa, masked, flagged):
+    def step(j, dq, first, fa, sa, masked, flagged, listed):
       s = first + j
       slot = lax.rem(s, jnp.int32(slots))
       plgpu.barrier_wait(k_ready.at[slot])
@@ -503,8 +575,8 @@ def _dq_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwar
       if masked:
         row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
         col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + (
-            j * block_kv)
-        oks = _packed_masks(row, col, bounds) if packed else (row >= col,) * 2
+            (listed_tile(j) if listed else j) * block_kv)
+        oks = _term_masks(_packed_masks(row, col, bounds), xa) if packed else (row >= col,) * 2
       lse = _switched(terms[:2], flags(j) if flagged else None)
       probs = _probs(x, lse, oks, fa, sa, bcast)    # x is dead before dP is live
       plgpu.barrier_wait(v_ready.at[slot])
@@ -522,13 +594,14 @@ def _dq_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwar
       # packed: those of the plan's unmasked range (tiles wholly inside the rows' segment,
       # before them).
       split = jnp.clip(first_masked, rg.lo, rg.hi)
-      pieces = (_split(rg.lo, rg.hi, *rg.unmasked) if packed else
+      pieces = ((_split(rg.lo, rg.hi, *rg.unmasked) if rg.unmasked is not None else
+                 [(rg.lo, rg.hi, True)]) if packed else
                 [(rg.lo, rg.hi, False)] if rg.listed else
                 [(rg.lo, split, False), (split, rg.hi, True)])
       for a, z, masked in pieces:
         dq = lax.fori_loop(a, z, functools.partial(
             step, first=first - rg.lo, fa=rg.fa, sa=rg.sa, masked=masked,
-            flagged=rg.flagged), dq)
+            flagged=rg.flagged, listed=rg.listed), dq)
     _write_out([(q_smem, dq * scale, dq_ref.at[b, rows_here, head])])   # Q's buffer is free
 
   @pl.when(wg == _COMPUTE_WGS)
@@ -581,11 +654,15 @@ def _dkv_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwa
   under the XAttention settings (`xa`) with the column lists (`xa_column_lists`: index,
   count) and `common.xa_operands`'s keep (flattened) after the gates; packed: (modes
   [B*K*nk], the key plan's three fields [B*nk] each, q, k, v, dO, row terms with the per-row
-  gate as a fifth, bounds [B, 3, Tp], dk, dv, scratch)."""
+  gate as a fifth, bounds [B, 3, Tp], dk, dv, scratch), under the XAttention settings with
+  (index of the column lists, each program's listed count [B*K*nk], keep) after the plan."""
   xa_refs = None
   if packed:
     modes_ref, *plan_refs = refs[:4]
-    q_ref, k_ref, v_ref, do_ref, rows_ref, bounds_ref, dk_ref, dv_ref, scoped = refs[4:]
+    rest = refs[4:]
+    if xa is not None:
+      xa_refs, rest = rest[:3], rest[3:]
+    q_ref, k_ref, v_ref, do_ref, rows_ref, bounds_ref, dk_ref, dv_ref, scoped = rest
   elif xa is not None:
     (modes_ref, gate_ref, *xa_refs, q_ref, k_ref, v_ref, do_ref, rows_ref, dk_ref, dv_ref,
      scoped) = refs
@@ -605,24 +682,29 @@ def _dkv_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwa
   wg = lax.axis_index("wg")
   slot_bk = b * num_kv_heads + kv_head
   listed_tile = flags = None
+  num_k_tiles = k_ref.shape[1] // keys
+  at = slot_bk * num_k_tiles + kt
+  if xa is not None:   # the program's keys lie in key block k_start // xa.block: its column
+    index_ref, count_ref, keep_ref = xa_refs
+    key_block = k_start // xa.block
+    list_at = slot_bk * xa.num_blocks + key_block
+    kept = lambda qb: keep_ref[(slot_bk * xa.num_blocks + qb) * xa.num_blocks + key_block] != 0
+    listed_tile = lambda p: kept_list_tile(index_ref, list_at, p, xa.block // block_q,
+                                           xa.num_blocks)
   if packed:
-    num_k_tiles = k_ref.shape[1] // keys
     plan = [ref[b * num_k_tiles + kt] for ref in plan_refs]
-    ranges = packed_dkv_walk(plan, modes_ref[slot_bk * num_k_tiles + kt])
+    if xa is None:
+      ranges = packed_dkv_walk(plan, modes_ref[at])
+    else:   # count_ref: each program's listed entries, those before its segment's end
+      ranges, flags = packed_xa_dkv_walk(plan, modes_ref[at], k_start, xa.pair, count_ref[at],
+                                         xa.block, block_q, kept)
   elif xa is None:
     r = gate_ref[slot_bk]
     ranges = dkv_walk(k_start, keys, modes_ref[slot_bk], streaming, block_q, num_q_tiles)
-  else:   # the program's keys lie in key block k_start // xa.block: its column lists
+  else:
     r = gate_ref[slot_bk]
-    index_ref, count_ref, keep_ref = xa_refs
-    per_xa = xa.block // block_q
-    key_block = k_start // xa.block
-    list_at = slot_bk * xa.num_blocks + key_block
-    ranges, flags = xa_dkv_walk(
-        k_start, modes_ref[slot_bk], streaming, block_q, num_q_tiles, xa.pair,
-        count_ref[list_at], xa.block,
-        lambda qb: keep_ref[(slot_bk * xa.num_blocks + qb) * xa.num_blocks + key_block] != 0)
-    listed_tile = lambda p: _listed(index_ref, list_at, p, per_xa, xa.num_blocks)
+    ranges, flags = xa_dkv_walk(k_start, modes_ref[slot_bk], streaming, block_q, num_q_tiles,
+                                xa.pair, count_ref[list_at], xa.block, kept)
   ranges = _as_ranges(ranges)
   firsts, per_head = _offsets(ranges)
   steps = groups * per_head
@@ -643,7 +725,7 @@ def _dkv_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwa
     c = scale * _LOG2E
     staging = st_smem2.at[wg] if interpret else None
 
-    def step(i, carry, first, fa, sa, masked, flagged):
+    def step(i, carry, first, fa, sa, masked, flagged, listed):
       dk, dv = carry
       s = first + i
       slot = lax.rem(s, jnp.int32(slots))
@@ -655,13 +737,14 @@ def _dkv_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwa
       if masked:   # rows are keys, columns queries
         key = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + key0
         query = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + (
-            i * block_q)
+            (listed_tile(i) if listed else i) * block_q)
         if packed:
           plgpu.barrier_wait(bounds_ready.at[slot])
-          # The sink and window bounds only where the SSA term runs (registers).
+          # The sink and window bounds only where a streaming term runs (registers).
+          window = sa and (xa is None or xa.pair[1] == "stream")
           bounds = [bcast(plgpu.load(bounds_smem.at[slot, x], layout=column))
-                    if x == 0 or sa else None for x in range(3)]
-          oks = _packed_masks(query, key, bounds)
+                    if x == 0 or window else None for x in range(3)]
+          oks = _term_masks(_packed_masks(query, key, bounds), xa)
         else:
           oks = (query >= key,) * 2
       # P from the scores first, the D terms after dP: fewer live registers at once.
@@ -693,7 +776,7 @@ def _dkv_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwa
         for a, z, masked in ((rg.lo, split, True), (split, rg.hi, False)):
           carry = lax.fori_loop(a, z, functools.partial(
               step, first=g * per_head + first - rg.lo, fa=rg.fa, sa=rg.sa, masked=masked,
-              flagged=rg.flagged), carry)
+              flagged=rg.flagged, listed=rg.listed), carry)
       return carry
 
     dk, dv = lax.fori_loop(0, groups, one_head, (zeros, zeros))
@@ -741,7 +824,8 @@ def dq_call(q, k, v, do, row_terms, modes, gate, *, streaming: Streaming,
   `_dq_rows` rows and KV tiles of dq_block_kv (int32 [B * K * nq] each), `modes` its q_modes
   [B * K * nq], the row terms with each row's gate as a fifth [B, N, 5, Tp], `bounds` [B, 3,
   Tp] int32 (see `_packed_masks`), `gate` unused. XAttention settings: xa = (`XATerms`, the
-  row lists (index, count, keep) of `common.xa_operands`)."""
+  row lists (index, count, keep) of `common.xa_operands`; packed rows also each program's
+  first listed position [B * K * nq], `packed_xa_dq_walk`)."""
   b, tp, n, d = q.shape
   kh = k.shape[2]
   groups = n // kh
@@ -765,8 +849,9 @@ def dq_call(q, k, v, do, row_terms, modes, gate, *, streaming: Streaming,
   kernel = functools.partial(_dq_kernel, groups=groups, num_kv_heads=kh, streaming=streaming,
                              tiles=tiles, scale=d ** -0.5, num_q_tiles=tp // rows,
                              interpret=interpret, packed=packed, xa=terms)
-  operands = ((modes, *plan, q, k, v, do, row_terms, bounds) if packed else
-              (modes, gate, *(x.reshape(-1) for x in lists), q, k, v, do, row_terms))
+  lists = tuple(x.reshape(-1) for x in lists)
+  operands = ((modes, *plan, *lists, q, k, v, do, row_terms, bounds) if packed else
+              (modes, gate, *lists, q, k, v, do, row_terms))
   return _launch(kernel, scratch, operands, out_type=jax.ShapeDtypeStruct(q.shape, dtype),
                  grid=(n // (_COMPUTE_WGS if groups >= 2 else 1), tp // rows, b),
                  grid_names=("hp", "qt", "b"), interpret=interpret)
@@ -778,7 +863,8 @@ def dkv_call(q, k, v, do, row_terms, modes, gate, *, streaming: Streaming,
   packed rows' `plan` the three k_plan fields (q_lo, q_hi_full, q_hi_sparse) over key tiles
   of 2 x dkv_block_k and query tiles of dkv_block_q (int32 [B * nk] each), `modes` its
   k_modes [B * K * nk]. XAttention settings: xa = (`XATerms`, (index, count) of
-  `xa_column_lists`, keep of `common.xa_operands`)."""
+  `xa_column_lists`, keep of `common.xa_operands`; packed rows: count per program [B * K *
+  nk], the column entries before its segment's end, `packed_xa_dkv_walk`)."""
   b, tp, n, d = q.shape
   kh = k.shape[2]
   dtype = q.dtype
@@ -800,8 +886,9 @@ def dkv_call(q, k, v, do, row_terms, modes, gate, *, streaming: Streaming,
   kernel = functools.partial(_dkv_kernel, groups=n // kh, num_kv_heads=kh, streaming=streaming,
                              tiles=tiles, scale=d ** -0.5, num_q_tiles=tp // bq,
                              interpret=interpret, packed=packed, xa=terms)
-  operands = ((modes, *plan, q, k, v, do, row_terms, bounds) if packed else
-              (modes, gate, *(x.reshape(-1) for x in lists), q, k, v, do, row_terms))
+  lists = tuple(x.reshape(-1) for x in lists)
+  operands = ((modes, *plan, *lists, q, k, v, do, row_terms, bounds) if packed else
+              (modes, gate, *lists, q, k, v, do, row_terms))
   kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
   return _launch(kernel, scratch, operands, out_type=(kv_type, kv_type),
                  grid=(kh, tp // (_COMPUTE_WGS * bk), b),

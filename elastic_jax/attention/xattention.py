@@ -62,20 +62,21 @@ def block_mass(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention,
                segment_ids_bt: jax.Array | None = None) -> jax.Array:
   """Antidiagonal block masses A [B, K, nb, nb] float32 (zero above the diagonal).
 
-  The stride rows are cut into chunks of `chunk_blocks` query blocks and the stride columns
-  into tiles of as many key blocks; a chunk scores only the tiles on or left of its diagonal
-  (the causal half of the products), in one pass: each tile's probabilities are summed per key
-  block relative to the tile's own row maxima, and once the chunk's tiles are done the rows'
-  softmax is assembled from those partial sums (weights exp(tile max - row max), exact, no
-  second product). Memory per head: O(rows x (rows + nb)) for rows = chunk_blocks * block/S."""
+  The stride rows are cut into chunks of at most `chunk_blocks` query blocks (as even as
+  they divide) and the stride columns into tiles of as many key blocks; a chunk scores only
+  the tiles on or left of its diagonal (n(n+1)/2 of n^2 tiles for n chunks), in one pass:
+  each tile's probabilities are summed per key block relative to the tile's own row maxima,
+  and once the chunk's tiles are done the rows' softmax is assembled from those partial sums
+  (weights exp(tile max - row max), exact, no second product). Memory per head:
+  O(rows x (rows + nb)) for rows = chunk_blocks * block/S."""
   b, t, n, d = q_btnh.shape
   kh = k_btkh.shape[2]
   g = n // kh
   s, blk = xa.stride, xa.block
   nb = num_blocks(t, xa)
   per_blk = blk // s                       # stride rows per block
-  chunk = min(xa.chunk_blocks, nb)
-  n_chunks = -(-nb // chunk)
+  n_chunks = -(-nb // xa.chunk_blocks)
+  chunk = -(-nb // n_chunks)               # balanced: the padding stays under one chunk
   rows = chunk * per_blk                   # stride rows of a chunk, stride columns of a tile
   tp = n_chunks * chunk * blk              # whole chunks: every chunk has the same shape
   ns = tp // s                             # stride rows
@@ -181,8 +182,9 @@ def select(q_btnh, k_btkh, xa: XAttention, segment_ids_bt=None, attn_impl: str =
   rows only), "auto" (the plain-jnp scoring everywhere: on an H200 its earlier full-width form
   took 2.1 ms at 32K tokens and 27 ms at 128K against the kernel's 3.5 and 47 ms,
   `benchmarks/xattention.py`, 2026-12-03, then with float32 products of bf16 inputs; the
-  causal one-pass form now in `block_mass` forms about half the products and is not yet timed
-  on a GPU).
+  causal one-pass form now in `block_mass` forms the tiles on or below the diagonal, n(n+1)/2
+  of n^2 for n chunks (one chunk up to 64 blocks, 8K tokens; 0.53 of the products at 128K),
+  and is not yet timed on a GPU).
   """
   if attn_impl not in ("reference", "pallas_gpu", "auto"):
     raise ValueError(f"XAttention scoring implementation '{attn_impl}' is unknown")
