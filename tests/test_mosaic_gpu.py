@@ -7,6 +7,8 @@ Tolerances against the float32 reference: max |diff| <= 3e-2 for bfloat16 inputs
 float16 (both kernels round P to the input type before the PV product).
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,8 +32,24 @@ def strict_reads(monkeypatch):
     task = gpu_callbacks.AsyncCopyGmemToSmemTask
     task.out_of_bounds_source_fill                                    # noqa: B018
   except (ImportError, AttributeError):   # another jax: the check is not available
+    warnings.warn("strict_reads: this jax's GPU interpreter has no out-of-bounds switch; "
+                  "reads past an array's end are filled, not refused")
     return
   monkeypatch.setattr(task, "out_of_bounds_source_fill", None)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+  """The names of the Mosaic training entry points called during a test, in order: the dQ
+  and dK/dV launches and the packed XA training forward (a test asserts its path ran)."""
+  from elastic_jax.attention import mosaic_gpu_backward
+  calls = []
+  for module, name in ((mosaic_gpu_backward, "dq_call"), (mosaic_gpu_backward, "dkv_call"),
+                       (mosaic_gpu, "packed_xa_forward_train")):
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **kw:
+                        calls.append(_name) or _real(*a, **kw))
+  return calls
 
 
 def _inputs(b, t, n, k, d, dtype, seed=0):
@@ -366,20 +384,14 @@ def test_xa_backward_walks_visit_each_needed_tile_once_with_its_terms(pair, xa_b
     # mixed, XA-only and streaming-only heads over two rows under "xa-ssa".
     (2, 300, 2, 2, 128, "xa-ssa", [[0.5, 1.0], [0.0, 0.3]], 256),
 ])
-def test_mosaic_training_kernels_under_xattention(monkeypatch, strict_reads, b, t, n, k, d,
+def test_mosaic_training_kernels_under_xattention(kernel_calls, strict_reads, b, t, n, k, d,
                                                   patterns, gates, xa_block):
   """make_xa_hybrid(training="mosaic"): the training forward (the XA term's launch walking the
   kept blocks) and the dQ and dK/dV kernels (rows and columns of the kept-block lists, mixed
   heads' tiles switched per tile) against the float32 reference's output and gradients on the
   same random kept blocks; the reference that keeps every block must be far off (the lists
   matter). Run eagerly as the other training tests; the Mosaic kernels must have run."""
-  from elastic_jax.attention import mosaic_gpu_backward
-  calls = []
-  for name in ("dq_call", "dkv_call"):
-    real = getattr(mosaic_gpu_backward, name)
-    monkeypatch.setattr(mosaic_gpu_backward, name,
-                        lambda *a, _real=real, _name=name, **kw: calls.append(_name) or
-                        _real(*a, **kw))
+  calls = kernel_calls
   st = Streaming(1, 1, 128)
   q, kk, v = _inputs(b, t, n, k, d, jnp.bfloat16, seed=t)
   keep = _kept_blocks(b, k, t, xa_block, seed=t + 3)
@@ -408,7 +420,7 @@ def test_mosaic_training_kernels_under_xattention(monkeypatch, strict_reads, b, 
   jax.make_jaxpr(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))))(q, kk, v, gate)
 
 
-def test_mosaic_training_kernels_on_packed_rows(monkeypatch, strict_reads):
+def test_mosaic_training_kernels_on_packed_rows(kernel_calls, strict_reads):
   """make_packed_hybrid(training="mosaic") on a packed row (segment ids and positions): each
   row's gate mixes its head's two outputs. Segments of 128, 384, 40 and 50 tokens (padded to
   640): tiles whose rows are full, streaming or routed differently; segments starting on a
@@ -417,13 +429,7 @@ def test_mosaic_training_kernels_on_packed_rows(monkeypatch, strict_reads):
   gradients (the gate's per row) against the float32 reference, run eagerly as the unpacked
   test; the Mosaic dQ and dK/dV kernels must have run. Traced under jit (not run), both
   run-time branches must leave residuals of one layout."""
-  from elastic_jax.attention import mosaic_gpu_backward
-  calls = []
-  for name in ("dq_call", "dkv_call"):
-    real = getattr(mosaic_gpu_backward, name)
-    monkeypatch.setattr(mosaic_gpu_backward, name,
-                        lambda *a, _real=real, _name=name, **kw: calls.append(_name) or
-                        _real(*a, **kw))
+  calls = kernel_calls
   st = Streaming(1, 1, 128)
   gates = ((0.6, 0.0), (1.0, 0.3), (1.0, 0.0), (0.0, 0.0))
   seg, pos, gate = _packed_row([128, 384, 40, 50], [np.asarray(c) for c in gates], 2)
@@ -447,43 +453,49 @@ def test_mosaic_training_kernels_on_packed_rows(monkeypatch, strict_reads):
   jax.make_jaxpr(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))))(q, kk, v, gate)
 
 
-@pytest.mark.parametrize("patterns,n,k,lengths,gates", [
-    # G = 2: a long mixed segment (dK/dV lists cut at its end), full and XA-only segments,
-    # segments starting inside a block (the dQ lists start past earlier segments' blocks).
-    ("fa-xa", 4, 2, [128, 300, 40, 150], ((0.6, 0.0), (1.0, 0.3), (0.0, 1.0), (0.0, 0.0))),
-    # G = 1: XA-only, streaming-only and mixed rows under "xa-ssa" (a segment longer than
-    # the sink and window, where the patterns differ).
-    ("xa-ssa", 2, 2, [300, 140, 60], ((0.4, 1.0), (1.0, 0.0), (0.0, 0.7))),
+@pytest.mark.parametrize("patterns,n,k,rows,xa_block", [
+    # G = 2, one row: a long mixed segment (dK/dV lists cut at its end), full and XA-only
+    # segments, segments starting inside a block (the dQ lists start past earlier segments').
+    ("fa-xa", 4, 2, [([128, 300, 40, 150], ((0.6, 0.0), (1.0, 0.3), (0.0, 1.0), (0.0, 0.0)))],
+     128),
+    # G = 1, two rows, blocks of 256 (two forward tiles, two dK/dV programs a block):
+    # XA-only, streaming-only and mixed rows under "xa-ssa" (segments longer than the sink
+    # and window, where the patterns differ).
+    ("xa-ssa", 2, 2, [([300, 140, 60], ((0.4, 1.0), (1.0, 0.0), (0.0, 0.7))),
+                      ([260, 5, 235], ((1.0, 0.5), (0.0, 0.0), (0.3, 1.0)))], 256),
 ])
-def test_mosaic_training_kernels_on_packed_rows_under_xattention(monkeypatch, strict_reads,
-                                                                 patterns, n, k, lengths,
-                                                                 gates):
+def test_mosaic_training_kernels_on_packed_rows_under_xattention(kernel_calls, strict_reads,
+                                                                 patterns, n, k, rows,
+                                                                 xa_block):
   """make_packed_xa_hybrid(training="mosaic"): packed rows under the XAttention settings with
   random kept blocks plus those the selection forces (block 0 and each segment's first block,
   so lists hold other segments' blocks that the walks must skip or mask). Output and
-  gradients against the float32 reference; every block kept must be far off; the Mosaic dQ
-  and dK/dV kernels must have run; traced under jit, both run-time branches must leave
-  residuals of one layout."""
-  from elastic_jax.attention import mosaic_gpu_backward
+  gradients against the float32 reference; the complementary kept blocks must be far off; the
+  Mosaic training forward, dQ and dK/dV kernels must have run; traced under jit, both run-time
+  branches must leave residuals of one layout. The Mosaic path takes these lengths (whole XA
+  blocks once rounded up to 128) and not T = 300 with blocks of 256."""
   from elastic_jax.attention.xattention import XAttention, forced_blocks
-  calls = []
-  for name in ("dq_call", "dkv_call"):
-    real = getattr(mosaic_gpu_backward, name)
-    monkeypatch.setattr(mosaic_gpu_backward, name,
-                        lambda *a, _real=real, _name=name, **kw: calls.append(_name) or
-                        _real(*a, **kw))
-  st, xa_block = Streaming(1, 1, 128), 128
-  seg, pos, gate = _packed_row(lengths, [np.asarray(c) for c in gates], k)
-  q, kk, v = _inputs(1, seg.shape[1], n, k, 64, jnp.bfloat16, seed=len(lengths))
-  keep = _kept_blocks(1, k, seg.shape[1], xa_block, seed=5) | forced_blocks(
-      seg.shape[1], XAttention(block=xa_block), seg)[:, None]
+  calls = kernel_calls
+  st = Streaming(1, 1, 128)
+  built = [_packed_row(lengths, [np.asarray(c) for c in gates], k) for lengths, gates in rows]
+  seg, pos, gate = (jnp.concatenate(x) for x in zip(*built))
+  b, t = seg.shape
+  q, kk, v = _inputs(b, t, n, k, 64, jnp.bfloat16, seed=t)
+  shapes = ((b, t, n, 64), (b, t, k, 64), jnp.bfloat16, st)
+  assert mosaic_gpu._packed_xa_trains(*shapes, xa_block, mosaic_gpu.DEFAULT_TILES,
+                                      mosaic_gpu.DEFAULT_BACKWARD_TILES)
+  assert not mosaic_gpu._packed_xa_trains((b, 300, n, 64), (b, 300, k, 64), jnp.bfloat16, st,
+                                          256, mosaic_gpu.DEFAULT_TILES,
+                                          mosaic_gpu.DEFAULT_BACKWARD_TILES)
+  keep = _kept_blocks(b, k, t, xa_block, seed=5) | forced_blocks(
+      t, XAttention(block=xa_block), seg, b)[:, None]
   d_out = jax.random.normal(jax.random.key(7), q.shape, jnp.float32).astype(jnp.bfloat16)
   fn = mosaic_gpu.make_packed_xa_hybrid(training="mosaic")
   with jax.disable_jit():
     out, vjp = jax.vjp(lambda *x: fn(*x, seg, pos, keep, st, patterns, xa_block, INTERPRET),
                        q, kk, v, gate)
     grads = vjp(d_out)
-  assert sorted(calls) == ["dkv_call", "dq_call"]
+  assert sorted(calls) == ["dkv_call", "dq_call", "packed_xa_forward_train"]
   up = [x.astype(jnp.float32) for x in (q, kk, v)]
   ref = lambda kept, *x: hybrid_attention(*x, sink_blocks=1, local_blocks=1, block=128,
                                           segment_ids=seg, positions=pos, patterns=patterns,
@@ -493,18 +505,21 @@ def test_mosaic_training_kernels_on_packed_rows_under_xattention(monkeypatch, st
   errs = [float(jnp.linalg.norm(g.astype(jnp.float32) - w) / jnp.linalg.norm(w))
           for g, w in zip(grads[:4], ref_vjp(d_out.astype(jnp.float32)))]
   assert all(e <= 1e-2 for e in errs), errs          # NaN fails too
-  _, every_vjp = jax.vjp(lambda *x: ref(jnp.ones_like(keep), *x), *up, gate)
-  every = every_vjp(d_out.astype(jnp.float32))
+  # The complementary kept blocks (the diagonal kept) must be far off: the lists matter.
+  other = ~keep | jnp.eye(keep.shape[-1], dtype=bool)[None, None]
+  _, other_vjp = jax.vjp(lambda *x: ref(other, *x), *up, gate)
   assert min(float(jnp.linalg.norm(g.astype(jnp.float32) - w) / jnp.linalg.norm(w))
-             for g, w in zip(grads[:3], every[:3])) > 5 * max(errs)
+             for g, w in zip(grads[:3], other_vjp(d_out.astype(jnp.float32))[:3])) > 5 * max(errs)
   loss = lambda *x: jnp.sum(fn(*x, seg, pos, keep, st, patterns, xa_block, False).astype(
       jnp.float32))
   jax.make_jaxpr(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))))(q, kk, v, gate)
 
 
-@pytest.mark.parametrize("pair", [("full", "xa"), ("xa", "stream")])
-def test_packed_xa_backward_walks_cover_the_needed_tiles_and_skip_other_segments(pair):
-  """The packed dQ and dK/dV walks under the XAttention settings, expanded through the kept-
+@pytest.mark.parametrize("pair,xa_block,t", [(("full", "xa"), 128, 640),
+                                             (("xa", "stream"), 256, 768)])
+def test_packed_xa_walks_cover_the_needed_tiles_and_skip_other_segments(pair, xa_block, t):
+  """The packed forward's XA walk (`packed_xa_walk`, every row XA) and the packed dQ and dK/dV
+  walks under the XAttention settings, expanded through the kept-
   block lists as the kernels read them (`packed_xa_list_spans`): for every program and mode,
   distinct tiles; every tile holding a (query, key) pair a term needs (token-level masks:
   segment, causality, the streaming window by positions, the kept blocks) visited with that
@@ -515,16 +530,15 @@ def test_packed_xa_backward_walks_cover_the_needed_tiles_and_skip_other_segments
   from elastic_jax.attention import mosaic_gpu_backward as mb
   from elastic_jax.attention.common import packed_plan
   from elastic_jax.attention.xattention import XAttention, forced_blocks
-  st, xa_block, tile, bt = Streaming(1, 1, 128), 128, 64, mb.BackwardTiles()
+  st, tile, bt = Streaming(1, 1, 128), 64, mb.BackwardTiles()
   seg, pos, gate = _packed_row([128, 300, 40, 150], [np.zeros(1)] * 4, 1)
-  t = 640
   seg = jnp.pad(seg, ((0, 0), (0, t - seg.shape[1])), constant_values=-1)
   pos = jnp.pad(pos, ((0, 0), (0, t - pos.shape[1])))
   gate = jnp.zeros((1, t, 1), jnp.float32)
   xa_keep = _kept_blocks(1, 1, t, xa_block, seed=3) | forced_blocks(
       t, XAttention(block=xa_block), seg)[:, None]
-  index, count, keep = (np.asarray(x) for x in mosaic_gpu._packed_xa_lists(xa_keep, t,
-                                                                           xa_block))
+  lists = mosaic_gpu._packed_xa_lists(xa_keep, t, xa_block)
+  index, count, keep = (np.asarray(x) for x in lists)
   col_index = np.asarray(mb.xa_column_lists(jnp.asarray(keep))[0])
   q_plan = packed_plan(seg, pos, gate, st, 64, tile)["q_plan"][:, None]            # G = 2
   k_plan = packed_plan(seg, pos, gate, st, tile, 128)["k_plan"]
@@ -561,6 +575,21 @@ def test_packed_xa_backward_walks_cover_the_needed_tiles_and_skip_other_segments
       if pair[term] == "xa":   # the XA term only where the block is kept
         assert all(kept_tile(x) for x, terms in seen.items() if terms[term]), (where, mode)
 
+  # The forward's XA launch: programs of 64 rows, KV tiles of 128, every tile masked.
+  f_plan = jnp.broadcast_to(packed_plan(seg, pos, gate, st, 64, 128)["q_plan"][:, None],
+                            (1, 1, t // 64, 8))
+  steps, lo, n1, second, u_lo, u_hi = (np.asarray(x)[0, 0] for x in mosaic_gpu.packed_xa_walk(
+      f_plan, lists, 64, 128, xa_block))
+  assert not (u_lo | u_hi).any()
+  fper = xa_block // 128
+  for qt in range(t // 64):
+    qb = qt * 64 // xa_block
+    got = [int(index[0, qb, (lo[qt] + x) // fper]) * fper + (lo[qt] + x) % fper if x < n1[qt]
+           else int(second[qt]) + x - int(n1[qt]) for x in range(int(steps[qt]))]
+    needed = {int(j) // 128 for j in np.nonzero(masks["xa"][qt * 64:(qt + 1) * 64].any(0))[0]}
+    kv_lo = int(f_plan[0, 0, qt, 0])
+    assert len(set(got)) == len(got) and needed <= set(got), ("forward", qt)
+    assert all(keep[0, qb, x // fper] and kv_lo // fper <= x // fper for x in got), ("fwd", qt)
   for qt in range(t // 64):
     q_start = qt * 64
     rows = slice(q_start, q_start + 64)

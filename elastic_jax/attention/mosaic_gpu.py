@@ -182,7 +182,8 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
   walk `walk`'s list (an XA head: `xa_walk`'s, reading its kept-block list from xa_refs) and
   mask the causal diagonal; packed rows walk their precomputed `packed_walk` (plan_ref: its
   six fields' arrays) and mask every tile outside its unmasked range with per-row bounds
-  (rows_ref)."""
+  (rows_ref); with `xa` there (every row XA, `packed_xa_walk`) the walk's first piece reads
+  list positions through the kept-block list, all of it masked."""
   (qo_smem2, k_smem, v_smem, p_smem2, rows_smem2, lse_smem2), ready, (k_free, v_free), turn = (
       scoped)
   out_ref, lse_ref = out_refs
@@ -816,7 +817,7 @@ def packed_rows_apply(seg, pos, gate_btk):
   return positions_count_up(seg, pos) & hard_gates(gate_btk)
 
 
-@functools.partial(jax.jit, static_argnames=("streaming", "rows", "block_kv"))
+@functools.partial(jax.jit, static_argnames=("streaming", "rows", "block_kv", "xa_block"))
 def _packed_operands(q, k, v, gate_btk, segment_ids, positions, streaming: Streaming, rows: int,
                      block_kv: int, xa_lists=None, xa_block: int = 0):
   """Padded q, k, v, the programs' walks (`packed_walk`'s fields, flat) and `_row_bounds`.
@@ -835,6 +836,13 @@ def _packed_operands(q, k, v, gate_btk, segment_ids, positions, streaming: Strea
     walks = packed_xa_walk(q_plan, xa_lists, rows, block_kv, xa_block)
   return (q, k, v), [x.reshape(-1).astype(jnp.int32) for x in walks], _row_bounds(
       seg, pos, gate, streaming)
+
+
+def _first_listed(keep, q_blocks, kv_lo, block_kv: int, xa_block: int):
+  """Per packed program: its list row's first entry not before the block holding kv_lo (its
+  first row's segment start, in tiles of block_kv): the kept blocks of earlier segments are
+  skipped. keep [B, K, nb, nb], q_blocks [n] each program's query block, kv_lo [B, K, n]."""
+  return _listed_before(keep, q_blocks, kv_lo * block_kv // xa_block)
 
 
 def _listed_before(keep, rows, ends):
@@ -858,12 +866,13 @@ def packed_xa_walk(q_plan, xa_lists, rows: int, block_kv: int, xa_block: int):
   per_block = xa_block // block_kv
   q_block = jnp.arange(nq, dtype=jnp.int32) * rows // xa_block                 # [nq]
   kv_lo, causal_hi = q_plan[..., 0], q_plan[..., 3]
-  keep = keep.reshape(b, kh, nb, nb)
-  first = _listed_before(keep, q_block, kv_lo * block_kv // xa_block)
+  first = _first_listed(keep.reshape(b, kh, nb, nb), q_block, kv_lo, block_kv, xa_block)
   below = count.reshape(b, kh, nb)[:, :, q_block] - 1
   n1 = (below - first) * per_block
   second = jnp.maximum(q_block[None, None] * per_block, kv_lo)
   zero = jnp.zeros_like(n1)
+  # lo is a list position, not a tile: the empty unmasked range keeps `_step_ranges` from
+  # comparing it with tiles (every step masked).
   return n1 + causal_hi - second, first * per_block, n1, second, zero, zero
 
 
@@ -958,15 +967,14 @@ def packed_xa_list_spans(keep, q_plan, k_plan, xa_block: int, backward_tiles: Ba
       blocks that kept its key block) lie before its segment's end."""
   b, kh, nq = q_plan.shape[:3]
   nb = keep.shape[-1]
-  bt = backward_tiles
-  keys = mosaic_gpu_backward._COMPUTE_WGS * bt.dkv_block_k
-  dq_rows = mosaic_gpu_backward._dq_rows(groups, bt)
+  dq_rows, dq_block_kv, keys, block_q = mosaic_gpu_backward.program_sizes(groups,
+                                                                         backward_tiles)
   keep = keep.reshape(b, kh, nb, nb)
   q_blocks = jnp.arange(nq, dtype=jnp.int32) * dq_rows // xa_block
-  first = _listed_before(keep, q_blocks, q_plan[..., 0] * bt.dq_block_kv // xa_block)
+  first = _first_listed(keep, q_blocks, q_plan[..., 0], dq_block_kv, xa_block)
   nk = k_plan.shape[1]
   k_blocks = jnp.arange(nk, dtype=jnp.int32) * keys // xa_block
-  ends = -(-k_plan[..., 1] * bt.dkv_block_q // xa_block)                    # [B, nk]
+  ends = -(-k_plan[..., 1] * block_q // xa_block)                          # [B, nk]
   ends = jnp.broadcast_to(jnp.maximum(ends, k_blocks[None] + 1)[:, None], (b, kh, nk))
   columns = jnp.swapaxes(keep, 2, 3)
   later = _listed_before(columns, k_blocks, ends) - _listed_before(
@@ -1001,11 +1009,10 @@ def _packed_backward(residuals, d_out, streaming, backward_tiles, interpret, pai
   do = pad_to(d_out.astype(qp.dtype), 1, tp)
   bt = backward_tiles
   flat = lambda x: x.reshape(-1).astype(jnp.int32)
-  dq_rows, keys = mosaic_gpu_backward._dq_rows(groups, bt), mosaic_gpu_backward._COMPUTE_WGS * (
-      bt.dkv_block_k)
-  q_sched = packed_plan(seg, pos, gate_rows, streaming, dq_rows, bt.dq_block_kv)
+  dq_rows, dq_block_kv, keys, block_q = mosaic_gpu_backward.program_sizes(groups, bt)
+  q_sched = packed_plan(seg, pos, gate_rows, streaming, dq_rows, dq_block_kv)
   q_plan = jnp.broadcast_to(q_sched["q_plan"][:, None], q_sched["q_modes"].shape + (8,))
-  k_sched = packed_plan(seg, pos, gate_rows, streaming, bt.dkv_block_q, keys)
+  k_sched = packed_plan(seg, pos, gate_rows, streaming, block_q, keys)
   dq_xa = dkv_xa = None
   if pair is not None:
     terms_xa = XATerms(pair, xa_block, keep.shape[-1])
@@ -1106,12 +1113,13 @@ def packed_xa_backward(residuals, d_out, streaming: Streaming, *, patterns: str,
 
 
 def _packed_xa_trains(q_shape, k_shape, dtype, streaming, xa_block, tiles, backward_tiles):
-  """`_packed_trains` under the XAttention settings: also `xa_trains`, and rows padded to
-  whole XA blocks (the dK/dV kernel walks a listed query block's every tile)."""
-  triton_tp = -(-q_shape[1] // 128) * 128
+  """`_packed_trains` under the XAttention settings: also `xa_trains`, and a padded length
+  (both paths': T rounded up to 128) of whole XA blocks, since the dK/dV kernel walks a listed
+  query block's every tile (packed rows cannot pad further: the Triton path's residuals fix
+  the layout); other lengths take the Triton kernels."""
   return (_packed_trains(q_shape, k_shape, dtype, streaming, tiles, backward_tiles)
           and xa_trains(q_shape, k_shape, dtype, streaming, xa_block, tiles, backward_tiles)
-          and triton_tp % xa_block == 0)
+          and -(-q_shape[1] // 128) * 128 % xa_block == 0)
 
 
 def make_packed_xa_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "triton",

@@ -123,7 +123,7 @@ class Range(NamedTuple):
   so unpacked rows need no mask there). flagged: each
   tile's terms are switched on or off at run time by its own test (XAttention's kept blocks,
   the streaming window) as a MIX head under the XAttention settings walks. unmasked: packed
-  rows' tiles [a, b) that need no mask."""
+  rows' tiles [a, b) that need no mask (None: every tile masked)."""
   lo: Any
   hi: Any
   fa: bool
@@ -229,6 +229,22 @@ class XATerms:
   num_blocks: int
 
 
+def _xa_terms_walk(mode, pair, pieces, mix, tests):
+  """A walk under the XAttention settings from its parts: where the mode has one term, that
+  term's pattern alone (pieces[pattern](r) -> its Ranges, r(lo, hi, **kw) a Range of that term
+  made empty when the mode is another); a MIX head the range mix = (lo, hi, Range keywords)
+  with both terms, flagged. Returns (ranges, flags), flags(tile) -> [tests[pattern](tile) per
+  term] (None: the term applies to every tile of the range)."""
+  full, sparse = mode == MODE_FULL, mode == MODE_SPARSE
+  out = []
+  for on, pattern, fa in ((full, pair[0], True), (sparse, pair[1], False)):
+    out += pieces[pattern](lambda lo, hi, on=on, fa=fa, **kw: Range(*_upto(on, lo, hi), fa,
+                                                                     not fa, **kw))
+  lo, hi, kw = mix
+  return (out + [Range(*_upto(mode == MODE_MIX, lo, hi), True, True, flagged=True, **kw)],
+          lambda tile: [tests[pattern](tile) for pattern in pair])
+
+
 def xa_dq_walk(q_start, rows: int, mode, streaming: Streaming, block_kv: int, pair, below,
                xa_block: int, kept):
   """`dq_walk` under the XAttention settings: the FA term's pattern is pair[0], the SSA
@@ -240,21 +256,13 @@ def xa_dq_walk(q_start, rows: int, mode, streaming: Streaming, block_kv: int, pa
   kept(block) whether this program's query block kept that key block."""
   per_xa = xa_block // block_kv
   causal_end, sink_end, win_lo = _stream_tiles(q_start, rows, streaming, block_kv)
+  pieces = {"full": lambda r: [r(0, causal_end)],
+            "stream": lambda r: [r(0, sink_end), r(win_lo, causal_end)],
+            "xa": lambda r: [r(0, below * per_xa, listed=True),
+                             r(q_start // xa_block * per_xa, causal_end)]}
   tests = {"full": lambda j: None, "stream": lambda j: (j < sink_end) | (j >= win_lo),
            "xa": lambda j: kept(j // per_xa)}
-  full, sparse, mix = mode == MODE_FULL, mode == MODE_SPARSE, mode == MODE_MIX
-  out = []
-  for on, pattern, fa in ((full, pair[0], True), (sparse, pair[1], False)):
-    if pattern == "full":
-      out.append(Range(*_upto(on, 0, causal_end), fa, not fa))
-    elif pattern == "stream":
-      out += [Range(*_upto(on, 0, sink_end), fa, not fa),
-              Range(*_upto(on, win_lo, causal_end), fa, not fa)]
-    else:
-      out += [Range(*_upto(on, 0, below * per_xa), fa, not fa, listed=True),
-              Range(*_upto(on, q_start // xa_block * per_xa, causal_end), fa, not fa)]
-  return (out + [Range(*_upto(mix, 0, causal_end), True, True, flagged=True)],
-          lambda j: [tests[pattern](j) for pattern in pair])
+  return _xa_terms_walk(mode, pair, pieces, (0, causal_end, {}), tests)
 
 
 def xa_dkv_walk(k_start, mode, streaming: Streaming, block_q: int, num_q_tiles, pair, above,
@@ -268,21 +276,12 @@ def xa_dkv_walk(k_start, mode, streaming: Streaming, block_q: int, num_q_tiles, 
   per_xa = xa_block // block_q
   lo = k_start // block_q
   reach = _stream_reach(k_start, streaming, block_q, num_q_tiles)
+  diagonal_end = jnp.minimum((k_start // xa_block + 1) * per_xa, num_q_tiles)
+  pieces = {"full": lambda r: [r(lo, num_q_tiles)], "stream": lambda r: [r(lo, reach)],
+            "xa": lambda r: [r(0, above * per_xa, listed=True), r(lo, diagonal_end)]}
   tests = {"full": lambda i: None, "stream": lambda i: i < reach,
            "xa": lambda i: kept(i // per_xa)}
-  diagonal_end = jnp.minimum((k_start // xa_block + 1) * per_xa, num_q_tiles)
-  full, sparse, mix = mode == MODE_FULL, mode == MODE_SPARSE, mode == MODE_MIX
-  out = []
-  for on, pattern, fa in ((full, pair[0], True), (sparse, pair[1], False)):
-    if pattern == "full":
-      out.append(Range(*_upto(on, lo, num_q_tiles), fa, not fa))
-    elif pattern == "stream":
-      out.append(Range(*_upto(on, lo, reach), fa, not fa))
-    else:
-      out += [Range(*_upto(on, 0, above * per_xa), fa, not fa, listed=True),
-              Range(*_upto(on, lo, diagonal_end), fa, not fa)]
-  return (out + [Range(*_upto(mix, lo, num_q_tiles), True, True, flagged=True)],
-          lambda i: [tests[pattern](i) for pattern in pair])
+  return _xa_terms_walk(mode, pair, pieces, (lo, num_q_tiles, {}), tests)
 
 
 def xa_column_lists(keep):
@@ -427,24 +426,17 @@ def packed_xa_dq_walk(plan, mode, q_start, pair, listed, xa_block: int, block_kv
   (unmasked None), as are the XA term's diagonal tiles."""
   kv_lo, sink_hi, win_lo, causal_hi, in_lo, in_hi, sparse_in_hi = plan
   per_xa = xa_block // block_kv
-  full, sparse, mix = mode == MODE_FULL, mode == MODE_SPARSE, mode == MODE_MIX
+  first, end = listed
+  window = dict(unmasked=(in_lo, sparse_in_hi))
+  pieces = {"full": lambda r: [r(kv_lo, causal_hi, unmasked=(in_lo, in_hi))],
+            "stream": lambda r: [r(kv_lo, sink_hi, **window),
+                                 r(jnp.maximum(win_lo, sink_hi), causal_hi, **window)],
+            "xa": lambda r: [r(first * per_xa, end * per_xa, listed=True),
+                             r(jnp.maximum(q_start // xa_block * per_xa, kv_lo), causal_hi,
+                               unmasked=(in_lo, in_lo))]}
   tests = {"full": lambda j: None, "stream": lambda j: None, "xa": lambda j: kept(j // per_xa)}
-  out = []
-  for on, pattern, fa in ((full, pair[0], True), (sparse, pair[1], False)):
-    if pattern == "full":
-      out.append(Range(*_upto(on, kv_lo, causal_hi), fa, not fa, unmasked=(in_lo, in_hi)))
-    elif pattern == "stream":
-      out += [Range(*_upto(on, kv_lo, sink_hi), fa, not fa, unmasked=(in_lo, sparse_in_hi)),
-              Range(*_upto(on, jnp.maximum(win_lo, sink_hi), causal_hi), fa, not fa,
-                    unmasked=(in_lo, sparse_in_hi))]
-    else:
-      first, end = listed
-      out += [Range(*_upto(on, first * per_xa, end * per_xa), fa, not fa, listed=True),
-              Range(*_upto(on, jnp.maximum(q_start // xa_block * per_xa, kv_lo), causal_hi),
-                    fa, not fa, unmasked=(in_lo, in_lo))]
-  return (out + [Range(*_upto(mix, kv_lo, causal_hi), True, True, flagged=True,
-                       unmasked=(in_lo, in_lo))],
-          lambda j: [tests[pattern](j) for pattern in pair])
+  return _xa_terms_walk(mode, pair, pieces, (kv_lo, causal_hi, dict(unmasked=(in_lo, in_lo))),
+                        tests)
 
 
 def packed_xa_dkv_walk(plan, mode, k_start, pair, above, xa_block: int, block_q: int, kept):
@@ -455,20 +447,11 @@ def packed_xa_dkv_walk(plan, mode, k_start, pair, above, xa_block: int, block_q:
   terms, the XA term flagged by the query block's kept bit."""
   q_lo, q_hi_full, q_hi_sparse = plan
   per_xa = xa_block // block_q
-  full, sparse, mix = mode == MODE_FULL, mode == MODE_SPARSE, mode == MODE_MIX
+  diagonal_end = jnp.maximum(jnp.minimum((k_start // xa_block + 1) * per_xa, q_hi_full), q_lo)
+  pieces = {"full": lambda r: [r(q_lo, q_hi_full)], "stream": lambda r: [r(q_lo, q_hi_sparse)],
+            "xa": lambda r: [r(0, above * per_xa, listed=True), r(q_lo, diagonal_end)]}
   tests = {"full": lambda i: None, "stream": lambda i: None, "xa": lambda i: kept(i // per_xa)}
-  diagonal_end = jnp.minimum((k_start // xa_block + 1) * per_xa, q_hi_full)
-  out = []
-  for on, pattern, fa in ((full, pair[0], True), (sparse, pair[1], False)):
-    if pattern == "full":
-      out.append(Range(*_upto(on, q_lo, q_hi_full), fa, not fa))
-    elif pattern == "stream":
-      out.append(Range(*_upto(on, q_lo, q_hi_sparse), fa, not fa))
-    else:
-      out += [Range(*_upto(on, 0, above * per_xa), fa, not fa, listed=True),
-              Range(*_upto(on, q_lo, jnp.maximum(diagonal_end, q_lo)), fa, not fa)]
-  return (out + [Range(*_upto(mix, q_lo, q_hi_full), True, True, flagged=True)],
-          lambda i: [tests[pattern](i) for pattern in pair])
+  return _xa_terms_walk(mode, pair, pieces, (q_lo, q_hi_full, {}), tests)
 
 
 def _split(lo, hi, unmasked_lo, unmasked_hi):
