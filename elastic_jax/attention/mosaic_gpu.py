@@ -1052,28 +1052,40 @@ def make_packed_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "trit
                                     interpret=interpret),
         lambda: triton_forward(q, k, v, gate_btk, seg, pos, streaming, interpret))
 
-  def mosaic_trains(q_shape, k_shape, dtype, streaming):
-    return training == "mosaic" and _packed_trains(q_shape, k_shape, dtype, streaming, tiles,
-                                                   backward_tiles)
-
-  def train(q, k, v, gate_btk, seg, pos, streaming, interpret):
-    triton = lambda: triton_train(q, k, v, gate_btk, seg, pos, streaming, interpret)
-    if not mosaic_trains(q.shape, k.shape, q.dtype, streaming):
-      return triton()
-    return lax.cond(positions_count_up(seg, pos),
-                    lambda: packed_forward_train(q, k, v, gate_btk, seg, pos, streaming,
-                                                 tiles=tiles, interpret=interpret), triton)
-
-  def grads(streaming, interpret, res, d_out):
-    triton = lambda: triton_backward(streaming, interpret, res, d_out)
-    if not mosaic_trains(d_out.shape, res[1].shape, d_out.dtype, streaming):
-      return triton()
-    return lax.cond(positions_count_up(res[3], res[4]),     # the padded segment ids, positions
-                    lambda: packed_backward(res, d_out, streaming,
-                                            backward_tiles=backward_tiles, interpret=interpret),
-                    triton)
-
+  train, grads = _packed_training(
+      lambda q_shape, k_shape, dtype, streaming, interpret: training == "mosaic" and (
+          _packed_trains(q_shape, k_shape, dtype, streaming, tiles, backward_tiles)),
+      lambda q, k, v, gate_btk, seg, pos, streaming, interpret: packed_forward_train(
+          q, k, v, gate_btk, seg, pos, streaming, tiles=tiles, interpret=interpret),
+      lambda streaming, interpret, res, d_out: packed_backward(
+          res, d_out, streaming, backward_tiles=backward_tiles, interpret=interpret),
+      triton_train, triton_backward)
   return with_fused_backward(forward, train, grads, num_arrays=6)
+
+
+def _packed_training(mosaic_trains, mosaic_train, mosaic_backward, triton_train,
+                     triton_backward, num_static: int = 2):
+  """(forward_train, backward) of a packed-rows op for `common.with_fused_backward`: the Mosaic
+  GPU training kernels where mosaic_trains(q_shape, k_shape, dtype, *static) holds (trace
+  time; static: the op's last `num_static` arguments) and positions count up within each
+  segment (run time, `lax.cond`), the Triton ones otherwise; both leave residuals of one
+  layout. Each callable takes the op's own arguments (q, k, v, gate, segment ids, positions,
+  then the rest; the backward: the static arguments, the residuals, dO)."""
+  def train(q, k, v, gate_btk, seg, pos, *rest):
+    args = (q, k, v, gate_btk, seg, pos, *rest)
+    if not mosaic_trains(q.shape, k.shape, q.dtype, *rest[-num_static:]):
+      return triton_train(*args)
+    return lax.cond(positions_count_up(seg, pos), lambda: mosaic_train(*args),
+                    lambda: triton_train(*args))
+
+  def backward(*args):
+    *static, res, d_out = args
+    if not mosaic_trains(d_out.shape, res[1].shape, d_out.dtype, *static):
+      return triton_backward(*args)
+    return lax.cond(positions_count_up(res[3], res[4]),     # the padded segment ids, positions
+                    lambda: mosaic_backward(*args), lambda: triton_backward(*args))
+
+  return train, backward
 
 
 def packed_xa_forward_train(q, k, v, gate_btk, segment_ids, positions, xa_keep,
@@ -1133,31 +1145,18 @@ def make_packed_xa_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "t
   _check_training(training)
   triton_forward, triton_train, triton_backward = pallas_gpu.packed_parts(xa=True)
 
-  def mosaic_trains(q_shape, k_shape, dtype, streaming, xa_block):
-    return training == "mosaic" and _packed_xa_trains(q_shape, k_shape, dtype, streaming,
-                                                      xa_block, tiles, backward_tiles)
-
-  def train(q, k, v, gate_btk, seg, pos, xa_keep, streaming, patterns, xa_block, interpret):
-    triton = lambda: triton_train(q, k, v, gate_btk, seg, pos, xa_keep, streaming, patterns,
-                                  xa_block, interpret)
-    if not mosaic_trains(q.shape, k.shape, q.dtype, streaming, xa_block):
-      return triton()
-    return lax.cond(positions_count_up(seg, pos),
-                    lambda: packed_xa_forward_train(q, k, v, gate_btk, seg, pos, xa_keep,
-                                                    streaming, patterns=patterns,
-                                                    xa_block=xa_block, tiles=tiles,
-                                                    backward_tiles=backward_tiles,
-                                                    interpret=interpret), triton)
-
-  def grads(streaming, patterns, xa_block, interpret, res, d_out):
-    triton = lambda: triton_backward(streaming, patterns, xa_block, interpret, res, d_out)
-    if not mosaic_trains(d_out.shape, res[1].shape, d_out.dtype, streaming, xa_block):
-      return triton()
-    return lax.cond(positions_count_up(res[3], res[4]),     # the padded segment ids, positions
-                    lambda: packed_xa_backward(res, d_out, streaming, patterns=patterns,
-                                               xa_block=xa_block, backward_tiles=backward_tiles,
-                                               interpret=interpret), triton)
-
+  train, grads = _packed_training(
+      lambda q_shape, k_shape, dtype, streaming, patterns, xa_block, interpret: (
+          training == "mosaic" and _packed_xa_trains(q_shape, k_shape, dtype, streaming,
+                                                     xa_block, tiles, backward_tiles)),
+      lambda q, k, v, gate_btk, seg, pos, xa_keep, streaming, patterns, xa_block, interpret: (
+          packed_xa_forward_train(q, k, v, gate_btk, seg, pos, xa_keep, streaming,
+                                  patterns=patterns, xa_block=xa_block, tiles=tiles,
+                                  backward_tiles=backward_tiles, interpret=interpret)),
+      lambda streaming, patterns, xa_block, interpret, res, d_out: packed_xa_backward(
+          res, d_out, streaming, patterns=patterns, xa_block=xa_block,
+          backward_tiles=backward_tiles, interpret=interpret),
+      triton_train, triton_backward, num_static=4)
   return with_fused_backward(triton_forward, train, grads, num_arrays=7, num_static=4)
 
 
