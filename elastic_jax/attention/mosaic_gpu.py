@@ -26,10 +26,11 @@ read at run time. Training runs the Triton kernels (`pallas_gpu`) unless `make_h
 training="mosaic")` asks for this file's `forward_train` (the kernel launched twice with every
 head full, then streaming, also writing each row's log-sum-exp) and the Mosaic GPU dQ and
 dK/dV kernels (`mosaic_gpu_backward`); `make_xa_hybrid(training="mosaic")` likewise under the
-XAttention settings (`xa_forward_train`, `xa_backward`). Its layout constraints (`applies`): bf16 or fp16,
-head_dim a multiple of 64 whose tiles fit in shared memory (up to 128 with the default tiles),
-the streaming block a multiple of the KV tile (128) so the window's edges fall on tile edges,
-and G even or 1. T is padded inside. Interpret mode (`interpret=True`) runs it on a CPU.
+XAttention settings (`xa_forward_train`, `xa_backward`). Its layout constraints (`applies`):
+bf16 or fp16, head_dim a multiple of 64 whose tiles fit in shared memory (up to 128 with the
+default tiles), the streaming block a multiple of the KV tile (128) so the window's edges fall
+on tile edges, and G even or 1. T is padded inside. Interpret mode (`interpret=True`) runs it
+on a CPU.
 
 Packed rows (segment ids and positions, `packed_forward_hard`, end of this file): the walk
 starts at the tile of the segment start of the program's first row (`common.packed_plan`),
