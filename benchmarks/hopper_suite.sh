@@ -34,8 +34,8 @@ run() {   # run NAME SECONDS COMMAND...: log to OUT/NAME.log, note the exit stat
 for stage in "${stages[@]}"; do
   case $stage in
     tests)
-      run tests 900 "$py" -m pytest -q -x tests/test_mosaic_gpu.py tests/test_pallas_gpu.py \
-        tests/test_packed_kernels.py tests/test_xattention.py ;;
+      run tests 900 "$py" -m pytest -q -x tests/test_mosaic_gpu.py tests/test_mosaic_gpu_training.py \
+        tests/test_pallas_gpu.py tests/test_packed_kernels.py tests/test_xattention.py ;;
     profile)
       for args in "forward" "xa" "train_forward" "dq" "dkv" "dq --mixed" "dkv --mixed" \
                   "train_forward --xa" "dq --xa" "dkv --xa" "dq --xa --mixed" "dkv --xa --mixed"; do
