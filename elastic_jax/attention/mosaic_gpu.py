@@ -566,23 +566,18 @@ def make_xa_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "triton",
                                 xa_block=xa_block, tiles=tiles, interpret=interpret),
         triton)
 
-  def mosaic_trains(q_shape, k_shape, dtype, streaming, xa_block):
-    return training == "mosaic" and xa_trains(q_shape, k_shape, dtype, streaming, xa_block,
-                                              tiles, backward_tiles)
-
-  def train(q, k, v, gate_bk, xa_keep, streaming, patterns, xa_block, interpret):
-    if mosaic_trains(q.shape, k.shape, q.dtype, streaming, xa_block):
-      return xa_forward_train(q, k, v, gate_bk, xa_keep, streaming, patterns=patterns,
-                              xa_block=xa_block, tiles=tiles, backward_tiles=backward_tiles,
-                              interpret=interpret)
-    return triton_train(q, k, v, gate_bk, xa_keep, streaming, patterns, xa_block, interpret)
-
-  def grads(streaming, patterns, xa_block, interpret, res, d_out):
-    if mosaic_trains(d_out.shape, res[1].shape, d_out.dtype, streaming, xa_block):
-      return (*xa_backward(res, d_out, streaming, patterns=patterns, xa_block=xa_block,
-                           backward_tiles=backward_tiles, interpret=interpret), None)
-    return triton_backward(streaming, patterns, xa_block, interpret, res, d_out)
-
+  train, grads = _training(
+      lambda q_shape, k_shape, dtype, streaming, patterns, xa_block, interpret: (
+          training == "mosaic" and xa_trains(q_shape, k_shape, dtype, streaming, xa_block,
+                                             tiles, backward_tiles)),
+      lambda q, k, v, gate_bk, xa_keep, streaming, patterns, xa_block, interpret: (
+          xa_forward_train(q, k, v, gate_bk, xa_keep, streaming, patterns=patterns,
+                           xa_block=xa_block, tiles=tiles, backward_tiles=backward_tiles,
+                           interpret=interpret)),
+      lambda streaming, patterns, xa_block, interpret, res, d_out: (*xa_backward(
+          res, d_out, streaming, patterns=patterns, xa_block=xa_block,
+          backward_tiles=backward_tiles, interpret=interpret), None),
+      triton_train, triton_backward, num_static=4)
   return with_fused_backward(forward, train, grads, num_arrays=5, num_static=4)
 
 
@@ -759,22 +754,15 @@ def make_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "triton",
       return hybrid_forward(q, k, v, gate_bk, streaming, tiles=tiles, interpret=interpret)
     return triton_forward(q, k, v, gate_bk, streaming, interpret)
 
-  def mosaic_trains(q_shape, k_shape, dtype, streaming):
-    return training == "mosaic" and trains(q_shape, k_shape, dtype, streaming, tiles,
-                                           backward_tiles)
-
-  def train(q, k, v, gate_bk, streaming, interpret):
-    if mosaic_trains(q.shape, k.shape, q.dtype, streaming):
-      return forward_train(q, k, v, gate_bk, streaming, tiles=tiles,
-                           backward_tiles=backward_tiles, interpret=interpret)
-    return triton_train(q, k, v, gate_bk, streaming, interpret)
-
-  def grads(streaming, interpret, res, d_out):
-    if mosaic_trains(d_out.shape, res[1].shape, d_out.dtype, streaming):   # res[1]: padded k
-      return backward(res, d_out, streaming, backward_tiles=backward_tiles,
-                      interpret=interpret)
-    return triton_backward(streaming, interpret, res, d_out)
-
+  train, grads = _training(
+      lambda q_shape, k_shape, dtype, streaming, interpret: training == "mosaic" and trains(
+          q_shape, k_shape, dtype, streaming, tiles, backward_tiles),
+      lambda q, k, v, gate_bk, streaming, interpret: forward_train(
+          q, k, v, gate_bk, streaming, tiles=tiles, backward_tiles=backward_tiles,
+          interpret=interpret),
+      lambda streaming, interpret, res, d_out: backward(
+          res, d_out, streaming, backward_tiles=backward_tiles, interpret=interpret),
+      triton_train, triton_backward)
   return with_fused_backward(forward, train, grads)
 
 
@@ -1053,36 +1041,40 @@ def make_packed_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "trit
                                     interpret=interpret),
         lambda: triton_forward(q, k, v, gate_btk, seg, pos, streaming, interpret))
 
-  train, grads = _packed_training(
+  train, grads = _training(
       lambda q_shape, k_shape, dtype, streaming, interpret: training == "mosaic" and (
           _packed_trains(q_shape, k_shape, dtype, streaming, tiles, backward_tiles)),
       lambda q, k, v, gate_btk, seg, pos, streaming, interpret: packed_forward_train(
           q, k, v, gate_btk, seg, pos, streaming, tiles=tiles, interpret=interpret),
       lambda streaming, interpret, res, d_out: packed_backward(
           res, d_out, streaming, backward_tiles=backward_tiles, interpret=interpret),
-      triton_train, triton_backward)
+      triton_train, triton_backward, packed=True)
   return with_fused_backward(forward, train, grads, num_arrays=6)
 
 
-def _packed_training(mosaic_trains, mosaic_train, mosaic_backward, triton_train,
-                     triton_backward, num_static: int = 2):
-  """(forward_train, backward) of a packed-rows op for `common.with_fused_backward`: the Mosaic
-  GPU training kernels where mosaic_trains(q_shape, k_shape, dtype, *static) holds (trace
-  time; static: the op's last `num_static` arguments) and positions count up within each
-  segment (run time, `lax.cond`), the Triton ones otherwise; both leave residuals of one
-  layout. Each callable takes the op's own arguments (q, k, v, gate, segment ids, positions,
-  then the rest; the backward: the static arguments, the residuals, dO)."""
-  def train(q, k, v, gate_btk, seg, pos, *rest):
-    args = (q, k, v, gate_btk, seg, pos, *rest)
-    if not mosaic_trains(q.shape, k.shape, q.dtype, *rest[-num_static:]):
+def _training(mosaic_trains, mosaic_train, mosaic_backward, triton_train, triton_backward,
+              num_static: int = 2, packed: bool = False):
+  """(forward_train, backward) of an op for `common.with_fused_backward`: the Mosaic GPU
+  training kernels where mosaic_trains(q_shape, k_shape, dtype, *static) holds (trace time;
+  static: the op's last `num_static` arguments) and, for packed rows, positions count up
+  within each segment (run time, `lax.cond`: both paths leave residuals of one layout); the
+  Triton ones otherwise. Each callable takes the op's own arguments (q, k, v, gate, [segment
+  ids, positions,] then the rest; the backward: the static arguments, the residuals, dO)."""
+  def train(*args):
+    q, k = args[:2]
+    if not mosaic_trains(q.shape, k.shape, q.dtype, *args[-num_static:]):
       return triton_train(*args)
-    return lax.cond(positions_count_up(seg, pos), lambda: mosaic_train(*args),
+    if not packed:
+      return mosaic_train(*args)
+    return lax.cond(positions_count_up(args[4], args[5]), lambda: mosaic_train(*args),
                     lambda: triton_train(*args))
 
   def backward(*args):
     *static, res, d_out = args
-    if not mosaic_trains(d_out.shape, res[1].shape, d_out.dtype, *static):
+    if not mosaic_trains(d_out.shape, res[1].shape, d_out.dtype, *static):   # res[1]: padded k
       return triton_backward(*args)
+    if not packed:
+      return mosaic_backward(*args)
     return lax.cond(positions_count_up(res[3], res[4]),     # the padded segment ids, positions
                     lambda: mosaic_backward(*args), lambda: triton_backward(*args))
 
@@ -1146,7 +1138,7 @@ def make_packed_xa_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "t
   _check_training(training)
   triton_forward, triton_train, triton_backward = pallas_gpu.packed_parts(xa=True)
 
-  train, grads = _packed_training(
+  train, grads = _training(
       lambda q_shape, k_shape, dtype, streaming, patterns, xa_block, interpret: (
           training == "mosaic" and _packed_xa_trains(q_shape, k_shape, dtype, streaming,
                                                      xa_block, tiles, backward_tiles)),
@@ -1157,7 +1149,7 @@ def make_packed_xa_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "t
       lambda streaming, patterns, xa_block, interpret, res, d_out: packed_xa_backward(
           res, d_out, streaming, patterns=patterns, xa_block=xa_block,
           backward_tiles=backward_tiles, interpret=interpret),
-      triton_train, triton_backward, num_static=4)
+      triton_train, triton_backward, num_static=4, packed=True)
   return with_fused_backward(triton_forward, train, grads, num_arrays=7, num_static=4)
 
 
