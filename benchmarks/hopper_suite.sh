@@ -40,6 +40,7 @@ for stage in "${stages[@]}"; do
       for args in "forward" "xa" "train_forward" "dq" "dkv" "dq --mixed" "dkv --mixed" \
                   "train_forward --xa" "dq --xa" "dkv --xa" "dq --xa --mixed" "dkv --xa --mixed"; do
         name=profile_$(echo "$args" | tr -d ' -')
+        mkdir -p "$out/ptxas_$name"   # without it, the compiler's dumps go to the log
         MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$out/ptxas_$name" \
           run "$name" 300 "$py" benchmarks/kernel_profile.py --kernel $args
       done ;;
