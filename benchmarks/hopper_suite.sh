@@ -8,7 +8,7 @@
 #              packed rows), Triton and packed kernels, against the float32 reference
 #   profile    benchmarks/kernel_profile.py per Mosaic kernel at 32K (MSR 0.75, gates 0.5,
 #              fa-xa at density 0.5), with the compiler's register and spill report
-#   attention  benchmarks/attention.py with the Mosaic training rows, JSON beside the log
+#   attention  benchmarks/attention.py with the Triton training rows beside, JSON beside the log
 #   xattention benchmarks/xattention.py (forward and training rows)
 #   packed     benchmarks/packed_attention.py with the Mosaic training rows
 # Run from the repository root on a machine with a Hopper GPU and the project installed.
@@ -46,7 +46,7 @@ for stage in "${stages[@]}"; do
       done ;;
     attention)
       run attention 1800 "$py" benchmarks/attention.py --lengths 32768 131072 \
-        --train-lengths 65536 --mosaic-training --json "$out/attention.json" ;;
+        --train-lengths 65536 --triton-training --json "$out/attention.json" ;;
     xattention)
       run xattention 1200 "$py" benchmarks/xattention.py --lengths 32768 131072 \
         --train-lengths 16384 --reps 5 ;;

@@ -250,7 +250,7 @@ def main(argv=None):
   # the gate's gradient needs.
   from elastic_jax.attention.pallas_gpu import make_hybrid, make_xa_hybrid
   hybrid, xa_fn = make_hybrid(), make_xa_hybrid()
-  # The Mosaic GPU training kernels (opt-in in the library) on a Hopper GPU where they take
+  # The Mosaic GPU training kernels (the library's default there) on a Hopper GPU where they take
   # the layout; not in a dry run (several Mosaic kernels in one computation stall the
   # interpreter).
   mosaic_train = (not args.dry_run and _hopper()

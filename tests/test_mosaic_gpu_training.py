@@ -47,6 +47,28 @@ def kernel_calls(monkeypatch):
   return calls
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_training_default_is_mosaic_natively_and_triton_in_interpret_mode(kernel_calls, packed):
+  """The builders' default training ("auto"): the Mosaic dQ and dK/dV kernels when running
+  natively (traced here, not run), the Triton kernels in interpret mode; "triton" never the
+  Mosaic ones. Plain and packed rows."""
+  st = Streaming(1, 1, 128)
+  q, kk, v = qkv(1, 256, 4, 2, 64, jnp.bfloat16)
+  if packed:
+    seg, pos, gate = packed_row([100, 156], [np.asarray([1.0, 0.0]), np.asarray([0.5, 0.0])], 2)
+    extra = (seg, pos)
+  else:
+    gate, extra = jnp.asarray([[0.5, 0.0]], jnp.float32), ()
+  build = mosaic_gpu.make_packed_hybrid if packed else mosaic_gpu.make_hybrid
+  for training, interpret, mosaic in (("auto", False, True), ("auto", True, False),
+                                      ("triton", False, False), ("mosaic", True, True)):
+    fn = build(training=training)
+    loss = lambda *x: jnp.sum(fn(*x, *extra, st, interpret).astype(jnp.float32))
+    kernel_calls.clear()
+    jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, kk, v, gate)
+    assert (sorted(kernel_calls) == ["dkv_call", "dq_call"]) == mosaic, (training, interpret)
+
+
 @pytest.mark.parametrize("b,t,n,k,d,gates,st", [
     # G = 2: a mixed and a streaming head.
     (1, 300, 4, 2, 64, [[0.3, 0.0]], Streaming(1, 1, 128)),

@@ -22,21 +22,21 @@ Scope. This kernel serves undifferentiated calls with gates of 0 or 1 (what rout
 inference produces): a call whose gates include a fraction runs the Triton kernel instead
 (one run-time branch, `hybrid_forward`). XAttention heads (the "fa-xa" and "xa-ssa"
 settings, `xa_forward_hard`) walk their kept-block lists: a third walk (`xa_walk`), the list
-read at run time. Training runs the Triton kernels (`pallas_gpu`) unless `make_hybrid(
-training="mosaic")` asks for this file's `forward_train` (the kernel launched twice with every
-head full, then streaming, also writing each row's log-sum-exp) and the Mosaic GPU dQ and
-dK/dV kernels (`mosaic_gpu_backward`); `make_xa_hybrid(training="mosaic")` likewise under the
-XAttention settings (`xa_forward_train`, `xa_backward`). Its layout constraints (`applies`):
-bf16 or fp16, head_dim a multiple of 64 whose tiles fit in shared memory (up to 128 with the
-default tiles), the streaming block a multiple of the KV tile (128) so the window's edges fall
-on tile edges, and G even or 1. T is padded inside. Interpret mode (`interpret=True`) runs it
-on a CPU.
+read at run time. Training runs this file's `forward_train` (the kernel launched twice with
+every head full, then streaming, also writing each row's log-sum-exp) and the Mosaic GPU dQ
+and dK/dV kernels (`mosaic_gpu_backward`) where they take the shapes (`trains`), the Triton
+kernels (`pallas_gpu`) elsewhere and, by default, in interpret mode (`TRAINING`); likewise
+under the XAttention settings (`xa_forward_train`, `xa_backward`). Its layout constraints
+(`applies`): bf16 or fp16, head_dim a multiple of 64 whose tiles fit in shared memory (up to
+128 with the default tiles), the streaming block a multiple of the KV tile (128) so the
+window's edges fall on tile edges, and G even or 1. T is padded inside. Interpret mode
+(`interpret=True`) runs it on a CPU.
 
 Packed rows (segment ids and positions, `packed_forward_hard`, end of this file): the walk
 starts at the tile of the segment start of the program's first row (`common.packed_plan`),
 and masked tiles compare each key with three per-row bounds; see the section there. Their
 training (`packed_forward_train`, `packed_backward`; under the XAttention settings
-`packed_xa_forward_train`, `packed_xa_backward`) is opt-in like the unpacked one.
+`packed_xa_forward_train`, `packed_xa_backward`) is chosen as the unpacked one's.
 
 Shape letters: B batch, T tokens, N query heads, K KV heads, G = N / K, D head dim.
 """
@@ -85,6 +85,10 @@ class MosaicTiles:
 
 
 DEFAULT_TILES = MosaicTiles()
+# The builders' training kernels: "auto" (the Mosaic GPU ones natively where they take the
+# shapes, the Triton ones in interpret mode and elsewhere), "mosaic" (also in interpret
+# mode), "triton".
+TRAINING = ("auto", "mosaic", "triton")
 
 
 def applies(q_shape, k_shape, dtype, streaming: Streaming,
@@ -546,12 +550,12 @@ def xa_forward_hard(q, k, v, gate_bk, xa_keep, streaming: Streaming, *, patterns
   return out[:, :t]
 
 
-def make_xa_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "triton",
+def make_xa_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "auto",
                    backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES):
   """`pallas_gpu.make_xa_hybrid` with this kernel as the undifferentiated forward where gates
-  are 0 or 1 (decided at run time) and it `xa_applies`. training: "triton" (the Triton
-  training kernels) or "mosaic" (`xa_forward_train` and `xa_backward` where `xa_trains`, the
-  Triton ones elsewhere; checked in interpret mode only, as `make_hybrid`'s)."""
+  are 0 or 1 (decided at run time) and it `xa_applies`. training (`TRAINING`): the Mosaic
+  kernels are `xa_forward_train` and `xa_backward`, where `xa_trains`; the Triton training
+  kernels elsewhere."""
   _check_training(training)
   triton_forward, triton_train, triton_backward = pallas_gpu.xa_parts()
 
@@ -568,8 +572,8 @@ def make_xa_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "triton",
 
   train, grads = _training(
       lambda q_shape, k_shape, dtype, streaming, patterns, xa_block, interpret: (
-          training == "mosaic" and xa_trains(q_shape, k_shape, dtype, streaming, xa_block,
-                                             tiles, backward_tiles)),
+          _mosaic_training(training, interpret) and xa_trains(
+              q_shape, k_shape, dtype, streaming, xa_block, tiles, backward_tiles)),
       lambda q, k, v, gate_bk, xa_keep, streaming, patterns, xa_block, interpret: (
           xa_forward_train(q, k, v, gate_bk, xa_keep, streaming, patterns=patterns,
                            xa_block=xa_block, tiles=tiles, backward_tiles=backward_tiles,
@@ -606,8 +610,15 @@ def _row_terms(tp: int, lse_fa, lse_sa, d_fa, d_sa, *more):
 
 
 def _check_training(training: str):
-  if training not in ("triton", "mosaic"):
-    raise ValueError(f"training kernels '{training}' are unknown (triton, mosaic)")
+  if training not in TRAINING:
+    raise ValueError(f"training kernels '{training}' are unknown ({', '.join(TRAINING)})")
+
+
+def _mosaic_training(training: str, interpret: bool) -> bool:
+  """Whether a builder's `training` choice asks for the Mosaic GPU training kernels: "mosaic"
+  always, "auto" when running natively (in interpret mode "auto" takes the Triton kernels:
+  the Mosaic ones are checked there by their own tests, with training="mosaic")."""
+  return training == "mosaic" or (training == "auto" and not interpret)
 
 
 def trains(q_shape, k_shape, dtype, streaming: Streaming, tiles: MosaicTiles = DEFAULT_TILES,
@@ -739,13 +750,11 @@ def xa_backward(residuals, d_out, streaming: Streaming, *, patterns: str, xa_blo
                    dq_xa=(terms, (index, count, keep)), dkv_xa=(terms, (*columns, keep)))
 
 
-def make_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "triton",
+def make_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "auto",
                 backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES):
   """`pallas_gpu.make_hybrid` with this kernel as the undifferentiated forward where it
-  `applies`. training: "triton" (the Triton training kernels) or "mosaic" (`forward_train`
-  and `backward` on this file's kernels where `trains`, the Triton ones elsewhere). The
-  Mosaic training kernels are checked in interpret mode only, so "triton" stays the default
-  until they are checked natively on a Hopper GPU."""
+  `applies`. training (`TRAINING`): the Mosaic kernels are `forward_train` and `backward`,
+  where `trains`; the Triton training kernels elsewhere."""
   _check_training(training)
   triton_forward, triton_train, triton_backward = pallas_gpu.hybrid_parts()
 
@@ -755,8 +764,9 @@ def make_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "triton",
     return triton_forward(q, k, v, gate_bk, streaming, interpret)
 
   train, grads = _training(
-      lambda q_shape, k_shape, dtype, streaming, interpret: training == "mosaic" and trains(
-          q_shape, k_shape, dtype, streaming, tiles, backward_tiles),
+      lambda q_shape, k_shape, dtype, streaming, interpret: _mosaic_training(
+          training, interpret) and trains(q_shape, k_shape, dtype, streaming, tiles,
+                                          backward_tiles),
       lambda q, k, v, gate_bk, streaming, interpret: forward_train(
           q, k, v, gate_bk, streaming, tiles=tiles, backward_tiles=backward_tiles,
           interpret=interpret),
@@ -1022,13 +1032,12 @@ def _packed_backward(residuals, d_out, streaming, backward_tiles, interpret, pai
   return (dq[:, :t], dk[:, :t], dv[:, :t], d_gate, zero_int(segment_ids), zero_int(positions))
 
 
-def make_packed_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "triton",
+def make_packed_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "auto",
                        backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES):
   """`pallas_gpu.make_packed_hybrid` with this kernel as the undifferentiated forward where it
-  `applies` and, at run time, `packed_rows_apply`. training: "triton", or "mosaic" to train
-  on `packed_forward_train` and `packed_backward` where `_packed_trains` and, at run time,
-  `positions_count_up` (the Triton kernels otherwise; both leave residuals of one layout).
-  "triton" stays the default until the Mosaic training kernels are checked natively."""
+  `applies` and, at run time, `packed_rows_apply`. training (`TRAINING`): the Mosaic kernels
+  are `packed_forward_train` and `packed_backward`, where `_packed_trains` and, at run time,
+  `positions_count_up` (the Triton kernels otherwise; both leave residuals of one layout)."""
   _check_training(training)
   triton_forward, triton_train, triton_backward = pallas_gpu.packed_parts()
 
@@ -1042,7 +1051,8 @@ def make_packed_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "trit
         lambda: triton_forward(q, k, v, gate_btk, seg, pos, streaming, interpret))
 
   train, grads = _training(
-      lambda q_shape, k_shape, dtype, streaming, interpret: training == "mosaic" and (
+      lambda q_shape, k_shape, dtype, streaming, interpret: _mosaic_training(
+          training, interpret) and (
           _packed_trains(q_shape, k_shape, dtype, streaming, tiles, backward_tiles)),
       lambda q, k, v, gate_btk, seg, pos, streaming, interpret: packed_forward_train(
           q, k, v, gate_btk, seg, pos, streaming, tiles=tiles, interpret=interpret),
@@ -1127,21 +1137,20 @@ def _packed_xa_trains(q_shape, k_shape, dtype, streaming, xa_block, tiles, backw
           and -(-q_shape[1] // 128) * 128 % xa_block == 0)
 
 
-def make_packed_xa_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "triton",
+def make_packed_xa_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "auto",
                           backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES):
   """`pallas_gpu.make_packed_xa_hybrid` (packed rows under the XAttention settings), whose
-  undifferentiated forward it keeps. training: "triton", or "mosaic" to train on
-  `packed_xa_forward_train` and `packed_xa_backward` where `_packed_xa_trains` and, at run
+  undifferentiated forward it keeps. training (`TRAINING`): the Mosaic kernels are
+  `packed_xa_forward_train` and `packed_xa_backward`, where `_packed_xa_trains` and, at run
   time, `positions_count_up` (the Triton kernels otherwise; both leave residuals of one
-  layout). "triton" stays the default until the Mosaic training kernels are checked
-  natively."""
+  layout)."""
   _check_training(training)
   triton_forward, triton_train, triton_backward = pallas_gpu.packed_parts(xa=True)
 
   train, grads = _training(
       lambda q_shape, k_shape, dtype, streaming, patterns, xa_block, interpret: (
-          training == "mosaic" and _packed_xa_trains(q_shape, k_shape, dtype, streaming,
-                                                     xa_block, tiles, backward_tiles)),
+          _mosaic_training(training, interpret) and _packed_xa_trains(
+              q_shape, k_shape, dtype, streaming, xa_block, tiles, backward_tiles)),
       lambda q, k, v, gate_btk, seg, pos, xa_keep, streaming, patterns, xa_block, interpret: (
           packed_xa_forward_train(q, k, v, gate_btk, seg, pos, xa_keep, streaming,
                                   patterns=patterns, xa_block=xa_block, tiles=tiles,
