@@ -643,7 +643,7 @@ def main(argv=None):
   if args.triton_training and mosaic_trains:
     b = dataclasses.replace(b, triton_training=True)
   elif args.triton_training:
-    log("Triton training rows: not added (ours trains on the Triton kernels here already)")
+    log("Triton training rows: not added (ours does not train on the Mosaic kernels here)")
   streams = sorted({round(m * b.kh) for m in args.msr} | {0, b.kh})
   train_streams = list(dict.fromkeys(round(m * b.kh) for m in args.train_msr))
   meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -76,8 +76,8 @@ def test_training_default_is_mosaic_natively_and_triton_in_interpret_mode(kernel
     # mixed head.
     (1, 400, 2, 2, 128, [[1.0, 0.6]], Streaming(2, 1, 128)),
 ])
-def test_mosaic_training_kernels_match_reference_gradients(strict_reads, b, t, n, k, d, gates,
-                                                           st):
+def test_mosaic_training_kernels_match_reference_gradients(kernel_calls, strict_reads, b, t, n,
+                                                           k, d, gates, st):
   """make_hybrid(training="mosaic"): the training forward (every head's O_FA and O_SSA with
   their log-sum-exps) and the dQ and dK/dV kernels against the float32 reference's output and
   gradients, gate included (relative error of each: the gate's gradient sums bf16 O_FA -
@@ -91,6 +91,7 @@ def test_mosaic_training_kernels_match_reference_gradients(strict_reads, b, t, n
   with jax.disable_jit():
     out, vjp = jax.vjp(lambda *x: fn(*x, st, INTERPRET), q, kk, v, gate)
     grads = vjp(d_out)
+  assert kernel_calls == ["dq_call", "dkv_call"]   # the Mosaic path ran, not the Triton one
   up = [x.astype(jnp.float32) for x in (q, kk, v)]
   ref = lambda g, *x: dense_hybrid_attention(*x, g, st)
   want, ref_vjp = jax.vjp(lambda *x: ref(x[3], *x[:3]), *up, gate)

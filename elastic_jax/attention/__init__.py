@@ -9,8 +9,10 @@ Implementations:
   reference  chunked online-softmax in plain jnp; memory-safe at long T (the spec).
   dense      the textbook [T, T] softmax (causal only); short inputs and tests.
   pallas_gpu the fused hybrid kernel for GPUs (hybrid only; Pallas Triton backend).
-  mosaic_gpu pallas_gpu with a Hopper inference forward in Pallas Mosaic GPU (wgmma, TMA)
-             for hard gates and the shapes it takes (`mosaic_gpu.applies`).
+  mosaic_gpu pallas_gpu with Hopper kernels in Pallas Mosaic GPU (wgmma, TMA): the inference
+             forward for hard gates and the shapes it takes (`mosaic_gpu.applies`), and
+             the training kernels where they take the shapes (`mosaic_gpu.trains`; in
+             interpret mode training keeps the Triton kernels, `mosaic_gpu.TRAINING`).
   pallas_tpu the fused hybrid kernel for TPUs (hybrid only; Pallas Mosaic TPU).
   auto       hybrid: mosaic_gpu on a Hopper GPU, pallas_gpu on other GPUs, pallas_tpu on a
              TPU, the reference elsewhere;
@@ -20,7 +22,8 @@ Implementations:
 The kernels run on CPU with `interpret=True` (implementation "NAME:interpret", e.g.
 "pallas_gpu:interpret") and have fused backward passes. Packed rows (segment ids and
 positions) run on the packed kernels (`pallas_gpu.make_packed_hybrid`, whose inference
-forward mosaic_gpu replaces by its own where gates are hard and positions count up, and
+forward and training kernels mosaic_gpu replaces by its own where gates are hard (forward)
+and positions count up, and
 `pallas_tpu.fused_packed_hybrid`), under the XAttention settings too
 (`pallas_gpu.make_packed_xa_hybrid`, `pallas_tpu.fused_packed_hybrid(xa=True)`).
 """

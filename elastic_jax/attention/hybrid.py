@@ -87,9 +87,9 @@ def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, gate: jax.Array, 
       differently); 1 = full causal attention, 0 = streaming (sink + local blocks).
     sink_blocks, local_blocks, block: the streaming pattern (docs/method.md §3); any T.
     attn_impl: "reference" (plain jnp, memory-safe), "pallas_gpu" or "pallas_tpu" (the fused
-      kernels; `interpret=True` runs them on CPU), "mosaic_gpu" (pallas_gpu with a Hopper
-      inference forward in Mosaic GPU), or "auto" (the kernel for this backend, the
-      reference on CPU).
+      kernels; `interpret=True` runs them on CPU), "mosaic_gpu" (pallas_gpu with Hopper
+      forward and training kernels in Mosaic GPU), or "auto" (the kernel for this backend,
+      the reference on CPU).
     segment_ids, positions: [B, T] packed segments and positions within them (optional).
     patterns: "fa-ssa"; "fa-xa" (r = 0 heads attend only XAttention's kept blocks) or "xa-ssa"
       (r = 1 heads do), with xa_keep [B, Hkv, nb, nb] bool the kept blocks of xa_block tokens
