@@ -44,16 +44,23 @@ def test_walk_visits_exactly_the_needed_tiles_and_masks_only_the_last(rows, bloc
       assert tiles[len(tiles) - len(later):] == later, (q_start, mode)
 
 
-@pytest.mark.parametrize("b,t,n,k,d,gates,st,dtype", [
-    (1, 512, 4, 2, 64, [[0.0, 1.0]], Streaming(1, 1, 128), jnp.bfloat16),  # G = 2: head pairs
-    (1, 300, 2, 2, 128, [[1.0, 0.0]], Streaming(1, 1, 128), jnp.bfloat16),  # G = 1, padded T
-    (2, 384, 4, 1, 64, [[0.0], [1.0]], Streaming(1, 1, 128), jnp.float16),  # G = 4, batches
+OVERLAP = mosaic_gpu.MosaicTiles(overlap=True)
+
+
+@pytest.mark.parametrize("b,t,n,k,d,gates,st,dtype,tiles", [
+    (1, 512, 4, 2, 64, [[0.0, 1.0]], Streaming(1, 1, 128), jnp.bfloat16, None),  # G = 2: pairs
+    (1, 300, 2, 2, 128, [[1.0, 0.0]], Streaming(1, 1, 128), jnp.bfloat16, None),  # G = 1, pad
+    (2, 384, 4, 1, 64, [[0.0], [1.0]], Streaming(1, 1, 128), jnp.float16, None),  # G = 4
+    # The overlapped schedule (`MosaicTiles.overlap`): G = 1 with padding, G = 4 in float16.
+    (1, 300, 2, 2, 128, [[0.0, 1.0]], Streaming(1, 1, 128), jnp.bfloat16, OVERLAP),
+    (2, 384, 4, 1, 64, [[1.0], [0.0]], Streaming(1, 1, 128), jnp.float16, OVERLAP),
 ])
-def test_forward_matches_reference(b, t, n, k, d, gates, st, dtype):
+def test_forward_matches_reference(b, t, n, k, d, gates, st, dtype, tiles):
   q, kk, v = qkv(b, t, n, k, d, dtype)
   gate = jnp.asarray(gates, jnp.float32)
   want = dense_hybrid_attention(*(x.astype(jnp.float32) for x in (q, kk, v)), gate, st)
-  got = mosaic_gpu.hybrid_forward_hard(q, kk, v, gate, st, interpret=INTERPRET)
+  got = mosaic_gpu.hybrid_forward_hard(q, kk, v, gate, st, interpret=INTERPRET,
+                                       tiles=tiles or mosaic_gpu.DEFAULT_TILES)
   assert got.shape == q.shape and got.dtype == dtype
   err = float(jnp.abs(got.astype(jnp.float32) - want).max())
   assert err <= TOL[dtype], err
@@ -108,20 +115,22 @@ def test_applies_only_where_its_layout_holds():
   assert not mosaic_gpu.applies((1, 1000, 32, 192), (1, 1000, 8, 192), jnp.bfloat16, st)
 
 
-@pytest.mark.parametrize("n,k,d,lengths,st", [
+@pytest.mark.parametrize("n,k,d,lengths,st,tiles", [
     # G = 2, head_dim 128: rows of later segments whose first tiles hold none of their keys
     # (the masked-tile softmax must cancel exactly), T padded inside.
-    (4, 2, 128, [37, 300, 250, 180, 101], Streaming(1, 1, 128)),
-    (2, 2, 64, [200, 3, 190, 119], Streaming(2, 1, 128)),    # G = 1: two row tiles a program
+    (4, 2, 128, [37, 300, 250, 180, 101], Streaming(1, 1, 128), None),
+    # G = 1: two row tiles a program; the overlapped schedule.
+    (2, 2, 64, [200, 3, 190, 119], Streaming(2, 1, 128), OVERLAP),
 ])
-def test_packed_forward_matches_reference(n, k, d, lengths, st):
+def test_packed_forward_matches_reference(n, k, d, lengths, st, tiles):
   """Packed rows on the Mosaic GPU forward: segments of odd lengths, gates per (segment, KV
   head) in every full/streaming combination (tiles whose rows are routed differently)."""
   combos = [(0.0, 0.0), (1.0, 0.0), (0.0, 1.0), (1.0, 1.0), (1.0, 0.0)]
   seg, pos, gate = packed_row(lengths, [np.asarray(c[:k]) for c in combos], k)
   q, kk, v = qkv(1, seg.shape[1], n, k, d, jnp.bfloat16, seed=d)
   assert bool(mosaic_gpu.packed_rows_apply(seg, pos, gate))
-  got = mosaic_gpu.packed_forward_hard(q, kk, v, gate, seg, pos, st, interpret=INTERPRET)
+  got = mosaic_gpu.packed_forward_hard(q, kk, v, gate, seg, pos, st, interpret=INTERPRET,
+                                       tiles=tiles or mosaic_gpu.DEFAULT_TILES)
   up = [x.astype(jnp.float32) for x in (q, kk, v)]
   want = hybrid_attention(*up, gate, sink_blocks=st.sink_blocks, local_blocks=st.local_blocks,
                           block=st.block, segment_ids=seg, positions=pos)
@@ -138,11 +147,13 @@ def test_packed_rows_apply_only_to_hard_gates_and_counting_positions():
   assert not bool(mosaic_gpu.packed_rows_apply(seg, pos - 1, gate))   # negative positions
 
 
-@pytest.mark.parametrize("b,t,n,k,xa_block,patterns,gates", [
-    (1, 700, 2, 2, 256, "fa-xa", [[0.0, 1.0]]),    # G = 1 (128 rows a program), 2 tiles a block
-    (2, 400, 4, 1, 128, "xa-ssa", [[1.0], [0.0]]),  # G = 4, head pairs, padded T
+@pytest.mark.parametrize("b,t,n,k,xa_block,patterns,gates,tiles", [
+    (1, 700, 2, 2, 256, "fa-xa", [[0.0, 1.0]], None),  # G = 1 (128 rows a program), 2 tiles a
+                                                       # block
+    (2, 400, 4, 1, 128, "xa-ssa", [[1.0], [0.0]], OVERLAP),  # G = 4, head pairs, padded T;
+                                                             # the overlapped schedule
 ])
-def test_xa_heads_walk_their_kept_blocks(b, t, n, k, xa_block, patterns, gates):
+def test_xa_heads_walk_their_kept_blocks(b, t, n, k, xa_block, patterns, gates, tiles):
   """XAttention heads in the Mosaic GPU forward: the heads of XA's mode visit their kept
   blocks' tiles (read from the block lists at run time), the others their full or streaming
   tiles; against the float32 reference on the same kept blocks."""
@@ -151,7 +162,8 @@ def test_xa_heads_walk_their_kept_blocks(b, t, n, k, xa_block, patterns, gates):
   keep = kept_blocks(b, k, t, xa_block, seed=t)
   gate = jnp.asarray(gates, jnp.float32)
   got = mosaic_gpu.xa_forward_hard(q, kk, v, gate, keep, st, patterns=patterns,
-                                   xa_block=xa_block, interpret=INTERPRET)
+                                   xa_block=xa_block, interpret=INTERPRET,
+                                   tiles=tiles or mosaic_gpu.DEFAULT_TILES)
   up = [x.astype(jnp.float32) for x in (q, kk, v)]
   ref = lambda g: dense_hybrid_attention(*up, g, st, patterns=patterns, xa_keep=keep,
                                          xa_block=xa_block)
@@ -181,3 +193,40 @@ def test_xa_op_takes_hard_and_fractional_gates():
   with pytest.raises(ValueError, match="xa_keep has shape"):
     mosaic_gpu.xa_forward_hard(q, k, v, gate, keep, Streaming(**st), patterns="fa-xa",
                                xa_block=128, interpret=True)
+
+
+def test_kernels_lower_for_the_gpu():
+  """Every Mosaic GPU kernel, in both schedules, lowers to its CUDA module here on the CPU
+  (`jax.export` for platform "cuda": the Pallas-to-Mosaic-GPU lowering with the native-only
+  code the interpreter skips: P in registers for wgmma, `run_state` accumulators, the
+  overlapped schedule's asynchronous waits). Forward kernels in both schedules; the training
+  forward and the dQ and dK/dV kernels behind it, plain and packed under XAttention."""
+  st, xb = Streaming(1, 2, 128), 256
+  s = jax.ShapeDtypeStruct
+  b, t, n, kh, d = 1, 1024, 4, 2, 128
+  q, k = s((b, t, n, d), jnp.bfloat16), s((b, t, kh, d), jnp.bfloat16)
+  gate, gate_rows = s((b, kh), jnp.float32), s((b, t, kh), jnp.float32)
+  keep, seg = s((b, kh, t // xb, t // xb), jnp.bool_), s((b, t), jnp.int32)
+  xa = dict(patterns="fa-xa", xa_block=xb)
+  mg = mosaic_gpu
+  cases = []
+  for tiles in (mg.DEFAULT_TILES, OVERLAP):
+    cases += [
+        (lambda q, k, v, g, tiles=tiles: mg.hybrid_forward_hard(q, k, v, g, st, tiles=tiles),
+         (q, k, k, gate), 1),
+        (lambda q, k, v, g, kp, tiles=tiles: mg.xa_forward_hard(q, k, v, g, kp, st, tiles=tiles,
+                                                                **xa), (q, k, k, gate, keep), 1),
+        (lambda q, k, v, g, sg, tiles=tiles: mg.packed_forward_hard(q, k, v, g, sg, sg, st,
+                                                                   tiles=tiles),
+         (q, k, k, gate_rows, seg), 1),
+        (lambda q, k, v, g, tiles=tiles: mg.forward_train(q, k, v, g, st, tiles=tiles),
+         (q, k, k, gate), 2)]
+  cases += [
+      (lambda q, k, v, g, do: mg.backward(mg.forward_train(q, k, v, g, st)[1], do, st),
+       (q, k, k, gate, q), 4),
+      (lambda q, k, v, g, sg, kp, do: mg.packed_xa_backward(
+          mg.packed_xa_forward_train(q, k, v, g, sg, sg, kp, st, **xa)[1], do, st, **xa),
+       (q, k, k, gate_rows, seg, keep, q), 4)]
+  for fn, args, launches in cases:
+    module = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+    assert module.count("mosaic_gpu_v2") == launches

@@ -69,15 +69,15 @@ def test_training_default_is_mosaic_natively_and_triton_in_interpret_mode(kernel
     assert (sorted(kernel_calls) == ["dkv_call", "dq_call"]) == mosaic, (training, interpret)
 
 
-@pytest.mark.parametrize("b,t,n,k,d,gates,st", [
-    # G = 2: a mixed and a streaming head.
-    (1, 300, 4, 2, 64, [[0.3, 0.0]], Streaming(1, 1, 128)),
+@pytest.mark.parametrize("b,t,n,k,d,gates,st,overlap", [
+    # G = 2: a mixed and a streaming head; the forward's overlapped schedule.
+    (1, 300, 4, 2, 64, [[0.3, 0.0]], Streaming(1, 1, 128), True),
     # G = 1 (two row tiles a dQ program), head_dim 128, a sink of two blocks: a full and a
     # mixed head.
-    (1, 400, 2, 2, 128, [[1.0, 0.6]], Streaming(2, 1, 128)),
+    (1, 400, 2, 2, 128, [[1.0, 0.6]], Streaming(2, 1, 128), False),
 ])
 def test_mosaic_training_kernels_match_reference_gradients(kernel_calls, strict_reads, b, t, n,
-                                                           k, d, gates, st):
+                                                           k, d, gates, st, overlap):
   """make_hybrid(training="mosaic"): the training forward (every head's O_FA and O_SSA with
   their log-sum-exps) and the dQ and dK/dV kernels against the float32 reference's output and
   gradients, gate included (relative error of each: the gate's gradient sums bf16 O_FA -
@@ -87,7 +87,7 @@ def test_mosaic_training_kernels_match_reference_gradients(kernel_calls, strict_
   q, kk, v = qkv(b, t, n, k, d, jnp.bfloat16, seed=t)
   gate = jnp.asarray(gates, jnp.float32)
   d_out = jax.random.normal(jax.random.key(t + 1), q.shape, jnp.float32).astype(jnp.bfloat16)
-  fn = mosaic_gpu.make_hybrid(training="mosaic")
+  fn = mosaic_gpu.make_hybrid(mosaic_gpu.MosaicTiles(overlap=overlap), training="mosaic")
   with jax.disable_jit():
     out, vjp = jax.vjp(lambda *x: fn(*x, st, INTERPRET), q, kk, v, gate)
     grads = vjp(d_out)
@@ -288,20 +288,20 @@ def test_mosaic_training_kernels_on_packed_rows(kernel_calls, strict_reads):
   jax.make_jaxpr(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))))(q, kk, v, gate)
 
 
-@pytest.mark.parametrize("patterns,n,k,rows,xa_block", [
+@pytest.mark.parametrize("patterns,n,k,rows,xa_block,overlap", [
     # G = 2, one row: a long mixed segment (dK/dV lists cut at its end), full and XA-only
     # segments, segments starting inside a block (the dQ lists start past earlier segments').
     ("fa-xa", 4, 2, [([128, 300, 40, 150], ((0.6, 0.0), (1.0, 0.3), (0.0, 1.0), (0.0, 0.0)))],
-     128),
+     128, False),
     # G = 1, two rows, blocks of 256 (two forward tiles, two dK/dV programs a block):
     # XA-only, streaming-only and mixed rows under "xa-ssa" (segments longer than the sink
-    # and window, where the patterns differ).
+    # and window, where the patterns differ); the forward's overlapped schedule.
     ("xa-ssa", 2, 2, [([300, 140, 60], ((0.4, 1.0), (1.0, 0.0), (0.0, 0.7))),
-                      ([260, 5, 235], ((1.0, 0.5), (0.0, 0.0), (0.3, 1.0)))], 256),
+                      ([260, 5, 235], ((1.0, 0.5), (0.0, 0.0), (0.3, 1.0)))], 256, True),
 ])
 def test_mosaic_training_kernels_on_packed_rows_under_xattention(kernel_calls, strict_reads,
                                                                  patterns, n, k, rows,
-                                                                 xa_block):
+                                                                 xa_block, overlap):
   """make_packed_xa_hybrid(training="mosaic"): packed rows under the XAttention settings with
   random kept blocks plus those the selection forces (block 0 and each segment's first block,
   so lists hold other segments' blocks that the walks must skip or mask). Output and
@@ -325,7 +325,8 @@ def test_mosaic_training_kernels_on_packed_rows_under_xattention(kernel_calls, s
   keep = kept_blocks(b, k, t, xa_block, seed=5) | forced_blocks(
       t, XAttention(block=xa_block), seg, b)[:, None]
   d_out = jax.random.normal(jax.random.key(7), q.shape, jnp.float32).astype(jnp.bfloat16)
-  fn = mosaic_gpu.make_packed_xa_hybrid(training="mosaic")
+  fn = mosaic_gpu.make_packed_xa_hybrid(mosaic_gpu.MosaicTiles(overlap=overlap),
+                                       training="mosaic")
   with jax.disable_jit():
     out, vjp = jax.vjp(lambda *x: fn(*x, seg, pos, keep, st, patterns, xa_block, INTERPRET),
                        q, kk, v, gate)

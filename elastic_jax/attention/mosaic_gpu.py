@@ -4,7 +4,10 @@ Warp-specialised, FlashAttention-3 style: per program, one memory warpgroup stre
 into a ring of shared-memory slots with the bulk copy engine (TMA), and two compute
 warpgroups run QK^T and PV on the tensor cores (wgmma) with an online softmax in registers,
 taking turns on the tensor cores (a schedule barrier) so that one's softmax overlaps the
-other's matrix products.
+other's matrix products. `MosaicTiles(overlap=True)` adds FlashAttention-3's second technique,
+each warpgroup's softmax overlapping its own PV product (tile s's QK^T and tile s-1's PV
+issued together, `_kernel`'s `overlapped`); it is checked against the reference in interpret
+mode and lowers for the GPU, but has not yet been timed natively, so it is not the default.
 
 The routing is read at run time, one launch for all heads: every program loads its KV head's
 mode from a small int32 array and walks that head's own list of KV tiles,
@@ -78,10 +81,15 @@ _SMEM_BYTES = 227 * 1024   # shared memory a Hopper thread block may use
 
 @dataclasses.dataclass(frozen=True)
 class MosaicTiles:
-  """Rows per compute warpgroup, keys per KV tile, K/V slots in the shared-memory ring."""
+  """Rows per compute warpgroup, keys per KV tile, K/V slots in the shared-memory ring, and
+  the compute warpgroups' schedule: with `overlap`, each issues tile s's QK^T and tile s-1's
+  PV together and runs tile s's softmax while the PV product is in flight (FlashAttention-3's
+  intra-warpgroup overlap, beside the two warpgroups' turns), holding one more score tile
+  and P in registers; without, QK^T, softmax, PV in turn."""
   block_q: int = 64
   block_kv: int = 128
   slots: int = 2
+  overlap: bool = False
 
 
 DEFAULT_TILES = MosaicTiles()
@@ -284,69 +292,167 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
                             plgpu.Layout.WGMMA.reduce(1))
     acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32),
                             plgpu.Layout.WGMMA)
-    plgpu.barrier_wait(k_ready.at[0])
-    pl.when(wg == 1)(take_turn)
+    bcast = lambda x, like: lax.broadcast_in_dim(x, like.shape, [0])
 
-    def step(s, carry, masked: bool):
-      acc, m_i, l_i = carry
-      slot = lax.rem(s, jnp.int32(slots))
-
-      def qk(acc_ref):
-        plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
-        take_turn()
-        return acc_ref[...]
-
-      x = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
-      plgpu.barrier_arrive(k_free.at[slot])
-      # Base-2 softmax with the scale folded in: m is kept scaled, p = exp2(x * c - m) is an FMA.
-      # A masked tile scales first and masks to a finite MASK_VALUE: a row none of whose keys
-      # the tile shows (another segment's) then gets p = exp2(0) weights that the first visible
-      # key's larger maximum scales to zero (an FMA of the huge mask value would not cancel).
+    def softmax(x, tile, m_i, l_i, masked: bool, acc=None):
+      """A KV tile's scores -> (P in the input type, new row max, new row sum, the factor
+      that rescales the accumulator to the new max, and acc so rescaled where given); tile:
+      a callable giving the KV tile (its masks' columns). Base-2 with the scale folded in: m
+      is kept scaled, p = exp2(x * c - m) is an FMA. A masked tile scales first and masks to
+      a finite MASK_VALUE: a row none of whose keys the tile shows (another segment's) then
+      gets p = exp2(0) weights that the first visible key's larger maximum scales to zero
+      (an FMA of the huge mask value would not cancel)."""
       c = scale * _LOG2E
       if masked:
-        x = mask(x * c, tile_of(s))
+        x = mask(x * c, tile())
         m_new = jnp.maximum(m_i, x.max(axis=1))
-        p = jnp.exp2(x - lax.broadcast_in_dim(m_new, x.shape, [0]))
+        p = jnp.exp2(x - bcast(m_new, x))
       else:
         m_new = jnp.maximum(m_i, x.max(axis=1) * c)
-        p = jnp.exp2(x * c - lax.broadcast_in_dim(m_new, x.shape, [0]))
+        p = jnp.exp2(x * c - bcast(m_new, x))
       alpha = jnp.exp2(m_i - m_new)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      if acc is not None:
+        acc = acc * bcast(alpha, acc)
       l_i = l_i * alpha + p.sum(axis=1)
-      p_lo = p.astype(dtype)
-      acc, l_i, m_new, p_lo = lax.optimization_barrier((acc, l_i, m_new, p_lo))
-      plgpu.barrier_arrive(turn)
-      plgpu.barrier_wait(v_ready.at[slot])
-      plgpu.barrier_wait(turn)
+      return p.astype(dtype), m_new, l_i, alpha, acc
 
-      def pv(acc_ref):
-        if p_smem2 is None:
-          plgpu.wgmma(acc_ref, p_lo, v_smem.at[slot])
-        else:
-          p_smem2.at[wg][...] = p_lo
-          plgpu.commit_smem()
-          plgpu.wgmma(acc_ref, p_smem2.at[wg], v_smem.at[slot])
-        nxt = s + 1
+    def pv_product(acc_ref, p_lo, slot):
+      if p_smem2 is None:
+        plgpu.wgmma(acc_ref, p_lo, v_smem.at[slot])
+      else:   # interpret mode: P through shared memory
+        p_smem2.at[wg][...] = p_lo
+        plgpu.commit_smem()
+        plgpu.wgmma(acc_ref, p_smem2.at[wg], v_smem.at[slot])
 
-        @pl.when(nxt < steps)
-        def _():
-          plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(slots))])
+    def add_pv(acc, body, outs_like=()):
+      """(acc + the PV product that body(acc_ref) issues, body's outputs): natively wgmma adds
+      into the running accumulator (`run_state`, whose end awaits it; body's outputs, shaped
+      as outs_like, leave through its state); interpret mode has no run_state, so there a
+      fresh accumulator is added after."""
+      if p_smem2 is None and not outs_like:
+        return pl.run_state(body)(plgpu.ACC.init(acc)), ()
+      if p_smem2 is None:
+        def state(refs):
+          acc_ref, *out_refs = refs
+          for ref, x in zip(out_refs, body(acc_ref)):
+            ref[...] = x
 
-      if p_smem2 is None:  # wgmma adds into the running accumulator
-        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-      else:  # a fresh accumulator added after: interpret mode has no run_state
-        acc = acc + pl.run_scoped(lambda ref: pv(ref) or ref[...],
-                                  plgpu.ACC((block_q, head_dim), jnp.float32))
-      plgpu.barrier_arrive(v_free.at[slot])
-      return acc, m_new, l_i
+        acc, *outs = pl.run_state(state)((plgpu.ACC.init(acc), *outs_like))
+        return acc, tuple(outs)
+      pv, outs = pl.run_scoped(lambda ref: (lambda outs: (ref[...], outs))(body(ref) or ()),
+                               plgpu.ACC((block_q, head_dim), jnp.float32))
+      return acc + pv, outs
 
-    carry = (acc, m_i, l_i)
-    for s_lo, s_hi, masked in _step_ranges(packed, steps, lo, n1, second_start, q_start, rows,
-                                           row0, block_kv, *((unmasked_lo, unmasked_hi)
-                                                             if packed else ())):
-      carry = lax.fori_loop(s_lo, s_hi, functools.partial(step, masked=masked), carry)
-    acc, m_i, l_i = carry
-    pl.when(wg == 0)(take_turn)
+    def overlapped(acc, m_i, l_i, ranges):
+      """The walk with FlashAttention-3's intra-warpgroup overlap (`MosaicTiles.overlap`).
+      Step s issues tile s's QK^T and tile s-1's PV back to back (the accumulator takes
+      tile s-1's rescale in between), awaits only the first, and runs tile s's softmax while
+      the PV product is in flight. The warpgroups take turns issuing: turn[w] is warpgroup
+      w's, arrived at by the other once it has issued, so that one's softmax also overlaps
+      the other's products. Step 0 issues its QK^T alone, masked (the masks are exact on any
+      tile of a walk); the last PV is issued after the loop."""
+      scores = lambda: plgpu.ACC((block_q, block_kv), jnp.float32)
+
+      def issue_qk(s_ref, slot):
+        plgpu.barrier_wait(turn.at[wg])
+        plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+
+      plgpu.barrier_wait(k_ready.at[0])
+      pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))   # warpgroup 0 goes first
+
+      def first(s_ref):
+        issue_qk(s_ref, 0)
+        plgpu.barrier_arrive(turn.at[1 - wg])
+        return s_ref[...]
+
+      x = pl.run_scoped(first, scores())
+      plgpu.barrier_arrive(k_free.at[0])
+      p_lo, m_i, l_i, alpha, _ = softmax(x, lambda: tile_of(0), m_i, l_i, masked=True)
+
+      def step(s, carry, masked: bool):
+        acc, m_i, l_i, p_lo, alpha = carry
+        slot, prev = lax.rem(s, jnp.int32(slots)), lax.rem(s - 1, jnp.int32(slots))
+        tile = tile_of(s)   # outside run_state, which cannot close over constants
+        plgpu.barrier_wait(k_ready.at[slot])
+        plgpu.barrier_wait(v_ready.at[prev])
+
+        def products(s_ref):
+          issue_qk(s_ref, slot)
+
+          def pv_then_softmax(acc_ref):
+            pv_product(acc_ref, p_lo, prev)
+            plgpu.barrier_arrive(turn.at[1 - wg])
+            x = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)   # QK^T done; PV may run on
+            plgpu.barrier_arrive(k_free.at[slot])
+            return softmax(x, lambda: tile, m_i, l_i, masked)[:3]
+
+          return add_pv(acc * bcast(alpha, acc), pv_then_softmax, (p_lo, m_i, l_i))
+
+        acc, (p_new, m_new, l_new) = pl.run_scoped(products, scores())
+        plgpu.barrier_arrive(v_free.at[prev])
+        return acc, m_new, l_new, p_new, jnp.exp2(m_i - m_new)
+
+      carry = (acc, m_i, l_i, p_lo, alpha)
+      for s_lo, s_hi, masked in ranges:
+        carry = lax.fori_loop(jnp.maximum(s_lo, 1), jnp.maximum(s_hi, 1),
+                              functools.partial(step, masked=masked), carry)
+      acc, m_i, l_i, p_lo, alpha = carry
+      last = lax.rem(steps - 1, jnp.int32(slots))
+      plgpu.barrier_wait(v_ready.at[last])
+      plgpu.barrier_wait(turn.at[wg])
+
+      def pv_last(acc_ref):
+        pv_product(acc_ref, p_lo, last)
+        plgpu.barrier_arrive(turn.at[1 - wg])
+
+      acc, _ = add_pv(acc * bcast(alpha, acc), pv_last)
+      plgpu.barrier_arrive(v_free.at[last])
+      pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))   # warpgroup 1's first arrival
+      return acc, m_i, l_i
+
+    step_ranges = lambda: _step_ranges(packed, steps, lo, n1, second_start, q_start, rows,
+                                       row0, block_kv,
+                                       *((unmasked_lo, unmasked_hi) if packed else ()))
+    if tiles.overlap:
+      acc, m_i, l_i = overlapped(acc, m_i, l_i, step_ranges())
+    else:
+      plgpu.barrier_wait(k_ready.at[0])
+      pl.when(wg == 1)(take_turn)
+
+      def step(s, carry, masked: bool):
+        acc, m_i, l_i = carry
+        slot = lax.rem(s, jnp.int32(slots))
+
+        def qk(acc_ref):
+          plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+          take_turn()
+          return acc_ref[...]
+
+        x = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[slot])
+        p_lo, m_new, l_i, _, acc = softmax(x, lambda: tile_of(s), m_i, l_i, masked, acc)
+        acc, l_i, m_new, p_lo = lax.optimization_barrier((acc, l_i, m_new, p_lo))
+        plgpu.barrier_arrive(turn)
+        plgpu.barrier_wait(v_ready.at[slot])
+        plgpu.barrier_wait(turn)
+
+        def pv(acc_ref):
+          pv_product(acc_ref, p_lo, slot)
+          nxt = s + 1
+
+          @pl.when(nxt < steps)
+          def _():
+            plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(slots))])
+
+        acc, _ = add_pv(acc, pv)
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l_i
+
+      carry = (acc, m_i, l_i)
+      for s_lo, s_hi, masked in step_ranges():
+        carry = lax.fori_loop(s_lo, s_hi, functools.partial(step, masked=masked), carry)
+      acc, m_i, l_i = carry
+      pl.when(wg == 0)(take_turn)
     acc = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
     qo_smem[...] = acc.astype(dtype)
     if lse_ref is not None:
@@ -361,10 +467,10 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
   def _memory():
     plgpu.set_max_registers(40, action="decrease")
 
-    def load(s, slot):
+    def load(s, slot, parts=((k_ref, k_smem, k_ready), (v_ref, v_smem, v_ready))):
       rows_kv = pl.ds(tile_of(s) * block_kv, block_kv)
-      plgpu.copy_gmem_to_smem(k_ref.at[b, rows_kv, kv_head], k_smem.at[slot], k_ready.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[b, rows_kv, kv_head], v_smem.at[slot], v_ready.at[slot])
+      for src, dst, ready_ in parts:
+        plgpu.copy_gmem_to_smem(src.at[b, rows_kv, kv_head], dst.at[slot], ready_.at[slot])
 
     for i in range(slots):
       pl.when(i < steps)(functools.partial(load, jnp.int32(i), i))
@@ -372,9 +478,15 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
     @pl.loop(0, jnp.maximum(steps - slots, 0))
     def _(s):
       slot = lax.rem(s, jnp.int32(slots))
-      plgpu.barrier_wait(k_free.at[slot])
-      plgpu.barrier_wait(v_free.at[slot])
-      load(s + slots, slot)
+      if tiles.overlap:   # a step's K is released a step before its V: load each when free
+        plgpu.barrier_wait(k_free.at[slot])
+        load(s + slots, slot, ((k_ref, k_smem, k_ready),))
+        plgpu.barrier_wait(v_free.at[slot])
+        load(s + slots, slot, ((v_ref, v_smem, v_ready),))
+      else:
+        plgpu.barrier_wait(k_free.at[slot])
+        plgpu.barrier_wait(v_free.at[slot])
+        load(s + slots, slot)
 
     @pl.loop(jnp.maximum(steps - slots, 0), steps)
     def _(s):  # observe the last releases too, so every barrier phase is consumed
@@ -456,7 +568,9 @@ def _call(q, k, v, modes, *, streaming: Streaming, tiles: MosaicTiles, scale, in
          plgpu.Barrier(num_barriers=_COMPUTE_WGS),
          plgpu.Barrier(num_barriers=_COMPUTE_WGS * _ROW_FIELDS) if packed else None),
         (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=slots),) * 2,
-        plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
+        # The warpgroups' turns: one barrier both arrive at, or with `overlap` one each.
+        plgpu.Barrier(num_barriers=_COMPUTE_WGS) if tiles.overlap else plgpu.Barrier(
+            num_arrivals=_COMPUTE_WGS),
         collective_axes="wg",
     )
 
