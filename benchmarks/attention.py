@@ -95,7 +95,7 @@ class Bench:
   train_tiles: tuple = ()  # extra training variants: "FWD/DQ/DKV", each BQxBKxS[xWARPS]
   impl: str = "auto"       # ours: hybrid_attention(attn_impl=...)
   also: tuple = ()         # other impls timed beside it (forward)
-  mosaic_tiles: tuple = ()  # Mosaic GPU kernel variants, (block_q, block_kv, slots) each
+  mosaic_tiles: tuple = ()  # Mosaic GPU kernel variants, "BQxBKVxSLOTS[+overlap]" each
   triton_training: bool = False  # on Hopper, also train through the Triton training kernels
 
   @property
@@ -149,10 +149,12 @@ class Bench:
                                      num_stages=stages, num_warps=warps[0] if warps else None,
                                      interpret=self.dry_run))
 
-  def mosaic(self, tiles):
+  def mosaic(self, spec: str):
+    sizes, *flags = spec.split("+")
+    tiles = mosaic_gpu.MosaicTiles(*(int(x) for x in sizes.split("x")),
+                                   overlap="overlap" in flags)
     return jax.jit(functools.partial(mosaic_gpu.hybrid_forward_hard, streaming=self.st,
-                                     tiles=mosaic_gpu.MosaicTiles(*tiles),
-                                     interpret=self.dry_run))
+                                     tiles=tiles, interpret=self.dry_run))
 
   def variants(self) -> dict:
     """Forward variants timed beside ours: name -> (row key, fn(q, k, v, gate))."""
@@ -161,9 +163,8 @@ class Bench:
     out.update({f"ours, tiles {'x'.join(map(str, tl))}": (f"ours[{'x'.join(map(str, tl))}]",
                                                            self.tiled(tl))
                 for tl in self.tiles})
-    out.update({f"ours, mosaic {'x'.join(map(str, tl))}":
-                (f"ours_mosaic[{'x'.join(map(str, tl))}]", self.mosaic(tl))
-                for tl in self.mosaic_tiles})
+    out.update({f"ours, mosaic {spec}": (f"ours_mosaic[{spec}]", self.mosaic(spec))
+                for spec in self.mosaic_tiles})
     return out
 
   def triton_trained(self):
@@ -574,8 +575,10 @@ def parse_args(argv=None):
                  help="ours: hybrid_attention(attn_impl=...) (auto, pallas_gpu, mosaic_gpu)")
   p.add_argument("--also", nargs="+", default=[], metavar="IMPL",
                  help="also time the forward of these impls, e.g. pallas_gpu")
-  p.add_argument("--mosaic-tiles", nargs="+", default=[], metavar="BQxBKVxSLOTS",
-                 help="also time the Mosaic GPU kernel alone with these tiles, e.g. 64x128x2")
+  p.add_argument("--mosaic-tiles", nargs="+", default=[], metavar="BQxBKVxSLOTS[+overlap]",
+                 help="also time the Mosaic GPU kernel alone with these tiles, e.g. 64x128x2; "
+                      "+overlap: FlashAttention-3's intra-warpgroup overlap "
+                      "(mosaic_gpu.MosaicTiles.overlap)")
   p.add_argument("--train-tiles", nargs="+", default=[], metavar="FWD/DQ/DKV",
                  help="also time training with these tiles of the training forward, dQ and "
                       "dK/dV kernels, each BQxBKxSTAGES[xWARPS], e.g. 128x64x3/64x64x2/64x64x2")
@@ -612,10 +615,11 @@ def parse_args(argv=None):
     if impl not in HYBRID_IMPLS:
       p.error(f"--attn-impl/--also {impl}: unknown (known: {', '.join(sorted(HYBRID_IMPLS))})")
   for spec in args.mosaic_tiles:
-    parts = spec.split("x")
-    if len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts):
-      p.error(f"--mosaic-tiles {spec}: expected BQxBKVxSLOTS, e.g. 64x128x2")
-  args.mosaic_tiles = [tuple(int(x) for x in spec.split("x")) for spec in args.mosaic_tiles]
+    sizes, *flags = spec.split("+")
+    parts = sizes.split("x")
+    if (len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts)
+        or not set(flags) <= {"overlap"}):
+      p.error(f"--mosaic-tiles {spec}: expected BQxBKVxSLOTS[+overlap], e.g. 64x128x2+overlap")
   for spec in args.train_tiles:
     parts = [x.split("x") for x in spec.split("/")]
     if len(parts) != 3 or not all(len(x) in (3, 4) and all(y.isdigit() and int(y) > 0
@@ -673,7 +677,8 @@ def main(argv=None):
 
   t_check = min(args.lengths + ([] if args.skip_train else args.train_lengths))
   report["check"], working = check(b, t_check, streams, train_streams[0])
-  runs = lambda what, tl: f"ours, {what} {'x'.join(map(str, tl))}" in working
+  runs = lambda what, tl: (f"ours, {what} "
+                           f"{tl if isinstance(tl, str) else 'x'.join(map(str, tl))}" in working)
   b = dataclasses.replace(b, tiles=tuple(tl for tl in b.tiles if runs("tiles", tl)),
                           mosaic_tiles=tuple(tl for tl in b.mosaic_tiles if runs("mosaic", tl)),
                           also=tuple(i for i in b.also if f"ours, {i}" in working))

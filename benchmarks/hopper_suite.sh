@@ -8,6 +8,10 @@
 #   tests      the Mosaic GPU kernel tests natively (forward, XAttention, training kernels,
 #              packed rows) against the float32 reference
 #   tests-triton  the Triton, packed-row and XAttention kernel tests natively
+#   overlap    the forward's overlapped schedule (`MosaicTiles(overlap=True)`): its tests
+#              natively, kernel_profile.py of the forward kernels in both schedules with the
+#              register and spill report, attention.py's forward at 32K and 128K (MSR 0, 0.75
+#              and 1) with both schedules' rows side by side
 #   profile    benchmarks/kernel_profile.py per Mosaic kernel at 32K (MSR 0.75, gates 0.5,
 #              fa-xa at density 0.5), with the compiler's register and spill report
 #   attention  benchmarks/attention.py at 32K and 128K (MSR 0.75), training at 64K, with the
@@ -19,7 +23,8 @@ set -u
 out=${1:?usage: hopper_suite.sh OUT [STAGE ...]}
 shift
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(tests tests-triton profile attention xattention packed)
+[ ${#stages[@]} -eq 0 ] && stages=(tests tests-triton overlap profile attention xattention
+                                    packed)
 mkdir -p "$out"
 export JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -42,6 +47,19 @@ for stage in "${stages[@]}"; do
     tests-triton)
       run tests-triton 560 "$py" -m pytest -q -p no:cacheprovider tests/test_pallas_gpu.py \
         tests/test_packed_kernels.py tests/test_xattention.py ;;
+    overlap)
+      run overlap-tests 150 "$py" -m pytest -q -p no:cacheprovider tests/test_mosaic_gpu.py \
+        tests/test_mosaic_gpu_training.py -k "overlap or lower"
+      for args in "forward" "forward --overlap" "xa" "xa --overlap" "train_forward" \
+                  "train_forward --overlap"; do
+        name=overlap_profile_$(echo "$args" | tr -d ' -')
+        mkdir -p "$out/ptxas_$name"
+        MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$out/ptxas_$name" \
+          run "$name" 40 "$py" benchmarks/kernel_profile.py --kernel $args
+      done
+      run overlap-attention 200 "$py" benchmarks/attention.py --lengths 32768 131072 \
+        --msr 0.75 --skip-train --skip-torch --mosaic-tiles 64x128x2 64x128x2+overlap \
+        --seconds 1 --reps 5 --json "$out/overlap_attention.json" ;;
     profile)
       for args in "forward" "xa" "train_forward" "dq" "dkv" "dq --mixed" "dkv --mixed" \
                   "train_forward --xa" "dq --xa" "dkv --xa" "dq --xa --mixed" "dkv --xa --mixed"; do
@@ -61,8 +79,8 @@ for stage in "${stages[@]}"; do
       run packed 560 "$py" benchmarks/packed_attention.py --mosaic-training --reps 5 \
         --seconds 1 ;;
     *)
-      echo "unknown stage '$stage' (tests, tests-triton, profile, attention, xattention," \
-        "packed)" >&2
+      echo "unknown stage '$stage' (tests, tests-triton, overlap, profile, attention," \
+        "xattention, packed)" >&2
       exit 2 ;;
   esac
 done

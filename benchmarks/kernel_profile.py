@@ -2,7 +2,7 @@
 and its time and TFLOP/s beside the device's bf16 matrix-product rate.
 
     python benchmarks/kernel_profile.py --kernel dq [--length 32768] [--msr 0.75 | --mixed]
-        [--xa --density 0.5]
+        [--xa --density 0.5] [--overlap]
     ncu --clock-control none --section LaunchStats --section SpeedOfLight --section Occupancy \\
         --launch-skip 2 --launch-count 1 python benchmarks/kernel_profile.py --kernel dkv --reps 1
     MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=dump python benchmarks/kernel_profile.py \\
@@ -16,6 +16,8 @@ Kernels (elastic_jax/attention/mosaic_gpu.py, mosaic_gpu_backward.py):
   train_forward  the training forward: every head full, then every head streaming, with
                  log-sum-exps (`forward_train`; two launches)
   dq, dkv        the backward kernels on `forward_train`'s residuals
+--overlap runs the forward kernels (forward, xa, train_forward) with FlashAttention-3's
+intra-warpgroup overlap (`mosaic_gpu.MosaicTiles(overlap=True)`).
 --xa runs the training kernels under "fa-xa" (`xa_forward_train`, the backward kernels with
 the kept-block lists): the streaming heads become XA heads on random kept blocks of --density.
 Shape: B = 1, 32 query / 8 KV heads, head_dim 128, bf16; SSA sink 1 + local 16 blocks of 128.
@@ -56,6 +58,8 @@ def main(argv=None):
                  help="kept XA blocks (--kernel xa, --xa)")
   p.add_argument("--xa", action="store_true",
                  help="training kernels under fa-xa: streaming heads become XA heads")
+  p.add_argument("--overlap", action="store_true",
+                 help="forward kernels: the overlapped schedule (MosaicTiles.overlap)")
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--dry-run", action="store_true")
   args = p.parse_args(argv)
@@ -65,6 +69,9 @@ def main(argv=None):
     p.error("--mixed: the inference kernels take gates of 0 or 1 only")
   if args.xa and args.kernel in ("forward", "xa"):
     p.error("--xa is for the training kernels (--kernel xa times the inference forward)")
+  if args.overlap and args.kernel in ("dq", "dkv"):
+    p.error("--overlap is a schedule of the forward kernels (forward, xa, train_forward)")
+  tiles = mosaic_gpu.MosaicTiles(overlap=args.overlap)
   n, kh, d, st, t = 32, 8, 128, Streaming(1, 16, 128), args.length
   interpret = args.dry_run
   if args.dry_run:
@@ -84,17 +91,19 @@ def main(argv=None):
   keep = jax.random.bernoulli(keys[3], args.density, (1, kh, nb, nb)) | jnp.eye(nb, dtype=bool)
   if args.kernel == "forward":
     run, operands = jit(lambda q, k, v: mosaic_gpu.hybrid_forward_hard(
-        q, k, v, gate, st, interpret=interpret)), (q, k, v)
+        q, k, v, gate, st, tiles=tiles, interpret=interpret)), (q, k, v)
   elif args.kernel == "xa":
     run, operands = jit(lambda q, k, v: mosaic_gpu.xa_forward_hard(
-        q, k, v, gate, keep, st, patterns="fa-xa", xa_block=128, interpret=interpret)), (q, k, v)
+        q, k, v, gate, keep, st, patterns="fa-xa", xa_block=128, tiles=tiles,
+        interpret=interpret)), (q, k, v)
   else:
     if args.xa:
       forward_train = jit(lambda q, k, v: mosaic_gpu.xa_forward_train(
-          q, k, v, gate, keep, st, patterns="fa-xa", xa_block=128, interpret=interpret))
+          q, k, v, gate, keep, st, patterns="fa-xa", xa_block=128, tiles=tiles,
+          interpret=interpret))
     else:
-      forward_train = jit(lambda q, k, v: mosaic_gpu.forward_train(q, k, v, gate, st,
-                                                                   interpret=interpret))
+      forward_train = jit(lambda q, k, v: mosaic_gpu.forward_train(
+          q, k, v, gate, st, tiles=tiles, interpret=interpret))
     if args.kernel == "train_forward":
       run, operands = forward_train, (q, k, v)
     else:
@@ -137,6 +146,7 @@ def main(argv=None):
   print(f"{jax.devices()[0].device_kind}: {args.kernel} T={t} "
         + ("gates 0.5" if args.mixed else f"MSR {streams / kh:g}")
         + (f", fa-xa at density {args.density:g}" if args.xa else "")
+        + (", overlapped" if args.overlap else "")
         + f": {sec * 1e3:.3f} ms (median of {args.reps}), {flops / sec / 1e12:.1f} TFLOP/s"
         + (" (dry run: interpret mode, times mean nothing)" if args.dry_run else ""))
 

@@ -9,6 +9,16 @@ INTERPRET = jax.default_backend() != "gpu"
 TOL = {jnp.bfloat16: 3e-2, jnp.float16: 5e-3}
 
 
+def schedule_id(x):
+  """Test ids naming the Mosaic forward's schedule ("overlap" or "default": `pytest -k overlap`
+  picks the overlapped schedule's cases); None for other parameters (pytest's own ids)."""
+  if isinstance(x, bool):
+    return "overlap" if x else "default"
+  if hasattr(x, "overlap"):
+    return "overlap" if x.overlap else "default"
+  return None
+
+
 def qkv(b, t, n, k, d, dtype, seed=0):
   keys = jax.random.split(jax.random.key(seed), 3)
   return tuple(jax.random.normal(kk, (b, t, h, d), jnp.float32).astype(dtype)

@@ -1,8 +1,11 @@
 """The Mosaic GPU inference forward against the reference: GPU interpret mode on CPU, native on
 a GPU. Interpret mode runs everything but the two places the interpreter lacks (a register
 operand for wgmma and run_state: there P goes through shared memory), so the schedule, the
-pipeline's barriers, the masks and the softmax are the native code's. The training kernels'
-tests are in test_mosaic_gpu_training.py.
+pipeline's barriers, the masks and the softmax are the native code's (and the wgmma waits of
+the overlapped schedule are no-ops). Cases run the default schedule or the overlapped one
+(`MosaicTiles.overlap`; `pytest -k overlap` picks the latter). What the interpreter skips is
+checked by lowering every kernel for CUDA (`test_kernels_lower_for_the_gpu`). The training
+kernels' tests are in test_mosaic_gpu_training.py.
 
 Tolerances against the float32 reference: max |diff| <= 3e-2 for bfloat16 inputs, 5e-3 for
 float16 (both kernels round P to the input type before the PV product).
@@ -12,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mosaic_tools import INTERPRET, TOL, kept_blocks, packed_row, qkv
+from mosaic_tools import INTERPRET, TOL, kept_blocks, packed_row, qkv, schedule_id
 
 from elastic_jax import hybrid_attention
 from elastic_jax.attention import Streaming, mosaic_gpu
@@ -44,23 +47,24 @@ def test_walk_visits_exactly_the_needed_tiles_and_masks_only_the_last(rows, bloc
       assert tiles[len(tiles) - len(later):] == later, (q_start, mode)
 
 
-OVERLAP = mosaic_gpu.MosaicTiles(overlap=True)
+DEFAULT, OVERLAP = mosaic_gpu.DEFAULT_TILES, mosaic_gpu.MosaicTiles(overlap=True)
 
 
 @pytest.mark.parametrize("b,t,n,k,d,gates,st,dtype,tiles", [
-    (1, 512, 4, 2, 64, [[0.0, 1.0]], Streaming(1, 1, 128), jnp.bfloat16, None),  # G = 2: pairs
-    (1, 300, 2, 2, 128, [[1.0, 0.0]], Streaming(1, 1, 128), jnp.bfloat16, None),  # G = 1, pad
-    (2, 384, 4, 1, 64, [[0.0], [1.0]], Streaming(1, 1, 128), jnp.float16, None),  # G = 4
+    # G = 2: head pairs; G = 1 with T padded inside; G = 4 over a batch of two, in float16.
+    (1, 512, 4, 2, 64, [[0.0, 1.0]], Streaming(1, 1, 128), jnp.bfloat16, DEFAULT),
+    (1, 300, 2, 2, 128, [[1.0, 0.0]], Streaming(1, 1, 128), jnp.bfloat16, DEFAULT),
+    (2, 384, 4, 1, 64, [[0.0], [1.0]], Streaming(1, 1, 128), jnp.float16, DEFAULT),
     # The overlapped schedule (`MosaicTiles.overlap`): G = 1 with padding, G = 4 in float16.
     (1, 300, 2, 2, 128, [[0.0, 1.0]], Streaming(1, 1, 128), jnp.bfloat16, OVERLAP),
     (2, 384, 4, 1, 64, [[1.0], [0.0]], Streaming(1, 1, 128), jnp.float16, OVERLAP),
-])
+], ids=schedule_id)
 def test_forward_matches_reference(b, t, n, k, d, gates, st, dtype, tiles):
   q, kk, v = qkv(b, t, n, k, d, dtype)
   gate = jnp.asarray(gates, jnp.float32)
   want = dense_hybrid_attention(*(x.astype(jnp.float32) for x in (q, kk, v)), gate, st)
   got = mosaic_gpu.hybrid_forward_hard(q, kk, v, gate, st, interpret=INTERPRET,
-                                       tiles=tiles or mosaic_gpu.DEFAULT_TILES)
+                                       tiles=tiles)
   assert got.shape == q.shape and got.dtype == dtype
   err = float(jnp.abs(got.astype(jnp.float32) - want).max())
   assert err <= TOL[dtype], err
@@ -118,10 +122,10 @@ def test_applies_only_where_its_layout_holds():
 @pytest.mark.parametrize("n,k,d,lengths,st,tiles", [
     # G = 2, head_dim 128: rows of later segments whose first tiles hold none of their keys
     # (the masked-tile softmax must cancel exactly), T padded inside.
-    (4, 2, 128, [37, 300, 250, 180, 101], Streaming(1, 1, 128), None),
+    (4, 2, 128, [37, 300, 250, 180, 101], Streaming(1, 1, 128), DEFAULT),
     # G = 1: two row tiles a program; the overlapped schedule.
     (2, 2, 64, [200, 3, 190, 119], Streaming(2, 1, 128), OVERLAP),
-])
+], ids=schedule_id)
 def test_packed_forward_matches_reference(n, k, d, lengths, st, tiles):
   """Packed rows on the Mosaic GPU forward: segments of odd lengths, gates per (segment, KV
   head) in every full/streaming combination (tiles whose rows are routed differently)."""
@@ -130,7 +134,7 @@ def test_packed_forward_matches_reference(n, k, d, lengths, st, tiles):
   q, kk, v = qkv(1, seg.shape[1], n, k, d, jnp.bfloat16, seed=d)
   assert bool(mosaic_gpu.packed_rows_apply(seg, pos, gate))
   got = mosaic_gpu.packed_forward_hard(q, kk, v, gate, seg, pos, st, interpret=INTERPRET,
-                                       tiles=tiles or mosaic_gpu.DEFAULT_TILES)
+                                       tiles=tiles)
   up = [x.astype(jnp.float32) for x in (q, kk, v)]
   want = hybrid_attention(*up, gate, sink_blocks=st.sink_blocks, local_blocks=st.local_blocks,
                           block=st.block, segment_ids=seg, positions=pos)
@@ -148,11 +152,11 @@ def test_packed_rows_apply_only_to_hard_gates_and_counting_positions():
 
 
 @pytest.mark.parametrize("b,t,n,k,xa_block,patterns,gates,tiles", [
-    (1, 700, 2, 2, 256, "fa-xa", [[0.0, 1.0]], None),  # G = 1 (128 rows a program), 2 tiles a
-                                                       # block
-    (2, 400, 4, 1, 128, "xa-ssa", [[1.0], [0.0]], OVERLAP),  # G = 4, head pairs, padded T;
-                                                             # the overlapped schedule
-])
+    # G = 1 (128 rows a program), 2 tiles a block
+    (1, 700, 2, 2, 256, "fa-xa", [[0.0, 1.0]], DEFAULT),
+    # G = 4, head pairs, padded T; the overlapped schedule
+    (2, 400, 4, 1, 128, "xa-ssa", [[1.0], [0.0]], OVERLAP),
+], ids=schedule_id)
 def test_xa_heads_walk_their_kept_blocks(b, t, n, k, xa_block, patterns, gates, tiles):
   """XAttention heads in the Mosaic GPU forward: the heads of XA's mode visit their kept
   blocks' tiles (read from the block lists at run time), the others their full or streaming
@@ -163,7 +167,7 @@ def test_xa_heads_walk_their_kept_blocks(b, t, n, k, xa_block, patterns, gates, 
   gate = jnp.asarray(gates, jnp.float32)
   got = mosaic_gpu.xa_forward_hard(q, kk, v, gate, keep, st, patterns=patterns,
                                    xa_block=xa_block, interpret=INTERPRET,
-                                   tiles=tiles or mosaic_gpu.DEFAULT_TILES)
+                                   tiles=tiles)
   up = [x.astype(jnp.float32) for x in (q, kk, v)]
   ref = lambda g: dense_hybrid_attention(*up, g, st, patterns=patterns, xa_keep=keep,
                                          xa_block=xa_block)
@@ -210,7 +214,7 @@ def test_kernels_lower_for_the_gpu():
   xa = dict(patterns="fa-xa", xa_block=xb)
   mg = mosaic_gpu
   cases = []
-  for tiles in (mg.DEFAULT_TILES, OVERLAP):
+  for tiles in (DEFAULT, OVERLAP):
     cases += [
         (lambda q, k, v, g, tiles=tiles: mg.hybrid_forward_hard(q, k, v, g, st, tiles=tiles),
          (q, k, k, gate), 1),

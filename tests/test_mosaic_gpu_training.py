@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mosaic_tools import INTERPRET, TOL, kept_blocks, packed_row, qkv
+from mosaic_tools import INTERPRET, TOL, kept_blocks, packed_row, qkv, schedule_id
 
 from elastic_jax import hybrid_attention
 from elastic_jax.attention import Streaming, mosaic_gpu
@@ -75,7 +75,7 @@ def test_training_default_is_mosaic_natively_and_triton_in_interpret_mode(kernel
     # G = 1 (two row tiles a dQ program), head_dim 128, a sink of two blocks: a full and a
     # mixed head.
     (1, 400, 2, 2, 128, [[1.0, 0.6]], Streaming(2, 1, 128), False),
-])
+], ids=schedule_id)
 def test_mosaic_training_kernels_match_reference_gradients(kernel_calls, strict_reads, b, t, n,
                                                            k, d, gates, st, overlap):
   """make_hybrid(training="mosaic"): the training forward (every head's O_FA and O_SSA with
@@ -298,7 +298,7 @@ def test_mosaic_training_kernels_on_packed_rows(kernel_calls, strict_reads):
     # and window, where the patterns differ); the forward's overlapped schedule.
     ("xa-ssa", 2, 2, [([300, 140, 60], ((0.4, 1.0), (1.0, 0.0), (0.0, 0.7))),
                       ([260, 5, 235], ((1.0, 0.5), (0.0, 0.0), (0.3, 1.0)))], 256, True),
-])
+], ids=schedule_id)
 def test_mosaic_training_kernels_on_packed_rows_under_xattention(kernel_calls, strict_reads,
                                                                  patterns, n, k, rows,
                                                                  xa_block, overlap):
