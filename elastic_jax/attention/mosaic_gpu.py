@@ -624,9 +624,12 @@ def xa_applies(q_shape, k_shape, dtype, streaming: Streaming, xa_block: int,
                tiles: MosaicTiles = DEFAULT_TILES) -> bool:
   """Whether this kernel takes XAttention heads of `xa_block`-token blocks for these shapes:
   `applies`, and blocks made of whole KV tiles and whole programs' rows."""
-  rows = _rows_per_program(q_shape[2] // k_shape[2], tiles)
-  return (applies(q_shape, k_shape, dtype, streaming, tiles) and xa_block % tiles.block_kv == 0
-          and xa_block % rows == 0)
+  return (applies(q_shape, k_shape, dtype, streaming, tiles)
+          and _xa_tiles_fit(q_shape[2] // k_shape[2], xa_block, tiles))
+
+
+def _xa_tiles_fit(groups: int, xa_block: int, tiles: MosaicTiles) -> bool:
+  return xa_block % tiles.block_kv == 0 and xa_block % _rows_per_program(groups, tiles) == 0
 
 
 @functools.partial(jax.jit, static_argnames=("streaming", "patterns", "xa_block", "tiles",
@@ -765,10 +768,12 @@ def _training_length(t: int, groups: int, tiles: MosaicTiles, backward_tiles: Ba
 
 def _forward_train(q, k, v, gate_bk, streaming, tiles, backward_tiles, interpret, xa=None):
   """`forward_train`; under the XAttention settings xa = (`XATerms`, `common.xa_operands`'s
-  lists), and a launch whose pattern is "xa" walks every head's kept blocks."""
+  lists; its blocks span the padded length), and a launch whose pattern is "xa" walks every
+  head's kept blocks."""
   b, t, n, d = q.shape
   kh = k.shape[2]
-  tp = _training_length(t, n // kh, tiles, backward_tiles, xa[0].block if xa else 1)
+  tp = (xa[0].num_blocks * xa[0].block if xa
+        else _training_length(t, n // kh, tiles, backward_tiles))
   qp, kp, vp = (pad_to(x, 1, tp) for x in (q, k, v))
 
   def run(term, mode, q, k, v):
@@ -815,11 +820,17 @@ def xa_trains(q_shape, k_shape, dtype, streaming: Streaming, xa_block: int,
               tiles: MosaicTiles = DEFAULT_TILES,
               backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES) -> bool:
   """Whether the Mosaic GPU training kernels take the XAttention settings with blocks of
-  `xa_block` tokens: `trains`, `xa_applies`, and blocks made of whole programs of both
-  backward kernels."""
-  groups = q_shape[2] // k_shape[2]
+  `xa_block` tokens: `trains` and `_xa_blocks_fit`."""
   return (trains(q_shape, k_shape, dtype, streaming, tiles, backward_tiles)
-          and xa_applies(q_shape, k_shape, dtype, streaming, xa_block, tiles)
+          and _xa_blocks_fit(q_shape, k_shape, xa_block, tiles, backward_tiles))
+
+
+def _xa_blocks_fit(q_shape, k_shape, xa_block: int, tiles: MosaicTiles,
+                   backward_tiles: BackwardTiles) -> bool:
+  """XAttention blocks made of whole KV tiles and whole programs of the forward
+  (`_xa_tiles_fit`) and of both backward kernels."""
+  groups = q_shape[2] // k_shape[2]
+  return (_xa_tiles_fit(groups, xa_block, tiles)
           and all(xa_block % x == 0
                   for x in mosaic_gpu_backward.program_sizes(groups, backward_tiles)))
 
@@ -1247,7 +1258,7 @@ def _packed_xa_trains(q_shape, k_shape, dtype, streaming, xa_block, tiles, backw
   query block's every tile (packed rows cannot pad further: the Triton path's residuals fix
   the layout); other lengths take the Triton kernels."""
   return (_packed_trains(q_shape, k_shape, dtype, streaming, tiles, backward_tiles)
-          and xa_trains(q_shape, k_shape, dtype, streaming, xa_block, tiles, backward_tiles)
+          and _xa_blocks_fit(q_shape, k_shape, xa_block, tiles, backward_tiles)
           and -(-q_shape[1] // 128) * 128 % xa_block == 0)
 
 
