@@ -142,6 +142,56 @@ def test_packed_forward_matches_reference(n, k, d, lengths, st, tiles):
   assert err <= TOL[jnp.bfloat16], err
 
 
+@pytest.mark.parametrize("patterns,n,k,rows,xa_block,tiles", [
+    # G = 2, one row, blocks of 128: XA segments longer than two blocks ending inside a
+    # program that a full segment shares (its XA rows' kept blocks masked in), segments of
+    # one pattern per head, a program of XA rows only.
+    ("fa-xa", 4, 2, [([128, 300, 40, 150, 90],
+                      ((1.0, 0.0), (0.0, 1.0), (1.0, 0.0), (1.0, 1.0), (0.0, 1.0)))], 128,
+     DEFAULT),
+    # G = 1 (128 rows a program), two rows, blocks of 256, through the op's builder (hard
+    # gates: this kernel at run time); the overlapped schedule.
+    ("xa-ssa", 2, 2, [([300, 140, 60], ((0.0, 1.0), (1.0, 0.0), (0.0, 0.0))),
+                      ([260, 5, 235], ((1.0, 1.0), (0.0, 0.0), (0.0, 1.0)))], 256, OVERLAP),
+], ids=schedule_id)
+def test_packed_xa_forward_matches_reference(monkeypatch, patterns, n, k, rows, xa_block,
+                                             tiles):
+  """Packed rows under the XAttention settings in one launch, each row on its gate's pattern
+  (`packed_xa_forward_hard`), against the float32 reference on the same kept blocks (random,
+  plus those the selection forces); the complementary kept blocks and the swapped gates must
+  be far off."""
+  from elastic_jax.attention.xattention import XAttention, forced_blocks
+  st = Streaming(1, 1, 128)
+  built = [packed_row(lengths, [np.asarray(c) for c in gates], k) for lengths, gates in rows]
+  seg, pos, gate = (jnp.concatenate(x) for x in zip(*built))
+  b, t = seg.shape
+  q, kk, v = qkv(b, t, n, k, 64, jnp.bfloat16, seed=t)
+  keep = kept_blocks(b, k, t, xa_block, seed=5) | forced_blocks(
+      t, XAttention(block=xa_block), seg, b)[:, None]
+  if len(rows) == 1:
+    got = mosaic_gpu.packed_xa_forward_hard(q, kk, v, gate, seg, pos, keep, st,
+                                            patterns=patterns, xa_block=xa_block, tiles=tiles,
+                                            interpret=INTERPRET)
+  else:   # eagerly, so that the run-time choice runs one branch: this kernel's
+    ran = []
+    real = mosaic_gpu.packed_xa_forward_hard
+    monkeypatch.setattr(mosaic_gpu, "packed_xa_forward_hard",
+                        lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    fn = mosaic_gpu.make_packed_xa_hybrid(tiles)
+    with jax.disable_jit():
+      got = fn(q, kk, v, gate, seg, pos, keep, st, patterns, xa_block, INTERPRET)
+    assert ran
+  up = [x.astype(jnp.float32) for x in (q, kk, v)]
+  ref = lambda kept, g: hybrid_attention(*up, g, sink_blocks=1, local_blocks=1, block=128,
+                                         segment_ids=seg, positions=pos, patterns=patterns,
+                                         xa_keep=kept, xa_block=xa_block)
+  diff = lambda want: float(jnp.abs(got.astype(jnp.float32) - want).max())
+  assert diff(ref(keep, gate)) <= TOL[jnp.bfloat16]
+  other = ~keep | jnp.eye(keep.shape[-1], dtype=bool)[None, None]
+  assert diff(ref(other, gate)) > 10 * TOL[jnp.bfloat16]
+  assert diff(ref(keep, 1.0 - gate)) > 10 * TOL[jnp.bfloat16]
+
+
 def test_packed_rows_apply_only_to_hard_gates_and_counting_positions():
   seg, pos, gate = packed_row([5, 7], [np.ones(2), np.zeros(2)], 2)
   assert bool(mosaic_gpu.packed_rows_apply(seg, pos, gate))
@@ -223,6 +273,8 @@ def test_kernels_lower_for_the_gpu():
         (lambda q, k, v, g, sg, tiles=tiles: mg.packed_forward_hard(q, k, v, g, sg, sg, st,
                                                                    tiles=tiles),
          (q, k, k, gate_rows, seg), 1),
+        (lambda q, k, v, g, sg, kp, tiles=tiles: mg.packed_xa_forward_hard(
+            q, k, v, g, sg, sg, kp, st, tiles=tiles, **xa), (q, k, k, gate_rows, seg, keep), 1),
         (lambda q, k, v, g, tiles=tiles: mg.forward_train(q, k, v, g, st, tiles=tiles),
          (q, k, k, gate), 2)]
   cases += [

@@ -25,7 +25,8 @@ positions) run on the packed kernels (`pallas_gpu.make_packed_hybrid`, whose inf
 forward and training kernels mosaic_gpu replaces by its own where gates are hard (forward)
 and positions count up, and
 `pallas_tpu.fused_packed_hybrid`), under the XAttention settings too
-(`pallas_gpu.make_packed_xa_hybrid`, `pallas_tpu.fused_packed_hybrid(xa=True)`).
+(`pallas_gpu.make_packed_xa_hybrid`, likewise replaced by `mosaic_gpu.make_packed_xa_hybrid`,
+and `pallas_tpu.fused_packed_hybrid(xa=True)`).
 """
 
 import functools

@@ -37,7 +37,9 @@ window's edges fall on tile edges, and G even or 1. T is padded inside. Interpre
 
 Packed rows (segment ids and positions, `packed_forward_hard`, end of this file): the walk
 starts at the tile of the segment start of the program's first row (`common.packed_plan`),
-and masked tiles compare each key with three per-row bounds; see the section there. Their
+and masked tiles compare each key with three per-row bounds; see the section there. Under the
+XAttention settings (`packed_xa_forward_hard`) the programs of XA rows walk their kept-block
+lists in the same launch. Their
 training (`packed_forward_train`, `packed_backward`; under the XAttention settings
 `packed_xa_forward_train`, `packed_xa_backward`) is chosen as the unpacked one's.
 
@@ -150,10 +152,13 @@ def walk(q_start, rows: int, mode, streaming: Streaming, block_kv: int):
 class XAWalk:
   """How the kernel reads XAttention heads: the head mode that XA takes (MODE_SPARSE under
   "fa-xa", MODE_FULL under "xa-ssa"), the XA block in tokens (a multiple of the KV tile and of
-  the rows per program) and the number of blocks per kept-block list."""
+  the rows per program) and the number of blocks per kept-block list. Packed rows: `mixed`
+  when rows of both patterns share the launch (`packed_xa_forward_hard`), else every row is
+  an XA row (the training forward's XA launch)."""
   mode: int
   block: int
   num_blocks: int
+  mixed: bool = False
 
 
 def xa_walk(q_start, rows: int, count, xa_block: int, block_kv: int):
@@ -196,7 +201,9 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
   mask the causal diagonal; packed rows walk their precomputed `packed_walk` (plan_ref: its
   six fields' arrays) and mask every tile outside its unmasked range with per-row bounds
   (rows_ref); with `xa` there (every row XA, `packed_xa_walk`) the walk's first piece reads
-  list positions through the kept-block list, all of it masked."""
+  list positions through the kept-block list, all of it masked; with `xa.mixed`, only the
+  programs flagged by the walk's seventh field do, and XA rows (`_row_bounds`) see the keys
+  of kept blocks (read from the dense keep array, xa_refs' second)."""
   (qo_smem2, k_smem, v_smem, p_smem2, rows_smem2, lse_smem2), ready, (k_free, v_free), turn = (
       scoped)
   out_ref, lse_ref = out_refs
@@ -219,15 +226,18 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
   q_start = qt * rows
   if packed:   # the program's walk, precomputed (`packed_walk`), one array per field
     at = (b * num_kv_heads + kv_head) * num_q_tiles + qt
-    steps, lo, n1, second_start, unmasked_lo, unmasked_hi = (ref[at] for ref in plan_ref)
+    steps, lo, n1, second_start, unmasked_lo, unmasked_hi = (ref[at] for ref in plan_ref[:6])
     tile_of = lambda s: _tile_of(s, lo, n1, second_start)
-    if xa is not None:   # every row XA (`packed_xa_walk`): steps < n1 read list positions lo..
-      (index_ref,) = xa_refs
+    if xa is not None:   # an XA program (`packed_xa_walk`): steps < n1 read list positions lo..
+      index_ref = xa_refs[0]
       list_at = (b * num_kv_heads + kv_head) * xa.num_blocks + q_start // xa.block
-      tile_of = lambda s: jnp.where(
-          s < n1, mosaic_gpu_backward.kept_list_tile(
-              index_ref, list_at, lo + jnp.minimum(s, n1 - 1), xa.block // block_kv,
-              xa.num_blocks), second_start + s - n1)
+      listed = lambda s: mosaic_gpu_backward.kept_list_tile(
+          index_ref, list_at, lo + jnp.minimum(s, n1 - 1), xa.block // block_kv, xa.num_blocks)
+      tile_of = lambda s: jnp.where(s < n1, listed(s), second_start + s - n1)
+      if xa.mixed:   # the other programs walk their own tiles
+        walks_list = plan_ref[6][at] != 0
+        tile_of = lambda s: jnp.where(s < n1, jnp.where(walks_list, listed(s), lo + s),
+                                      second_start + s - n1)
   else:
     slot = b * num_kv_heads + kv_head
     mode = modes_ref[slot]
@@ -283,7 +293,13 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
       ok = row >= col
       if packed:
         start, sink_end, window = (lax.broadcast_in_dim(v, shape, [0]) for v in bounds)
-        ok = ok & (col >= start) & ((col < sink_end) | (col >= window))
+        ok = ok & (col >= start)
+        seen = (col < sink_end) | (col >= window)
+        if xa is not None and xa.mixed:   # XA rows (no sink: it ends before their start)
+          keep_ref = xa_refs[1]
+          kept = keep_ref[list_at * xa.num_blocks + tile * block_kv // xa.block] != 0
+          seen = seen | ((sink_end < start) & kept)
+        ok = ok & seen
       return jnp.where(ok, x, MASK_VALUE)
 
     m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
@@ -520,7 +536,9 @@ def _call(q, k, v, modes, *, streaming: Streaming, tiles: MosaicTiles, scale, in
   reads two scalars of one array), and `row_bounds` [B, K, 3, Tp] int32 (`_row_bounds`);
   `modes` is unused then. XAttention heads (unpacked rows): `xa` and `xa_lists`, the kept
   blocks below the diagonal as (index int32 [B * K * nb * nb], count int32 [B * K * nb]);
-  packed rows with every row XA (`packed_xa_walk`): `xa` and xa_lists = (index,).
+  packed rows with every row XA (`packed_xa_walk`): `xa` and xa_lists = (index,); packed rows
+  of both patterns (`xa.mixed`): walks' seventh field flags the programs that walk a list,
+  and xa_lists = (index, keep int32 [B * K * nb * nb]).
   lse: also return each row's base-2 log-sum-exp of its scaled scores, float32 [B, N, Tp]
   (the backward's residual)."""
   b, tp, n, d = q.shape
@@ -541,9 +559,9 @@ def _call(q, k, v, modes, *, streaming: Streaming, tiles: MosaicTiles, scale, in
     if packed:
       *plan_ref, q_ref, k_ref, v_ref, rows_ref = refs
       modes_ref = None
-      if xa is not None:
-        *plan_ref, index_ref = plan_ref
-        xa_refs = (index_ref,)
+      if xa is not None:   # the lists' index (and, mixed, the dense keep array)
+        split = len(plan_ref) - (2 if xa.mixed else 1)
+        plan_ref, xa_refs = plan_ref[:split], tuple(plan_ref[split:])
     elif xa is not None:
       (modes_ref, *xa_refs, q_ref, k_ref, v_ref), plan_ref, rows_ref = refs, None, None
     else:
@@ -912,9 +930,12 @@ def make_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "auto",
 # Triton kernel (decided at run time).
 
 
-def _row_bounds(seg, pos, gate_btk, streaming: Streaming):
+def _row_bounds(seg, pos, gate_btk, streaming: Streaming, xa_gate: float | None = None):
   """[B, K, 3, T] int32: per row and KV head, the segment's start, the end of its sink and
-  the start of the window of a streaming row (the segment's start for a full one)."""
+  the start of the window of a streaming row (the segment's start for a full one). With
+  xa_gate (packed rows under the XAttention settings, `XAWalk.mixed`), rows of that gate are
+  XA rows: a sink that ends before their start marks them, and no window (the kernel shows
+  them their segment's keys in kept blocks)."""
   start, _ = segment_bounds(seg)
   t = seg.shape[1]
   origin = jnp.arange(t, dtype=jnp.int32)[None] - pos          # where position 0 would lie
@@ -923,8 +944,12 @@ def _row_bounds(seg, pos, gate_btk, streaming: Streaming):
   window = origin + jnp.maximum(pos // blk - streaming.local_blocks + 1, 0) * blk
   full = (gate_btk >= 1.0).transpose(0, 2, 1)                     # [B, K, T]
   per_row = lambda x: jnp.broadcast_to(x[:, None], full.shape)
-  return jnp.stack([per_row(start), per_row(sink_end),
-                    jnp.where(full, start[:, None], window[:, None])], axis=2).astype(jnp.int32)
+  sink_end, window = per_row(sink_end), jnp.where(full, start[:, None], window[:, None])
+  if xa_gate is not None:
+    xa = full == (xa_gate >= 1.0)
+    sink_end = jnp.where(xa, start[:, None] - 1, sink_end)
+    window = jnp.where(xa, jnp.iinfo(jnp.int32).max, window)
+  return jnp.stack([per_row(start), sink_end, window], axis=2).astype(jnp.int32)
 
 
 def positions_count_up(seg, pos):
@@ -941,12 +966,16 @@ def packed_rows_apply(seg, pos, gate_btk):
   return positions_count_up(seg, pos) & hard_gates(gate_btk)
 
 
-@functools.partial(jax.jit, static_argnames=("streaming", "rows", "block_kv", "xa_block"))
+@functools.partial(jax.jit, static_argnames=("streaming", "rows", "block_kv", "xa_block",
+                                             "xa_gate"))
 def _packed_operands(q, k, v, gate_btk, segment_ids, positions, streaming: Streaming, rows: int,
-                     block_kv: int, xa_lists=None, xa_block: int = 0):
+                     block_kv: int, xa_lists=None, xa_block: int = 0, xa_gate=None):
   """Padded q, k, v, the programs' walks (`packed_walk`'s fields, flat) and `_row_bounds`.
   With xa_lists (`common.xa_operands`'s, blocks of xa_block tokens) every row is an XA row:
-  the walks are `packed_xa_walk`'s."""
+  the walks are `packed_xa_walk`'s. With xa_gate too (0 or 1, `XAWalk.mixed`), the rows of
+  that gate are: programs whose rows all are walk `packed_xa_walk`'s tiles, the others their
+  own (a program of both kinds the full range, masked), and a seventh field flags the
+  former."""
   t = q.shape[1]
   tp = t + (-t % math.lcm(rows, block_kv))
   q, k, v = (pad_to(x, 1, tp) for x in (q, k, v))
@@ -954,12 +983,16 @@ def _packed_operands(q, k, v, gate_btk, segment_ids, positions, streaming: Strea
   gate = pad_to(gate_btk.astype(jnp.float32), 1, tp)
   plan = packed_plan(seg, pos, gate, streaming, rows, block_kv)
   q_plan = jnp.broadcast_to(plan["q_plan"][:, None], plan["q_modes"].shape + (_PLAN_WIDTH,))
-  if xa_lists is None:
+  if xa_lists is None or xa_gate is not None:
     walks = packed_walk([q_plan[..., x] for x in range(7)], plan["q_modes"])
-  else:
+  if xa_lists is not None and xa_gate is None:
     walks = packed_xa_walk(q_plan, xa_lists, rows, block_kv, xa_block)
+  elif xa_lists is not None:
+    listed = plan["q_modes"] == (MODE_FULL if xa_gate >= 1.0 else MODE_SPARSE)
+    walks = [jnp.where(listed, x, y) for x, y in zip(
+        packed_xa_walk(q_plan, xa_lists, rows, block_kv, xa_block), walks)] + [listed]
   return (q, k, v), [x.reshape(-1).astype(jnp.int32) for x in walks], _row_bounds(
-      seg, pos, gate, streaming)
+      seg, pos, gate, streaming, xa_gate)
 
 
 def _first_listed(keep, q_blocks, kv_lo, block_kv: int, xa_block: int):
@@ -1017,6 +1050,44 @@ def packed_forward_hard(q, k, v, gate_btk, segment_ids, positions, streaming: St
   out = _call(qp, kp, vp, None, streaming=streaming, tiles=tiles, scale=q.shape[3] ** -0.5,
               interpret=interpret, walks=walks, row_bounds=bounds)
   return out[:, :q.shape[1]]
+
+
+def packed_xa_forward_hard(q, k, v, gate_btk, segment_ids, positions, xa_keep,
+                           streaming: Streaming, *, patterns: str, xa_block: int,
+                           tiles: MosaicTiles = DEFAULT_TILES, interpret: bool = False):
+  """The kernel alone on packed rows under the XAttention settings ("fa-xa", "xa-ssa";
+  `packed_rows_apply` must hold; xa_keep [B, K, nb, nb] as `xa_forward_hard`'s, e.g.
+  `xattention.select` with the segment ids): each row takes its gate's pattern in one launch.
+  Programs whose rows are all XA rows walk their kept blocks from their segment's on
+  (`packed_xa_walk`), the others their full or streaming tiles; a program with rows of both
+  patterns walks its full range, its XA rows masked to kept blocks (`XAWalk.mixed`). Called
+  outside `jax.jit` in interpret mode, as `packed_forward_hard`."""
+  if not xa_applies(q.shape, k.shape, q.dtype, streaming, xa_block, tiles):
+    raise ValueError(f"the Mosaic GPU kernel does not take XAttention blocks of {xa_block} "
+                     f"with q {q.shape} {q.dtype}, k {k.shape}, {streaming}, {tiles} (see "
+                     f"mosaic_gpu.xa_applies)")
+  hi, lo = split_patterns(patterns)
+  if "xa" not in (hi, lo):
+    raise ValueError(f"packed_xa_forward_hard runs the XAttention settings, not '{patterns}'")
+  b, t = q.shape[:2]
+  kh = k.shape[2]
+  nb = -(-t // xa_block)
+  if xa_keep.shape != (b, kh, nb, nb):
+    raise ValueError(f"xa_keep has shape {xa_keep.shape}; {(b, kh, nb, nb)} expected for "
+                     f"{t} tokens in blocks of {xa_block}")
+  rows = _rows_per_program(q.shape[2] // kh, tiles)
+  tp = t + (-t % math.lcm(rows, tiles.block_kv))
+  lists = xa_operands(xa_keep, -(-tp // xa_block), b * kh)
+  xa_gate = 1.0 if hi == "xa" else 0.0
+  (qp, kp, vp), walks, bounds = _packed_operands(q, k, v, gate_btk, segment_ids, positions,
+                                                 streaming, rows, tiles.block_kv, lists,
+                                                 xa_block, xa_gate)
+  xa = XAWalk(MODE_FULL if hi == "xa" else MODE_SPARSE, xa_block, lists[0].shape[-1],
+              mixed=True)
+  out = _call(qp, kp, vp, None, streaming=streaming, tiles=tiles, scale=q.shape[3] ** -0.5,
+              interpret=interpret, walks=walks, row_bounds=bounds, xa=xa,
+              xa_lists=(lists[0].reshape(-1), lists[2].reshape(-1)))
+  return out[:, :t]
 
 
 def _packed_trains(q_shape, k_shape, dtype, streaming, tiles, backward_tiles) -> bool:
@@ -1264,13 +1335,25 @@ def _packed_xa_trains(q_shape, k_shape, dtype, streaming, xa_block, tiles, backw
 
 def make_packed_xa_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "auto",
                           backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES):
-  """`pallas_gpu.make_packed_xa_hybrid` (packed rows under the XAttention settings), whose
-  undifferentiated forward it keeps. training (`TRAINING`): the Mosaic kernels are
-  `packed_xa_forward_train` and `packed_xa_backward`, where `_packed_xa_trains` and, at run
-  time, `positions_count_up` (the Triton kernels otherwise; both leave residuals of one
-  layout)."""
+  """`pallas_gpu.make_packed_xa_hybrid` (packed rows under the XAttention settings) with this
+  kernel as the undifferentiated forward where it `xa_applies` and, at run time,
+  `packed_rows_apply` (`packed_xa_forward_hard`; the Triton kernel otherwise). training
+  (`TRAINING`): the Mosaic kernels are `packed_xa_forward_train` and `packed_xa_backward`,
+  where `_packed_xa_trains` and, at run time, `positions_count_up` (the Triton kernels
+  otherwise; both leave residuals of one layout)."""
   _check_training(training)
   triton_forward, triton_train, triton_backward = pallas_gpu.packed_parts(xa=True)
+
+  def forward(q, k, v, gate_btk, seg, pos, xa_keep, streaming, patterns, xa_block, interpret):
+    triton = lambda: triton_forward(q, k, v, gate_btk, seg, pos, xa_keep, streaming, patterns,
+                                    xa_block, interpret)
+    if not xa_applies(q.shape, k.shape, q.dtype, streaming, xa_block, tiles):
+      return triton()
+    return lax.cond(
+        packed_rows_apply(seg, pos, gate_btk),
+        lambda: packed_xa_forward_hard(q, k, v, gate_btk, seg, pos, xa_keep, streaming,
+                                       patterns=patterns, xa_block=xa_block, tiles=tiles,
+                                       interpret=interpret), triton)
 
   train, grads = _training(
       lambda q_shape, k_shape, dtype, streaming, patterns, xa_block, interpret: (
@@ -1284,7 +1367,7 @@ def make_packed_xa_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "a
           res, d_out, streaming, patterns=patterns, xa_block=xa_block,
           backward_tiles=backward_tiles, interpret=interpret),
       triton_train, triton_backward, num_static=4, packed=True)
-  return with_fused_backward(triton_forward, train, grads, num_arrays=7, num_static=4)
+  return with_fused_backward(forward, train, grads, num_arrays=7, num_static=4)
 
 
 hybrid_attention = functools.partial(kernel_or_reference, make_hybrid(),
