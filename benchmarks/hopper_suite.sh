@@ -17,7 +17,8 @@
 #   attention  benchmarks/attention.py at 32K and 128K (MSR 0.75), training at 64K, with the
 #              Triton training rows beside, JSON beside the log
 #   xattention benchmarks/xattention.py (forward at 32K and 128K, training at 16K)
-#   packed     benchmarks/packed_attention.py with the Mosaic training rows
+#   packed     benchmarks/packed_attention.py with the Mosaic training rows and the packed
+#              fa-xa forward on the Triton and Mosaic kernels
 # Run from the repository root on a machine with a Hopper GPU and the project installed.
 set -u
 out=${1:?usage: hopper_suite.sh OUT [STAGE ...]}

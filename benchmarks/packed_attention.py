@@ -13,6 +13,10 @@ streaming, which ones drawn per segment). Cases, each timed side by side:
 2. Inference forward: one 128K row of four 32K segments against four separate 32K rows
    (batch 4), on the Triton kernels and on the default (`auto`: the Mosaic GPU forwards on
    Hopper, packed and unpacked). Target: packed within 10% of the separate rows.
+3. Inference forward under "fa-xa" (the streaming heads become XAttention heads on random
+   kept blocks of 128 tokens, density 0.5, plus the blocks the selection forces): the same
+   row packed on the Triton kernel and on auto's (on Hopper the Mosaic GPU forward, every
+   row on its gate's pattern in one launch), and as separate rows on auto's.
 
 With --mosaic-training (a Hopper GPU), case 1 also runs on the Mosaic GPU training kernels
 (`mosaic_gpu.make_packed_hybrid(training="mosaic")` and `make_hybrid(training="mosaic")` for
@@ -20,7 +24,7 @@ the separate rows), after their gradients are checked against the reference's. T
 exclude compilation (medians after two warm-up calls, `attention_torch.timed`) and name the
 device. Checks first, on a packed row of three segments longer than the SSA span (sink +
 window; shorter ones would make full and streaming heads agree and the gate's gradient zero):
-the packed kernels (Triton, and `auto`'s) against the reference.
+the packed kernels (Triton, and `auto`'s; plain and under "fa-xa") against the reference.
 --dry-run shrinks the shapes so that the script runs on a CPU (interpret mode).
 """
 
@@ -42,6 +46,7 @@ from elastic_jax.attention import Streaming  # noqa: E402
 from elastic_jax.attention import mosaic_gpu, pallas_gpu  # noqa: E402
 from elastic_jax.attention import reference  # noqa: E402
 from elastic_jax.attention import get_hybrid_attention  # noqa: E402
+from elastic_jax.attention.xattention import XAttention, forced_blocks  # noqa: E402
 
 
 def segments_case(n_seg, seg_len, n, k, d, msr, seed):
@@ -61,6 +66,16 @@ def segments_case(n_seg, seg_len, n, k, d, msr, seed):
   pos = jnp.asarray(np.tile(np.arange(seg_len), n_seg)[None].astype(np.int32))
   split = lambda x: x.reshape(n_seg, seg_len, *x.shape[2:])
   return (q, kk, v, gate_btk, seg, pos), (split(q), split(kk), split(v), jnp.asarray(gates))
+
+
+def xa_keep_case(seg, k, xa_block, seed):
+  """Kept XAttention blocks [B, K, nb, nb] of one packed row: random at density 0.5, the
+  diagonal, and the blocks the selection forces (block 0, each segment's first block)."""
+  b, t = seg.shape
+  nb = -(-t // xa_block)
+  keep = jax.random.bernoulli(jax.random.key(seed), 0.5, (b, k, nb, nb))
+  return keep | jnp.eye(nb, dtype=bool) | forced_blocks(t, XAttention(block=xa_block), seg,
+                                                          b)[:, None]
 
 
 def grad_fn(attend):
@@ -106,9 +121,19 @@ def main(argv=None):
   ours = packed(q, kk, v, g, seg, pos, st, interpret)
   want = ref(up(q), up(kk), up(v), g, st, seg, pos)
   auto = get_hybrid_attention("auto")
-  for name, out in (("packed Triton forward", ours),
-                    ("packed auto forward", auto(q, kk, v, g, st, seg, pos, interpret=interpret))):
-    err = float(jnp.linalg.norm(up(out) - want) / jnp.linalg.norm(want))
+  xa_block = st.block
+  keep = xa_keep_case(seg, k, xa_block, 3)
+  xa = dict(patterns="fa-xa", xa_keep=keep, xa_block=xa_block)
+  packed_xa = pallas_gpu.make_packed_xa_hybrid()
+  want_xa = ref(up(q), up(kk), up(v), g, st, seg, pos, **xa)
+  for name, out, w in (
+      ("packed Triton forward", ours, want),
+      ("packed auto forward", auto(q, kk, v, g, st, seg, pos, interpret=interpret), want),
+      ("packed Triton forward, fa-xa", packed_xa(q, kk, v, g, seg, pos, keep, st, "fa-xa",
+                                                 xa_block, interpret), want_xa),
+      ("packed auto forward, fa-xa", auto(q, kk, v, g, st, seg, pos, interpret=interpret,
+                                          **xa), want_xa)):
+    err = float(jnp.linalg.norm(up(out) - w) / jnp.linalg.norm(w))
     print(f"check: {name} vs float32 reference, relative error {err:.2e}", flush=True)
     if not err <= 1e-2:
       raise SystemExit(f"the {name} disagrees with the reference; stopping")
@@ -177,6 +202,28 @@ def main(argv=None):
            (f"forward, {label} as separate rows (auto)", t_auto)]
   print(f"forward: packed / separate rows {t_packed / t_rows:.2f}x on the Triton kernels, "
         f"{t_auto_packed / t_auto:.2f}x on auto's (target <= 1.10x)", flush=True)
+
+  # 3. Inference forward under "fa-xa", on the same row.
+  keep = xa_keep_case(seg, k, xa_block, 4)
+  keeps = jnp.stack([keep[0, :, i * (seg_len // xa_block):(i + 1) * (seg_len // xa_block),
+                          i * (seg_len // xa_block):(i + 1) * (seg_len // xa_block)]
+                     for i in range(n_seg)])     # each segment's own blocks, as separate rows
+  xa = dict(patterns="fa-xa", xa_block=xa_block)
+  f_triton_xa = jax.jit(lambda q, k, v, g: packed_xa(q, k, v, g, seg, pos, keep, st, "fa-xa",
+                                                     xa_block, interpret))
+  f_auto_packed_xa = jax.jit(lambda q, k, v, g: auto(q, k, v, g, st, seg, pos, xa_keep=keep,
+                                                     interpret=interpret, **xa))
+  f_auto_xa = jax.jit(lambda q, k, v, g: auto(
+      q, k, v, jnp.broadcast_to(g[:, None, :], (g.shape[0], q.shape[1], g.shape[1])), st,
+      xa_keep=keeps, interpret=interpret, **xa))
+  t_triton_xa = time_it(lambda: jax.block_until_ready(f_triton_xa(q, kk, v, g)))[0]
+  t_auto_packed_xa = time_it(lambda: jax.block_until_ready(f_auto_packed_xa(q, kk, v, g)))[0]
+  t_auto_xa = time_it(lambda: jax.block_until_ready(f_auto_xa(qs, ks, vs, gs)))[0]
+  rows += [(f"forward fa-xa, one row of {label} segments (packed Triton kernel)", t_triton_xa),
+           (f"forward fa-xa, one row of {label} segments (auto, packed)", t_auto_packed_xa),
+           (f"forward fa-xa, {label} as separate rows (auto)", t_auto_xa)]
+  print(f"forward fa-xa: packed auto / packed Triton {t_auto_packed_xa / t_triton_xa:.2f}x, "
+        f"packed / separate rows on auto's {t_auto_packed_xa / t_auto_xa:.2f}x", flush=True)
   print(f"\n| case ({dev.device_kind}) | ms |\n|---|---|")
   for name, sec in rows:
     print(f"| {name} | {sec * 1e3:.2f} |")
