@@ -16,7 +16,8 @@
 #              fa-xa at density 0.5), with the compiler's register and spill report
 #   attention  benchmarks/attention.py at 32K and 128K (MSR 0.75), training at 64K, with the
 #              Triton training rows beside, JSON beside the log
-#   xattention benchmarks/xattention.py (forward at 32K and 128K, training at 16K)
+#   xattention benchmarks/xattention.py (forward at 32K and 128K with the scoring at tiles of
+#              32 to 256 blocks, training at 16K)
 #   packed     benchmarks/packed_attention.py with the Mosaic training rows and the packed
 #              fa-xa forward on the Triton and Mosaic kernels
 # Run from the repository root on a machine with a Hopper GPU and the project installed.
@@ -75,6 +76,7 @@ for stage in "${stages[@]}"; do
         --torch-timeout 180 --json "$out/attention.json" ;;
     xattention)
       run xattention 560 "$py" benchmarks/xattention.py --lengths 32768 131072 \
+        --chunk-blocks 32 128 256 \
         --train-lengths 16384 --reps 5 ;;
     packed)
       run packed 560 "$py" benchmarks/packed_attention.py --mosaic-training --reps 5 \

@@ -3,6 +3,7 @@ dense cuDNN and the streaming mode, side by side in one run.
 
     python benchmarks/xattention.py [--lengths 32768 131072] [--focus 0.5 1 1.5 2]
         [--inputs structured|noise] [--threshold 0.9] [--train-lengths 16384]
+        [--chunk-blocks 32 128 256]
     python benchmarks/xattention.py --dry-run          # CPU smoke test, tiny shapes, interpret
 
 Shape: B = 1, 32 query / 8 KV heads, head_dim 128, bf16 (the Llama-3.1-8B attention); XA stride
@@ -30,7 +31,10 @@ Per length and focus, every head in the same mode:
   XA attention Triton  the Triton kernel with the FA-XA patterns, every head XA, kept blocks
   XA attention Mosaic  the Mosaic GPU forward walking the kept-block lists (where it applies)
   XA total             the faster scoring + the faster XA attention, as a prefill runs them
-then the targets: XA total <= (d + 0.1) x ours full, and XA total faster than cuDNN causal
+--chunk-blocks adds, at each length's first focus (the scoring's time does not depend on the
+inputs), the jnp scoring with scoring tiles of that many blocks a side
+(`XAttention.chunk_blocks`; the default 64 is the row "XA scoring (jnp)"), outside XA total.
+Then the targets: XA total <= (d + 0.1) x ours full, and XA total faster than cuDNN causal
 wherever d <= 0.6. Times are medians of --reps calls after two warm-ups; a ratio is cuDNN's
 time over the row's (> 1: faster than dense). At the first length the XA kernels' outputs are
 checked against the float32 reference on the same kept blocks, and the scoring kernel's block
@@ -45,6 +49,7 @@ a check of their gradients against the Triton kernels'), and the Triton kernels 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 import os
@@ -141,13 +146,15 @@ def main(argv=None):
   p.add_argument("--threshold", type=float, default=0.9)
   p.add_argument("--train-lengths", type=int, nargs="*", default=[16384],
                  help="forward+backward (training) at these lengths, the first --focus")
+  p.add_argument("--chunk-blocks", type=int, nargs="*", default=[],
+                 help="also time the jnp scoring with tiles of these many blocks a side")
   p.add_argument("--reps", type=int, default=10)
   p.add_argument("--dry-run", action="store_true")
   p.add_argument("--density-only", action="store_true",
                  help="print the kept density per length and focus, nothing timed (any device)")
   args = p.parse_args(argv)
-  if min(args.lengths + args.train_lengths) < 1 or args.reps < 1:
-    p.error("--lengths, --train-lengths and --reps must be positive")
+  if min(args.lengths + args.train_lengths + args.chunk_blocks) < 1 or args.reps < 1:
+    p.error("--lengths, --train-lengths, --chunk-blocks and --reps must be positive")
   n, kh, d = 32, 8, 128
   xa = XAttention(stride=16, block=128, threshold=args.threshold)
   st = Streaming(1, 16, 128)
@@ -179,6 +186,9 @@ def main(argv=None):
   full, ssa = forward(ones), forward(zeros)
   score_kernel = jax.jit(lambda q, k: select(q, k, xa, attn_impl="pallas_gpu"))
   score_jnp = jax.jit(lambda q, k: select(q, k, xa, attn_impl="reference"))
+  score_tiles = {c: jax.jit(lambda q, k, c=c: select(
+      q, k, dataclasses.replace(xa, chunk_blocks=c), attn_impl="reference"))
+      for c in args.chunk_blocks}
   xa_triton = jax.jit(lambda q, k, v, keep: xa_hybrid_forward(
       q, k, v, zeros, keep, st, patterns="fa-xa", xa_block=xa.block, interpret=interpret))
   xa_mosaic = jax.jit(lambda q, k, v, keep: mosaic_gpu.xa_forward_hard(
@@ -223,13 +233,17 @@ def main(argv=None):
               "XA attention Triton": timed(xa_triton, q, k, v, keep, reps=args.reps)}
       if mosaic_xa:
         rows["XA attention Mosaic"] = timed(xa_mosaic, q, k, v, keep, reps=args.reps)
+      if focus == args.focus[0]:
+        for c, fn in score_tiles.items():
+          rows[f"XA scoring (jnp, {c}-block tiles)"] = timed(fn, q, k, reps=args.reps)
       scoring = min(rows["XA scoring (kernel)"], rows["XA scoring (jnp)"])
       attention = min(sec for name, sec in rows.items() if name.startswith("XA attention"))
       rows["XA total"] = total = scoring + attention
       base = rows["cuDNN causal"]
       print(f"\nT={t}, focus {focus:g}: XA density d = {density:.3f} of the causal pairs")
+      width = max(map(len, rows))
       for name, sec in rows.items():
-        print(f"  {name:<22} {sec * 1e3:9.2f} ms   {base / sec:6.2f}x cuDNN   "
+        print(f"  {name:<{width}} {sec * 1e3:9.2f} ms   {base / sec:6.2f}x cuDNN   "
               f"{sec / rows['ours full']:5.2f} of ours full")
       share = total / rows["ours full"]
       verdicts.append(f"T={t} focus {focus:g} d={density:.2f}: XA total {share:.2f} of ours "
