@@ -50,14 +50,14 @@ for stage in "${stages[@]}"; do
       run tests-triton 560 "$py" -m pytest -q -p no:cacheprovider tests/test_pallas_gpu.py \
         tests/test_packed_kernels.py tests/test_xattention.py ;;
     overlap)
-      run overlap-tests 150 "$py" -m pytest -q -p no:cacheprovider tests/test_mosaic_gpu.py \
+      run overlap-tests 120 "$py" -m pytest -q -p no:cacheprovider tests/test_mosaic_gpu.py \
         tests/test_mosaic_gpu_training.py -k "overlap or lower"
       for args in "forward" "forward --overlap" "xa" "xa --overlap" "train_forward" \
                   "train_forward --overlap"; do
         name=overlap_profile_$(echo "$args" | tr -d ' -')
         mkdir -p "$out/ptxas_$name"
         MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$out/ptxas_$name" \
-          run "$name" 40 "$py" benchmarks/kernel_profile.py --kernel $args
+          run "$name" 35 "$py" benchmarks/kernel_profile.py --kernel $args
       done
       run overlap-attention 200 "$py" benchmarks/attention.py --lengths 32768 131072 \
         --msr 0.75 --skip-train --skip-torch --mosaic-tiles 64x128x2 64x128x2+overlap \

@@ -1,11 +1,13 @@
 """The Mosaic GPU inference forward against the reference: GPU interpret mode on CPU, native on
 a GPU. Interpret mode runs everything but the two places the interpreter lacks (a register
 operand for wgmma and run_state: there P goes through shared memory), so the schedule, the
-pipeline's barriers, the masks and the softmax are the native code's (and the wgmma waits of
-the overlapped schedule are no-ops). Cases run the default schedule or the overlapped one
-(`MosaicTiles.overlap`; `pytest -k overlap` picks the latter). What the interpreter skips is
-checked by lowering every kernel for CUDA (`test_kernels_lower_for_the_gpu`). The training
-kernels' tests are in test_mosaic_gpu_training.py.
+pipeline's barriers, the masks and the softmax are the native code's; but the interpreter runs
+wgmma synchronously (the overlapped schedule's waits are no-ops there), so a race between an
+asynchronous product and a slot's release shows only natively. Cases run the default
+schedule or the overlapped one (`MosaicTiles.overlap`; `pytest -k overlap` picks the
+latter). The code the interpreter skips is lowered for CUDA
+(`test_kernels_lower_for_the_gpu`). The training kernels' tests are in
+test_mosaic_gpu_training.py.
 
 Tolerances against the float32 reference: max |diff| <= 3e-2 for bfloat16 inputs, 5e-3 for
 float16 (both kernels round P to the input type before the PV product).
@@ -20,6 +22,7 @@ from mosaic_tools import INTERPRET, TOL, kept_blocks, packed_row, qkv, schedule_
 from elastic_jax import hybrid_attention
 from elastic_jax.attention import Streaming, mosaic_gpu
 from elastic_jax.attention.common import MODE_FULL, MODE_SPARSE
+from elastic_jax.attention import reference
 from elastic_jax.attention.reference import dense_hybrid_attention
 
 
@@ -142,31 +145,41 @@ def test_packed_forward_matches_reference(n, k, d, lengths, st, tiles):
   assert err <= TOL[jnp.bfloat16], err
 
 
-@pytest.mark.parametrize("patterns,n,k,rows,xa_block,tiles", [
-    # G = 2, one row, blocks of 128: XA segments longer than two blocks ending inside a
-    # program that a full segment shares (its XA rows' kept blocks masked in), segments of
-    # one pattern per head, a program of XA rows only.
+@pytest.mark.parametrize("patterns,n,k,rows,shifted,tiles", [
+    # G = 2, one row: an XA segment over three blocks ending inside a program that a full
+    # segment shares (there its XA rows' kept blocks are masked in), segments of one pattern
+    # per head, programs of XA rows only.
     ("fa-xa", 4, 2, [([128, 300, 40, 150, 90],
-                      ((1.0, 0.0), (0.0, 1.0), (1.0, 0.0), (1.0, 1.0), (0.0, 1.0)))], 128,
+                      ((1.0, 0.0), (0.0, 1.0), (1.0, 0.0), (1.0, 1.0), (0.0, 1.0)))], None,
      DEFAULT),
-    # G = 1 (128 rows a program), two rows, blocks of 256, through the op's builder (hard
-    # gates: this kernel at run time); the overlapped schedule.
+    # G = 1 (128 rows a program), two rows, through the op's builder (hard gates: this kernel
+    # at run time): XA and streaming rows sharing programs both ways, and a segment whose
+    # positions start at 300, past the sink (its streaming rows must keep their window); the
+    # overlapped schedule.
     ("xa-ssa", 2, 2, [([300, 140, 60], ((0.0, 1.0), (1.0, 0.0), (0.0, 0.0))),
-                      ([260, 5, 235], ((1.0, 1.0), (0.0, 0.0), (0.0, 1.0)))], 256, OVERLAP),
+                      ([260, 5, 235], ((1.0, 1.0), (0.0, 0.0), (0.0, 1.0)))], (1, 265, 300),
+     OVERLAP),
 ], ids=schedule_id)
-def test_packed_xa_forward_matches_reference(monkeypatch, patterns, n, k, rows, xa_block,
+def test_packed_xa_forward_matches_reference(monkeypatch, patterns, n, k, rows, shifted,
                                              tiles):
   """Packed rows under the XAttention settings in one launch, each row on its gate's pattern
-  (`packed_xa_forward_hard`), against the float32 reference on the same kept blocks (random,
-  plus those the selection forces); the complementary kept blocks and the swapped gates must
-  be far off."""
+  (`packed_xa_forward_hard`), against the float32 reference on the same kept blocks: random,
+  complementary between neighbouring (row, KV head) pairs (a kernel that read another
+  head's or row's blocks would differ), plus those the selection forces; blocks of 128.
+  The complementary kept blocks and the swapped gates must be far off. shifted: (row, first
+  token, offset) of positions that start past 0."""
   from elastic_jax.attention.xattention import XAttention, forced_blocks
-  st = Streaming(1, 1, 128)
+  st, xa_block = Streaming(1, 1, 128), 128
   built = [packed_row(lengths, [np.asarray(c) for c in gates], k) for lengths, gates in rows]
   seg, pos, gate = (jnp.concatenate(x) for x in zip(*built))
+  if shifted:
+    row, first, offset = shifted
+    pos = pos.at[row, first:].add(offset)
   b, t = seg.shape
   q, kk, v = qkv(b, t, n, k, 64, jnp.bfloat16, seed=t)
-  keep = kept_blocks(b, k, t, xa_block, seed=5) | forced_blocks(
+  drawn = kept_blocks(1, 1, t, xa_block, seed=5)
+  parity = (jnp.arange(b)[:, None] + jnp.arange(k)[None]) % 2 == 1
+  keep = jnp.where(parity[..., None, None], ~drawn, drawn) | forced_blocks(
       t, XAttention(block=xa_block), seg, b)[:, None]
   if len(rows) == 1:
     got = mosaic_gpu.packed_xa_forward_hard(q, kk, v, gate, seg, pos, keep, st,
@@ -182,9 +195,9 @@ def test_packed_xa_forward_matches_reference(monkeypatch, patterns, n, k, rows, 
       got = fn(q, kk, v, gate, seg, pos, keep, st, patterns, xa_block, INTERPRET)
     assert ran
   up = [x.astype(jnp.float32) for x in (q, kk, v)]
-  ref = lambda kept, g: hybrid_attention(*up, g, sink_blocks=1, local_blocks=1, block=128,
-                                         segment_ids=seg, positions=pos, patterns=patterns,
-                                         xa_keep=kept, xa_block=xa_block)
+  # The reference itself: the public op refuses positions that do not start at 0.
+  ref = lambda kept, g: reference.hybrid_attention(*up, g, st, seg, pos, patterns=patterns,
+                                                   xa_keep=kept, xa_block=xa_block)
   diff = lambda want: float(jnp.abs(got.astype(jnp.float32) - want).max())
   assert diff(ref(keep, gate)) <= TOL[jnp.bfloat16]
   other = ~keep | jnp.eye(keep.shape[-1], dtype=bool)[None, None]
@@ -250,11 +263,12 @@ def test_xa_op_takes_hard_and_fractional_gates():
 
 
 def test_kernels_lower_for_the_gpu():
-  """Every Mosaic GPU kernel, in both schedules, lowers to its CUDA module here on the CPU
-  (`jax.export` for platform "cuda": the Pallas-to-Mosaic-GPU lowering with the native-only
+  """Every Mosaic GPU kernel, in both schedules, lowers to its Mosaic GPU module here on the
+  CPU (`jax.export` for platform "cuda": the Pallas-to-Mosaic-GPU lowering of the native-only
   code the interpreter skips: P in registers for wgmma, `run_state` accumulators, the
-  overlapped schedule's asynchronous waits). Forward kernels in both schedules; the training
-  forward and the dQ and dK/dV kernels behind it, plain and packed under XAttention."""
+  overlapped schedule's asynchronous waits; compiling to PTX needs the GPU's toolchain).
+  Forward kernels in both schedules; the training forward, and the dQ and dK/dV kernels
+  behind it on packed rows under XAttention."""
   st, xb = Streaming(1, 2, 128), 256
   s = jax.ShapeDtypeStruct
   b, t, n, kh, d = 1, 1024, 4, 2, 128
@@ -277,9 +291,7 @@ def test_kernels_lower_for_the_gpu():
             q, k, v, g, sg, sg, kp, st, tiles=tiles, **xa), (q, k, k, gate_rows, seg, keep), 1),
         (lambda q, k, v, g, tiles=tiles: mg.forward_train(q, k, v, g, st, tiles=tiles),
          (q, k, k, gate), 2)]
-  cases += [
-      (lambda q, k, v, g, do: mg.backward(mg.forward_train(q, k, v, g, st)[1], do, st),
-       (q, k, k, gate, q), 4),
+  cases += [   # the dQ and dK/dV kernels in their most general use: packed rows, XA lists
       (lambda q, k, v, g, sg, kp, do: mg.packed_xa_backward(
           mg.packed_xa_forward_train(q, k, v, g, sg, sg, kp, st, **xa)[1], do, st, **xa),
        (q, k, k, gate_rows, seg, keep, q), 4)]

@@ -7,7 +7,8 @@ taking turns on the tensor cores (a schedule barrier) so that one's softmax over
 other's matrix products. `MosaicTiles(overlap=True)` adds FlashAttention-3's second technique,
 each warpgroup's softmax overlapping its own PV product (tile s's QK^T and tile s-1's PV
 issued together, `_kernel`'s `overlapped`); it is checked against the reference in interpret
-mode and lowers for the GPU, but has not yet been timed natively, so it is not the default.
+mode (where wgmma runs synchronously) and lowers to its Mosaic GPU module, but has not yet
+run natively, so it is not the default.
 
 The routing is read at run time, one launch for all heads: every program loads its KV head's
 mode from a small int32 array and walks that head's own list of KV tiles,
@@ -79,6 +80,7 @@ _COMPUTE_WGS = 2
 _PLAN_WIDTH = 8     # entries per query tile of common.packed_plan's q_plan
 _ROW_FIELDS = 3     # per packed row: segment start, end of the sink, start of the window
 _SMEM_BYTES = 227 * 1024   # shared memory a Hopper thread block may use
+_NO_WINDOW = np.iinfo(np.int32).max   # an XA row's window start (`_row_bounds`): beyond any row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,10 +297,10 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
         start, sink_end, window = (lax.broadcast_in_dim(v, shape, [0]) for v in bounds)
         ok = ok & (col >= start)
         seen = (col < sink_end) | (col >= window)
-        if xa is not None and xa.mixed:   # XA rows (no sink: it ends before their start)
+        if xa is not None and xa.mixed:   # XA rows: no window (`_NO_WINDOW`), kept blocks
           keep_ref = xa_refs[1]
           kept = keep_ref[list_at * xa.num_blocks + tile * block_kv // xa.block] != 0
-          seen = seen | ((sink_end < start) & kept)
+          seen = seen | ((window == _NO_WINDOW) & kept)
         ok = ok & seen
       return jnp.where(ok, x, MASK_VALUE)
 
@@ -934,8 +936,9 @@ def _row_bounds(seg, pos, gate_btk, streaming: Streaming, xa_gate: float | None 
   """[B, K, 3, T] int32: per row and KV head, the segment's start, the end of its sink and
   the start of the window of a streaming row (the segment's start for a full one). With
   xa_gate (packed rows under the XAttention settings, `XAWalk.mixed`), rows of that gate are
-  XA rows: a sink that ends before their start marks them, and no window (the kernel shows
-  them their segment's keys in kept blocks)."""
+  XA rows: no sink (it ends at their start) and a window that starts past every row
+  (`_NO_WINDOW`, which marks them: a real window never starts past its row); the kernel shows
+  them their segment's keys in kept blocks."""
   start, _ = segment_bounds(seg)
   t = seg.shape[1]
   origin = jnp.arange(t, dtype=jnp.int32)[None] - pos          # where position 0 would lie
@@ -947,8 +950,8 @@ def _row_bounds(seg, pos, gate_btk, streaming: Streaming, xa_gate: float | None 
   sink_end, window = per_row(sink_end), jnp.where(full, start[:, None], window[:, None])
   if xa_gate is not None:
     xa = full == (xa_gate >= 1.0)
-    sink_end = jnp.where(xa, start[:, None] - 1, sink_end)
-    window = jnp.where(xa, jnp.iinfo(jnp.int32).max, window)
+    sink_end = jnp.where(xa, start[:, None], sink_end)
+    window = jnp.where(xa, _NO_WINDOW, window)
   return jnp.stack([per_row(start), sink_end, window], axis=2).astype(jnp.int32)
 
 
