@@ -8,10 +8,12 @@
 #   tests      the Mosaic GPU kernel tests natively (forward, XAttention, training kernels,
 #              packed rows) against the float32 reference
 #   tests-triton  the Triton, packed-row and XAttention kernel tests natively
-#   overlap    the forward's overlapped schedule (`MosaicTiles(overlap=True)`): its tests
-#              natively, kernel_profile.py of the forward kernels in both schedules with the
-#              register and spill report, attention.py's forward at 32K and 128K (MSR 0, 0.75
-#              and 1) with both schedules' rows side by side
+#   schedules  the forward's other schedules (`MosaicTiles(overlap=True)`, FA3's
+#              intra-warpgroup overlap; `MosaicTiles(persistent=132)`, persistent programs):
+#              their tests natively, kernel_profile.py of the forward kernels in each
+#              schedule with the register and spill report
+#   schedules-attention  attention.py's forward at 32K and 128K (MSR 0, 0.75 and 1) with the
+#              default, overlapped, persistent and both schedules' rows side by side
 #   profile    benchmarks/kernel_profile.py per Mosaic kernel at 32K (MSR 0.75, gates 0.5,
 #              fa-xa at density 0.5), with the compiler's register and spill report
 #   attention  benchmarks/attention.py at 32K and 128K (MSR 0.75), training at 64K, with the
@@ -25,8 +27,8 @@ set -u
 out=${1:?usage: hopper_suite.sh OUT [STAGE ...]}
 shift
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(tests tests-triton overlap profile attention xattention
-                                    packed)
+[ ${#stages[@]} -eq 0 ] && stages=(tests tests-triton schedules schedules-attention profile
+                                    attention xattention packed)
 mkdir -p "$out"
 export JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -49,19 +51,22 @@ for stage in "${stages[@]}"; do
     tests-triton)
       run tests-triton 560 "$py" -m pytest -q -p no:cacheprovider tests/test_pallas_gpu.py \
         tests/test_packed_kernels.py tests/test_xattention.py ;;
-    overlap)
-      run overlap-tests 120 "$py" -m pytest -q -p no:cacheprovider tests/test_mosaic_gpu.py \
-        tests/test_mosaic_gpu_training.py -k "overlap or lower"
-      for args in "forward" "forward --overlap" "xa" "xa --overlap" "train_forward" \
+    schedules)
+      run schedules-tests 120 "$py" -m pytest -q -p no:cacheprovider tests/test_mosaic_gpu.py \
+        tests/test_mosaic_gpu_training.py -k "overlap or persistent or lower"
+      for args in "forward" "forward --overlap" "forward --persistent 132" \
+                  "forward --overlap --persistent 132" "xa" "xa --overlap" "train_forward" \
                   "train_forward --overlap"; do
-        name=overlap_profile_$(echo "$args" | tr -d ' -')
+        name=schedule_profile_$(echo "$args" | tr -d ' -')
         mkdir -p "$out/ptxas_$name"
         MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$out/ptxas_$name" \
-          run "$name" 35 "$py" benchmarks/kernel_profile.py --kernel $args
-      done
-      run overlap-attention 200 "$py" benchmarks/attention.py --lengths 32768 131072 \
+          run "$name" 40 "$py" benchmarks/kernel_profile.py --kernel $args
+      done ;;
+    schedules-attention)
+      run schedules-attention 400 "$py" benchmarks/attention.py --lengths 32768 131072 \
         --msr 0.75 --skip-train --skip-torch --mosaic-tiles 64x128x2 64x128x2+overlap \
-        --seconds 1 --reps 5 --json "$out/overlap_attention.json" ;;
+        64x128x2+p132 64x128x2+overlap+p132 --seconds 1 --reps 5 \
+        --json "$out/schedules_attention.json" ;;
     profile)
       for args in "forward" "xa" "train_forward" "dq" "dkv" "dq --mixed" "dkv --mixed" \
                   "train_forward --xa" "dq --xa" "dkv --xa" "dq --xa --mixed" "dkv --xa --mixed"; do
@@ -82,8 +87,8 @@ for stage in "${stages[@]}"; do
       run packed 560 "$py" benchmarks/packed_attention.py --mosaic-training --reps 5 \
         --seconds 1 ;;
     *)
-      echo "unknown stage '$stage' (tests, tests-triton, overlap, profile, attention," \
-        "xattention, packed)" >&2
+      echo "unknown stage '$stage' (tests, tests-triton, schedules, schedules-attention," \
+        "profile, attention, xattention, packed)" >&2
       exit 2 ;;
   esac
 done

@@ -10,12 +10,14 @@ TOL = {jnp.bfloat16: 3e-2, jnp.float16: 5e-3}
 
 
 def schedule_id(x):
-  """Test ids naming the Mosaic forward's schedule ("overlap" or "default": `pytest -k overlap`
-  picks the overlapped schedule's cases); None for other parameters (pytest's own ids)."""
+  """Test ids naming the Mosaic forward's schedule ("default", "overlap", "persistent",
+  "overlap-persistent": `pytest -k overlap` picks the overlapped schedule's cases); None for
+  other parameters (pytest's own ids). A bool parameter means overlap or not."""
   if isinstance(x, bool):
     return "overlap" if x else "default"
   if hasattr(x, "overlap"):
-    return "overlap" if x.overlap else "default"
+    names = [n for n, on in (("overlap", x.overlap), ("persistent", x.persistent)) if on]
+    return "-".join(names) or "default"
   return None
 
 

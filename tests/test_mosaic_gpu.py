@@ -4,8 +4,8 @@ operand for wgmma and run_state: there P goes through shared memory), so the sch
 pipeline's barriers, the masks and the softmax are the native code's; but the interpreter runs
 wgmma synchronously (the overlapped schedule's waits are no-ops there), so a race between an
 asynchronous product and a slot's release shows only natively. Cases run the default
-schedule or the overlapped one (`MosaicTiles.overlap`; `pytest -k overlap` picks the
-latter). The code the interpreter skips is lowered for CUDA
+schedule or others (`MosaicTiles.overlap`, `.persistent`; `pytest -k overlap` or `-k
+persistent` picks them). The code the interpreter skips is lowered for CUDA
 (`test_kernels_lower_for_the_gpu`). The training kernels' tests are in
 test_mosaic_gpu_training.py.
 
@@ -51,6 +51,9 @@ def test_walk_visits_exactly_the_needed_tiles_and_masks_only_the_last(rows, bloc
 
 
 DEFAULT, OVERLAP = mosaic_gpu.DEFAULT_TILES, mosaic_gpu.MosaicTiles(overlap=True)
+# Persistent programs, few enough that each takes several work items (unevenly).
+PERSISTENT = mosaic_gpu.MosaicTiles(persistent=3)
+OVERLAP_PERSISTENT = mosaic_gpu.MosaicTiles(overlap=True, persistent=2)
 
 
 @pytest.mark.parametrize("b,t,n,k,d,gates,st,dtype,tiles", [
@@ -58,9 +61,12 @@ DEFAULT, OVERLAP = mosaic_gpu.DEFAULT_TILES, mosaic_gpu.MosaicTiles(overlap=True
     (1, 512, 4, 2, 64, [[0.0, 1.0]], Streaming(1, 1, 128), jnp.bfloat16, DEFAULT),
     (1, 300, 2, 2, 128, [[1.0, 0.0]], Streaming(1, 1, 128), jnp.bfloat16, DEFAULT),
     (2, 384, 4, 1, 64, [[0.0], [1.0]], Streaming(1, 1, 128), jnp.float16, DEFAULT),
-    # The overlapped schedule (`MosaicTiles.overlap`): G = 1 with padding, G = 4 in float16.
-    (1, 300, 2, 2, 128, [[0.0, 1.0]], Streaming(1, 1, 128), jnp.bfloat16, OVERLAP),
+    # The other schedules (`MosaicTiles.overlap`, `.persistent`): overlapped, G = 4 in
+    # float16; persistent, G = 2 over two batch rows; both, G = 1 with padding.
     (2, 384, 4, 1, 64, [[1.0], [0.0]], Streaming(1, 1, 128), jnp.float16, OVERLAP),
+    (2, 512, 4, 2, 64, [[1.0, 0.0], [0.0, 1.0]], Streaming(1, 1, 128), jnp.bfloat16,
+     PERSISTENT),
+    (1, 300, 2, 2, 128, [[0.0, 1.0]], Streaming(1, 1, 128), jnp.bfloat16, OVERLAP_PERSISTENT),
 ], ids=schedule_id)
 def test_forward_matches_reference(b, t, n, k, d, gates, st, dtype, tiles):
   q, kk, v = qkv(b, t, n, k, d, dtype)
@@ -126,8 +132,8 @@ def test_applies_only_where_its_layout_holds():
     # G = 2, head_dim 128: rows of later segments whose first tiles hold none of their keys
     # (the masked-tile softmax must cancel exactly), T padded inside.
     (4, 2, 128, [37, 300, 250, 180, 101], Streaming(1, 1, 128), DEFAULT),
-    # G = 1: two row tiles a program; the overlapped schedule.
-    (2, 2, 64, [200, 3, 190, 119], Streaming(2, 1, 128), OVERLAP),
+    # G = 1: two row tiles a program; overlapped and persistent.
+    (2, 2, 64, [200, 3, 190, 119], Streaming(2, 1, 128), OVERLAP_PERSISTENT),
 ], ids=schedule_id)
 def test_packed_forward_matches_reference(n, k, d, lengths, st, tiles):
   """Packed rows on the Mosaic GPU forward: segments of odd lengths, gates per (segment, KV
@@ -263,12 +269,13 @@ def test_xa_op_takes_hard_and_fractional_gates():
 
 
 def test_kernels_lower_for_the_gpu():
-  """Every Mosaic GPU kernel, in both schedules, lowers to its Mosaic GPU module here on the
+  """Every Mosaic GPU kernel, in its schedules, lowers to its Mosaic GPU module here on the
   CPU (`jax.export` for platform "cuda": the Pallas-to-Mosaic-GPU lowering of the native-only
   code the interpreter skips: P in registers for wgmma, `run_state` accumulators, the
   overlapped schedule's asynchronous waits; compiling to PTX needs the GPU's toolchain).
-  Forward kernels in both schedules; the training forward, and the dQ and dK/dV kernels
-  behind it on packed rows under XAttention."""
+  The plain forward in every schedule; the other forward kernels in the default and the
+  overlapped persistent ones; the training forward, and the dQ and dK/dV kernels behind it on
+  packed rows under XAttention."""
   st, xb = Streaming(1, 2, 128), 256
   s = jax.ShapeDtypeStruct
   b, t, n, kh, d = 1, 1024, 4, 2, 128
@@ -278,10 +285,12 @@ def test_kernels_lower_for_the_gpu():
   xa = dict(patterns="fa-xa", xa_block=xb)
   mg = mosaic_gpu
   cases = []
-  for tiles in (DEFAULT, OVERLAP):
+  for tiles in (DEFAULT, OVERLAP, PERSISTENT, OVERLAP_PERSISTENT):
+    cases.append((lambda q, k, v, g, tiles=tiles: mg.hybrid_forward_hard(q, k, v, g, st,
+                                                                         tiles=tiles),
+                  (q, k, k, gate), 1))
+  for tiles in (DEFAULT, OVERLAP_PERSISTENT):   # every code path of the schedules
     cases += [
-        (lambda q, k, v, g, tiles=tiles: mg.hybrid_forward_hard(q, k, v, g, st, tiles=tiles),
-         (q, k, k, gate), 1),
         (lambda q, k, v, g, kp, tiles=tiles: mg.xa_forward_hard(q, k, v, g, kp, st, tiles=tiles,
                                                                 **xa), (q, k, k, gate, keep), 1),
         (lambda q, k, v, g, sg, tiles=tiles: mg.packed_forward_hard(q, k, v, g, sg, sg, st,

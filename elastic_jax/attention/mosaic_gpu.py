@@ -6,9 +6,11 @@ warpgroups run QK^T and PV on the tensor cores (wgmma) with an online softmax in
 taking turns on the tensor cores (a schedule barrier) so that one's softmax overlaps the
 other's matrix products. `MosaicTiles(overlap=True)` adds FlashAttention-3's second technique,
 each warpgroup's softmax overlapping its own PV product (tile s's QK^T and tile s-1's PV
-issued together, `_kernel`'s `overlapped`); it is checked against the reference in interpret
-mode (where wgmma runs synchronously) and lowers to its Mosaic GPU module, but has not yet
-run natively, so it is not the default.
+issued together, `_kernel`'s `overlapped`); `MosaicTiles(persistent=P)` launches P
+persistent programs that take the work items in turn, heaviest first, the K/V ring running
+on from one item to the next (`_persistent`). Both are checked against the reference in
+interpret mode (where wgmma runs synchronously) and lower to their Mosaic GPU modules, but
+have not yet run natively, so neither is the default.
 
 The routing is read at run time, one launch for all heads: every program loads its KV head's
 mode from a small int32 array and walks that head's own list of KV tiles,
@@ -89,11 +91,15 @@ class MosaicTiles:
   the compute warpgroups' schedule: with `overlap`, each issues tile s's QK^T and tile s-1's
   PV together and runs tile s's softmax while the PV product is in flight (FlashAttention-3's
   intra-warpgroup overlap, beside the two warpgroups' turns), holding one more score tile
-  and P in registers; without, QK^T, softmax, PV in turn."""
+  and P in registers; without, QK^T, softmax, PV in turn. persistent = P > 0 launches P
+  programs (e.g. the GPU's SM count) that each take the work items p, p + P, ... in
+  heavy-first order, the K/V ring running on across items (the next item's first tiles load
+  while the last ones are computed); 0 launches one program per item."""
   block_q: int = 64
   block_kv: int = 128
   slots: int = 2
   overlap: bool = False
+  persistent: int = 0
 
 
 DEFAULT_TILES = MosaicTiles()
@@ -122,7 +128,7 @@ def applies(q_shape, k_shape, dtype, streaming: Streaming,
           and d % 64 == 0 and smem <= _SMEM_BYTES and (groups == 1 or groups % 2 == 0)
           and streaming.block % tiles.block_kv == 0 and streaming.block % rows == 0
           and tiles.block_kv % rows == 0 and tiles.block_q % 64 == 0
-          and tiles.block_kv % 64 == 0 and tiles.slots >= 2)
+          and tiles.block_kv % 64 == 0 and tiles.slots >= 2 and tiles.persistent >= 0)
 
 
 def _rows_per_program(groups: int, tiles: MosaicTiles) -> int:
@@ -197,7 +203,7 @@ def packed_walk(plan, mode):
 
 def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_refs, scoped, *,
             groups, num_kv_heads, streaming, tiles: MosaicTiles, scale, num_q_tiles,
-            xa: "XAWalk | None"):
+            xa: "XAWalk | None", item=None, base=None, role=None):
   """One program: `rows` query rows of one or two query heads. Unpacked rows (plan_ref None)
   walk `walk`'s list (an XA head: `xa_walk`'s, reading its kept-block list from xa_refs) and
   mask the causal diagonal; packed rows walk their precomputed `packed_walk` (plan_ref: its
@@ -205,7 +211,10 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
   (rows_ref); with `xa` there (every row XA, `packed_xa_walk`) the walk's first piece reads
   list positions through the kept-block list, all of it masked; with `xa.mixed`, only the
   programs flagged by the walk's seventh field do, and XA rows (`_row_bounds`) see the keys
-  of kept blocks (read from the dense keep array, xa_refs' second)."""
+  of kept blocks (read from the dense keep array, xa_refs' second). A persistent program
+  (`_persistent`) runs it per work item: item = its (batch, head pair, query tile), base =
+  the ring steps of its earlier items, role = "compute" or "memory" (that warpgroup's part
+  alone; returns the item's steps)."""
   (qo_smem2, k_smem, v_smem, p_smem2, rows_smem2, lse_smem2), ready, (k_free, v_free), turn = (
       scoped)
   out_ref, lse_ref = out_refs
@@ -217,12 +226,17 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
   dtype = q_ref.dtype
   packed = plan_ref is not None
 
-  b = lax.axis_index("b")
-  hp = lax.axis_index("hp")
-  # Heavy first: programs launch in grid order, and the last query tiles have the most causal
-  # tiles to visit, so they start first and the short ones fill the tail.
-  qt = num_q_tiles - 1 - lax.axis_index("qt")
+  if item is None:
+    b = lax.axis_index("b")
+    hp = lax.axis_index("hp")
+    # Heavy first: programs launch in grid order, and the last query tiles have the most
+    # causal tiles to visit, so they start first and the short ones fill the tail.
+    qt = num_q_tiles - 1 - lax.axis_index("qt")
+  else:
+    b, hp, qt = item
   wg = lax.axis_index("wg")
+  # A step's slot in the K/V ring (which runs on across a persistent program's items).
+  ring = lambda s: lax.rem(s if base is None else base + s, jnp.int32(slots))
   heads_per_program = _COMPUTE_WGS if pair_heads else 1
   kv_head = lax.div(hp * heads_per_program, jnp.int32(groups))
   q_start = qt * rows
@@ -269,9 +283,9 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
     plgpu.barrier_arrive(turn)
     plgpu.barrier_wait(turn)
 
-  @pl.when(wg < _COMPUTE_WGS)
   def _compute():
-    plgpu.set_max_registers(232, action="increase")
+    if role is None:
+      plgpu.set_max_registers(232, action="increase")
     qo_smem = qo_smem2.at[wg]
     head = hp * heads_per_program + (wg if pair_heads else 0)
     row0 = q_start + (0 if pair_heads else wg * block_q)
@@ -368,28 +382,33 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
       the PV product is in flight. The warpgroups take turns issuing: turn[w] is warpgroup
       w's, arrived at by the other once it has issued, so that one's softmax also overlaps
       the other's products. Step 0 issues its QK^T alone, masked (the masks are exact on any
-      tile of a walk); the last PV is issued after the loop."""
+      tile of a walk); the last PV is issued after the loop. The turns run on across a
+      persistent program's items: a one-arrival barrier must not complete twice before its
+      waiter has seen the first completion, so warpgroup 1's first arrival and warpgroup 0's
+      last wait are the program's, not each item's."""
       scores = lambda: plgpu.ACC((block_q, block_kv), jnp.float32)
 
       def issue_qk(s_ref, slot):
         plgpu.barrier_wait(turn.at[wg])
         plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
 
-      plgpu.barrier_wait(k_ready.at[0])
-      pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))   # warpgroup 0 goes first
+      slot0 = ring(0)
+      plgpu.barrier_wait(k_ready.at[slot0])
+      if base is None:   # warpgroup 0 goes first (a persistent program: once, `_persistent`)
+        pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))
 
       def first(s_ref):
-        issue_qk(s_ref, 0)
+        issue_qk(s_ref, slot0)
         plgpu.barrier_arrive(turn.at[1 - wg])
         return s_ref[...]
 
       x = pl.run_scoped(first, scores())
-      plgpu.barrier_arrive(k_free.at[0])
+      plgpu.barrier_arrive(k_free.at[slot0])
       p_lo, m_i, l_i, alpha, _ = softmax(x, lambda: tile_of(0), m_i, l_i, masked=True)
 
       def step(s, carry, masked: bool):
         acc, m_i, l_i, p_lo, alpha = carry
-        slot, prev = lax.rem(s, jnp.int32(slots)), lax.rem(s - 1, jnp.int32(slots))
+        slot, prev = ring(s), ring(s - 1)
         tile = tile_of(s)   # outside run_state, which cannot close over constants
         plgpu.barrier_wait(k_ready.at[slot])
         plgpu.barrier_wait(v_ready.at[prev])
@@ -415,7 +434,7 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
         carry = lax.fori_loop(jnp.maximum(s_lo, 1), jnp.maximum(s_hi, 1),
                               functools.partial(step, masked=masked), carry)
       acc, m_i, l_i, p_lo, alpha = carry
-      last = lax.rem(steps - 1, jnp.int32(slots))
+      last = ring(steps - 1)
       plgpu.barrier_wait(v_ready.at[last])
       plgpu.barrier_wait(turn.at[wg])
 
@@ -425,7 +444,9 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
 
       acc, _ = add_pv(acc * bcast(alpha, acc), pv_last)
       plgpu.barrier_arrive(v_free.at[last])
-      pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))   # warpgroup 1's first arrival
+      if base is None:   # observe warpgroup 1's last arrival (a persistent program: at its end;
+        # between items that arrival is the next item's first turn)
+        pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))
       return acc, m_i, l_i
 
     step_ranges = lambda: _step_ranges(packed, steps, lo, n1, second_start, q_start, rows,
@@ -434,12 +455,12 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
     if tiles.overlap:
       acc, m_i, l_i = overlapped(acc, m_i, l_i, step_ranges())
     else:
-      plgpu.barrier_wait(k_ready.at[0])
+      plgpu.barrier_wait(k_ready.at[0 if base is None else ring(0)])
       pl.when(wg == 1)(take_turn)
 
       def step(s, carry, masked: bool):
         acc, m_i, l_i = carry
-        slot = lax.rem(s, jnp.int32(slots))
+        slot = ring(s)
 
         def qk(acc_ref):
           plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
@@ -460,7 +481,7 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
 
           @pl.when(nxt < steps)
           def _():
-            plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(slots))])
+            plgpu.barrier_wait(k_ready.at[ring(nxt)])
 
         acc, _ = add_pv(acc, pv)
         plgpu.barrier_arrive(v_free.at[slot])
@@ -481,14 +502,31 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
       plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[b, head, pl.ds(row0, block_q)])
     plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == _COMPUTE_WGS)
   def _memory():
-    plgpu.set_max_registers(40, action="decrease")
+    if role is None:
+      plgpu.set_max_registers(40, action="decrease")
 
     def load(s, slot, parts=((k_ref, k_smem, k_ready), (v_ref, v_smem, v_ready))):
       rows_kv = pl.ds(tile_of(s) * block_kv, block_kv)
       for src, dst, ready_ in parts:
         plgpu.copy_gmem_to_smem(src.at[b, rows_kv, kv_head], dst.at[slot], ready_.at[slot])
+
+    if base is not None:   # a persistent program's item: the ring's slots may still be busy
+      @pl.loop(0, steps)
+      def _(s):
+        slot = ring(s)
+        wait = lambda free: pl.when(base + s >= slots)(
+            lambda: plgpu.barrier_wait(free.at[slot]))
+        if tiles.overlap:
+          wait(k_free)
+          load(s, slot, ((k_ref, k_smem, k_ready),))
+          wait(v_free)
+          load(s, slot, ((v_ref, v_smem, v_ready),))
+        else:
+          wait(k_free)
+          wait(v_free)
+          load(s, slot)
+      return
 
     for i in range(slots):
       pl.when(i < steps)(functools.partial(load, jnp.int32(i), i))
@@ -509,6 +547,55 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
     @pl.loop(jnp.maximum(steps - slots, 0), steps)
     def _(s):  # observe the last releases too, so every barrier phase is consumed
       slot = lax.rem(s, jnp.int32(slots))
+      plgpu.barrier_wait(k_free.at[slot])
+      plgpu.barrier_wait(v_free.at[slot])
+
+  if role is None:
+    pl.when(wg < _COMPUTE_WGS)(_compute)
+    pl.when(wg == _COMPUTE_WGS)(_memory)
+    return None
+  (_compute if role == "compute" else _memory)()
+  return steps
+
+
+def _persistent(kernel, scoped, *, programs: int, num_heads: int, batch: int,
+                num_q_tiles: int, slots: int, overlap: bool):
+  """A persistent program: the work items p, p + P, ... of P = `programs` (item w: head pair w
+  mod num_heads, batch row w // num_heads mod batch, query tile counted from the last, so
+  that items run heaviest first), each through kernel(item, base, role), the K/V ring's step
+  count carried across items; at the end the memory warpgroup observes the last releases.
+  With `overlap`, the turns' first arrival and last wait (`_kernel`'s `overlapped`)."""
+  _, _, (k_free, v_free), turn = scoped
+  p = lax.axis_index("p")
+  wg = lax.axis_index("wg")
+  total = num_heads * batch * num_q_tiles
+  count = jnp.maximum((total - p + programs - 1) // programs, 0)
+
+  def run(role):
+    def one(i, base):
+      w = p + i * programs
+      item = (lax.rem(w // num_heads, batch), lax.rem(w, num_heads),
+              num_q_tiles - 1 - w // (num_heads * batch))
+      return base + kernel(item, base, role)
+    return lax.fori_loop(0, count, one, jnp.int32(0))
+
+  @pl.when(wg < _COMPUTE_WGS)
+  def _():
+    plgpu.set_max_registers(232, action="increase")
+    if overlap:
+      pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))
+    run("compute")
+    if overlap:
+      pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))
+
+  @pl.when(wg == _COMPUTE_WGS)
+  def _():
+    plgpu.set_max_registers(40, action="decrease")
+    steps = run("memory")
+
+    @pl.loop(jnp.maximum(steps - slots, 0), steps)
+    def _(g):
+      slot = lax.rem(g, jnp.int32(slots))
       plgpu.barrier_wait(k_free.at[slot])
       plgpu.barrier_wait(v_free.at[slot])
 
@@ -570,11 +657,20 @@ def _call(q, k, v, modes, *, streaming: Streaming, tiles: MosaicTiles, scale, in
       (modes_ref, q_ref, k_ref, v_ref), plan_ref, rows_ref = refs, None, None
     item_bits = jnp.dtype(dtype).itemsize * 8
     transforms = (plgpu.TilingTransform((8, 1024 // item_bits)), plgpu.SwizzleTransform(128))
+    def program(*scoped):
+      kernel = functools.partial(_kernel, modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref,
+                                 rows_ref, (out_ref, lse_ref), scoped, groups=groups,
+                                 num_kv_heads=kh, streaming=streaming, tiles=tiles,
+                                 scale=scale, num_q_tiles=tp // rows, xa=xa)
+      if not tiles.persistent:
+        return kernel()
+      return _persistent(
+          lambda item, base, role: kernel(item=item, base=base, role=role), scoped,
+          programs=tiles.persistent, num_heads=n // heads_per_program, batch=b,
+          num_q_tiles=tp // rows, slots=slots, overlap=tiles.overlap)
+
     pl.run_scoped(
-        lambda *scoped: _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref,
-                                (out_ref, lse_ref), scoped, groups=groups, num_kv_heads=kh,
-                                streaming=streaming, tiles=tiles, scale=scale,
-                                num_q_tiles=tp // rows, xa=xa),
+        program,
         (plgpu.SMEM((_COMPUTE_WGS, tiles.block_q, d), dtype, transforms=transforms),
          plgpu.SMEM((slots, tiles.block_kv, d), dtype, transforms=transforms),
          plgpu.SMEM((slots, tiles.block_kv, d), dtype, transforms=transforms),
@@ -600,11 +696,13 @@ def _call(q, k, v, modes, *, streaming: Streaming, tiles: MosaicTiles, scale, in
   out_type = jax.ShapeDtypeStruct(q.shape, dtype)
   if lse:
     out_type = (out_type, jax.ShapeDtypeStruct((b, n, tp), jnp.float32))
+  grid = dict(grid=(n // heads_per_program, tp // rows, b), grid_names=("hp", "qt", "b"))
+  if tiles.persistent:
+    grid = dict(grid=(tiles.persistent,), grid_names=("p",))
   return plgpu.kernel(
       entry,
       out_type=out_type,
-      grid=(n // heads_per_program, tp // rows, b),
-      grid_names=("hp", "qt", "b"),
+      **grid,
       num_threads=_COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -947,12 +1045,11 @@ def _row_bounds(seg, pos, gate_btk, streaming: Streaming, xa_gate: float | None 
   window = origin + jnp.maximum(pos // blk - streaming.local_blocks + 1, 0) * blk
   full = (gate_btk >= 1.0).transpose(0, 2, 1)                     # [B, K, T]
   per_row = lambda x: jnp.broadcast_to(x[:, None], full.shape)
-  sink_end, window = per_row(sink_end), jnp.where(full, start[:, None], window[:, None])
+  fields = [per_row(start), per_row(sink_end), jnp.where(full, start[:, None], window[:, None])]
   if xa_gate is not None:
     xa = full == (xa_gate >= 1.0)
-    sink_end = jnp.where(xa, start[:, None], sink_end)
-    window = jnp.where(xa, _NO_WINDOW, window)
-  return jnp.stack([per_row(start), sink_end, window], axis=2).astype(jnp.int32)
+    fields[1:] = jnp.where(xa, start[:, None], fields[1]), jnp.where(xa, _NO_WINDOW, fields[2])
+  return jnp.stack(fields, axis=2).astype(jnp.int32)
 
 
 def positions_count_up(seg, pos):
