@@ -308,6 +308,18 @@ def test_python_api_bad_input(world):
       mosaic_gpu.packed_xa_forward_train(q64, k64, k64, jax.numpy.ones((1, 128, 2)), ids, ids,
                                          kw.pop("xa_keep"), Streaming(1, 1, 128),
                                          interpret=True, **kw)
+  for kw, words in ((dict(patterns="fa-ssa", xa_block=128), "not 'fa-ssa'"),
+                    (dict(patterns="fa-xa", xa_block=64), "does not take XAttention blocks of 64"),
+                    (dict(patterns="fa-xa", xa_block=128,
+                          tiles=mosaic_gpu.MosaicTiles(persistent=-1)), "does not take"),
+                    (dict(patterns="fa-xa", xa_block=128, xa_keep=jax.numpy.ones((1, 2, 2, 2),
+                                                                                  bool)),
+                     "xa_keep has shape")):
+    kw = dict(dict(xa_keep=jax.numpy.ones((1, 2, 1, 1), bool)), **kw)
+    with pytest.raises(ValueError, match=words):
+      mosaic_gpu.packed_xa_forward_hard(q64, k64, k64, jax.numpy.ones((1, 128, 2)), ids, ids,
+                                        kw.pop("xa_keep"), Streaming(1, 1, 128),
+                                        interpret=True, **kw)
 
 
 def test_nan_weights_warn_at_conversion(world, tmp_path):

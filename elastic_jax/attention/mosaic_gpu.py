@@ -751,6 +751,25 @@ def _xa_tiles_fit(groups: int, xa_block: int, tiles: MosaicTiles) -> bool:
   return xa_block % tiles.block_kv == 0 and xa_block % _rows_per_program(groups, tiles) == 0
 
 
+def _checked_xa_call(name: str, q_shape, k_shape, keep_shape, patterns: str, xa_block: int,
+                     takes: bool, refusal: str):
+  """(the pattern pair, the XA blocks of T) of a call under the XAttention settings, after one
+  clear error for each way it can be wrong: patterns without XA, shapes its kernels do not
+  take (takes False; refusal: the sentence), kept blocks of the wrong shape."""
+  pair = split_patterns(patterns)
+  if "xa" not in pair:
+    raise ValueError(f"{name} runs the XAttention settings, not '{patterns}'")
+  if not takes:
+    raise ValueError(refusal)
+  b, t = q_shape[:2]
+  nb = -(-t // xa_block)
+  want = (b, k_shape[2], nb, nb)
+  if tuple(keep_shape) != want:
+    raise ValueError(f"xa_keep has shape {tuple(keep_shape)}; {want} expected for {t} tokens "
+                     f"in blocks of {xa_block}")
+  return pair, nb
+
+
 @functools.partial(jax.jit, static_argnames=("streaming", "patterns", "xa_block", "tiles",
                                              "interpret"))
 def xa_forward_hard(q, k, v, gate_bk, xa_keep, streaming: Streaming, *, patterns: str,
@@ -761,19 +780,13 @@ def xa_forward_hard(q, k, v, gate_bk, xa_keep, streaming: Streaming, *, patterns
   bool, blocks of xa_block tokens; the diagonal block is always attended, as XAttention's
   selection always keeps it, and blocks above it are ignored), the others their full or
   streaming walk. Shapes as `hybrid_forward_hard`."""
-  if not xa_applies(q.shape, k.shape, q.dtype, streaming, xa_block, tiles):
-    raise ValueError(f"the Mosaic GPU kernel does not take XAttention blocks of {xa_block} "
-                     f"with q {q.shape} {q.dtype}, k {k.shape}, {streaming}, {tiles} (see "
-                     f"mosaic_gpu.xa_applies)")
-  hi, lo = split_patterns(patterns)
-  if "xa" not in (hi, lo):
-    raise ValueError(f"xa_forward_hard runs the XAttention settings, not '{patterns}'")
+  (hi, lo), nb = _checked_xa_call(
+      "xa_forward_hard", q.shape, k.shape, xa_keep.shape, patterns, xa_block,
+      xa_applies(q.shape, k.shape, q.dtype, streaming, xa_block, tiles),
+      f"the Mosaic GPU kernel does not take XAttention blocks of {xa_block} with q {q.shape} "
+      f"{q.dtype}, k {k.shape}, {streaming}, {tiles} (see mosaic_gpu.xa_applies)")
   b, t = q.shape[:2]
   kh = k.shape[2]
-  nb = -(-t // xa_block)
-  if xa_keep.shape != (b, kh, nb, nb):
-    raise ValueError(f"xa_keep has shape {xa_keep.shape}; {(b, kh, nb, nb)} expected for "
-                     f"{t} tokens in blocks of {xa_block}")
   q, k, v = (pad_to(x, 1, tiles.block_kv) for x in (q, k, v))
   # The kernels' shared lists (blocks above the diagonal dropped, the diagonal last); this
   # walk counts the blocks below the diagonal and walks the diagonal block apart.
@@ -961,19 +974,13 @@ def xa_forward_train(q, k, v, gate_bk, xa_keep, streaming: Streaming, *, pattern
   """`forward_train` under the XAttention settings ("fa-xa", "xa-ssa"; kept blocks xa_keep
   [B, K, nb, nb] as `xa_forward_hard`): the launch of XA's term walks every head's kept
   blocks. Residuals: `forward_train`'s and the kept-block lists (`common.xa_operands`)."""
-  pair = split_patterns(patterns)
-  if "xa" not in pair:
-    raise ValueError(f"xa_forward_train runs the XAttention settings, not '{patterns}'")
-  if not xa_trains(q.shape, k.shape, q.dtype, streaming, xa_block, tiles, backward_tiles):
-    raise ValueError(f"the Mosaic GPU training kernels do not take XAttention blocks of "
-                     f"{xa_block} with q {q.shape} {q.dtype}, k {k.shape}, {streaming} (see "
-                     f"mosaic_gpu.xa_trains)")
+  pair, _ = _checked_xa_call(
+      "xa_forward_train", q.shape, k.shape, xa_keep.shape, patterns, xa_block,
+      xa_trains(q.shape, k.shape, q.dtype, streaming, xa_block, tiles, backward_tiles),
+      f"the Mosaic GPU training kernels do not take XAttention blocks of {xa_block} with q "
+      f"{q.shape} {q.dtype}, k {k.shape}, {streaming} (see mosaic_gpu.xa_trains)")
   b, t, n, _ = q.shape
   kh = k.shape[2]
-  nb = -(-t // xa_block)
-  if xa_keep.shape != (b, kh, nb, nb):
-    raise ValueError(f"xa_keep has shape {xa_keep.shape}; {(b, kh, nb, nb)} expected for "
-                     f"{t} tokens in blocks of {xa_block}")
   num_blocks = _training_length(t, n // kh, tiles, backward_tiles, xa_block) // xa_block
   lists = xa_operands(xa_keep, num_blocks, b * kh)
   out, res = _forward_train(q, k, v, gate_bk, streaming, tiles, backward_tiles, interpret,
@@ -1084,11 +1091,13 @@ def _packed_operands(q, k, v, gate_btk, segment_ids, positions, streaming: Strea
   gate = pad_to(gate_btk.astype(jnp.float32), 1, tp)
   plan = packed_plan(seg, pos, gate, streaming, rows, block_kv)
   q_plan = jnp.broadcast_to(plan["q_plan"][:, None], plan["q_modes"].shape + (_PLAN_WIDTH,))
-  if xa_lists is None or xa_gate is not None:
-    walks = packed_walk([q_plan[..., x] for x in range(7)], plan["q_modes"])
-  if xa_lists is not None and xa_gate is None:
+  own = lambda: packed_walk([q_plan[..., x] for x in range(7)], plan["q_modes"])
+  if xa_lists is None:
+    walks = own()
+  elif xa_gate is None:
     walks = packed_xa_walk(q_plan, xa_lists, rows, block_kv, xa_block)
-  elif xa_lists is not None:
+  else:
+    walks = own()
     listed = plan["q_modes"] == (MODE_FULL if xa_gate >= 1.0 else MODE_SPARSE)
     walks = [jnp.where(listed, x, y) for x, y in zip(
         packed_xa_walk(q_plan, xa_lists, rows, block_kv, xa_block), walks)] + [listed]
@@ -1163,19 +1172,13 @@ def packed_xa_forward_hard(q, k, v, gate_btk, segment_ids, positions, xa_keep,
   (`packed_xa_walk`), the others their full or streaming tiles; a program with rows of both
   patterns walks its full range, its XA rows masked to kept blocks (`XAWalk.mixed`). Called
   outside `jax.jit` in interpret mode, as `packed_forward_hard`."""
-  if not xa_applies(q.shape, k.shape, q.dtype, streaming, xa_block, tiles):
-    raise ValueError(f"the Mosaic GPU kernel does not take XAttention blocks of {xa_block} "
-                     f"with q {q.shape} {q.dtype}, k {k.shape}, {streaming}, {tiles} (see "
-                     f"mosaic_gpu.xa_applies)")
-  hi, lo = split_patterns(patterns)
-  if "xa" not in (hi, lo):
-    raise ValueError(f"packed_xa_forward_hard runs the XAttention settings, not '{patterns}'")
+  (hi, _), _ = _checked_xa_call(
+      "packed_xa_forward_hard", q.shape, k.shape, xa_keep.shape, patterns, xa_block,
+      xa_applies(q.shape, k.shape, q.dtype, streaming, xa_block, tiles),
+      f"the Mosaic GPU kernel does not take XAttention blocks of {xa_block} with q {q.shape} "
+      f"{q.dtype}, k {k.shape}, {streaming}, {tiles} (see mosaic_gpu.xa_applies)")
   b, t = q.shape[:2]
   kh = k.shape[2]
-  nb = -(-t // xa_block)
-  if xa_keep.shape != (b, kh, nb, nb):
-    raise ValueError(f"xa_keep has shape {xa_keep.shape}; {(b, kh, nb, nb)} expected for "
-                     f"{t} tokens in blocks of {xa_block}")
   rows = _rows_per_program(q.shape[2] // kh, tiles)
   tp = t + (-t % math.lcm(rows, tiles.block_kv))
   lists = xa_operands(xa_keep, -(-tp // xa_block), b * kh)
@@ -1397,19 +1400,12 @@ def packed_xa_forward_train(q, k, v, gate_btk, segment_ids, positions, xa_keep,
   nb, nb] the kept blocks of `xa_block` tokens, `xattention.select` with the segment ids):
   the launch of XA's term walks every row's kept blocks from its segment's on
   (`packed_xa_walk`). Residuals in the layout of the Triton packed XA kernels'."""
-  pair = split_patterns(patterns)
-  if "xa" not in pair:
-    raise ValueError(f"packed_xa_forward_train runs the XAttention settings, not '{patterns}'")
-  if not _packed_xa_trains(q.shape, k.shape, q.dtype, streaming, xa_block, tiles,
-                           backward_tiles):
-    raise ValueError(f"the Mosaic GPU training kernels do not take packed rows with XAttention "
-                     f"blocks of {xa_block}, q {q.shape} {q.dtype}, k {k.shape}, {streaming} "
-                     f"(see mosaic_gpu._packed_xa_trains)")
-  b, t = q.shape[:2]
-  nb = -(-t // xa_block)
-  if xa_keep.shape != (b, k.shape[2], nb, nb):
-    raise ValueError(f"xa_keep has shape {xa_keep.shape}; {(b, k.shape[2], nb, nb)} expected "
-                     f"for {t} tokens in blocks of {xa_block}")
+  pair, _ = _checked_xa_call(
+      "packed_xa_forward_train", q.shape, k.shape, xa_keep.shape, patterns, xa_block,
+      _packed_xa_trains(q.shape, k.shape, q.dtype, streaming, xa_block, tiles, backward_tiles),
+      f"the Mosaic GPU training kernels do not take packed rows with XAttention blocks of "
+      f"{xa_block}, q {q.shape} {q.dtype}, k {k.shape}, {streaming} (see "
+      f"mosaic_gpu._packed_xa_trains)")
   return _packed_forward_train(q, k, v, gate_btk, segment_ids, positions, streaming, tiles,
                                interpret, xa_keep, pair, xa_block)
 
