@@ -770,6 +770,16 @@ def _checked_xa_call(name: str, q_shape, k_shape, keep_shape, patterns: str, xa_
   return pair, nb
 
 
+def _checked_xa_forward(name: str, q, k, xa_keep, streaming: Streaming, patterns: str,
+                        xa_block: int, tiles: MosaicTiles):
+  """`_checked_xa_call` for this file's XA forwards (the shapes: `xa_applies`)."""
+  return _checked_xa_call(
+      name, q.shape, k.shape, xa_keep.shape, patterns, xa_block,
+      xa_applies(q.shape, k.shape, q.dtype, streaming, xa_block, tiles),
+      f"the Mosaic GPU kernel does not take XAttention blocks of {xa_block} with q {q.shape} "
+      f"{q.dtype}, k {k.shape}, {streaming}, {tiles} (see mosaic_gpu.xa_applies)")
+
+
 @functools.partial(jax.jit, static_argnames=("streaming", "patterns", "xa_block", "tiles",
                                              "interpret"))
 def xa_forward_hard(q, k, v, gate_bk, xa_keep, streaming: Streaming, *, patterns: str,
@@ -780,11 +790,8 @@ def xa_forward_hard(q, k, v, gate_bk, xa_keep, streaming: Streaming, *, patterns
   bool, blocks of xa_block tokens; the diagonal block is always attended, as XAttention's
   selection always keeps it, and blocks above it are ignored), the others their full or
   streaming walk. Shapes as `hybrid_forward_hard`."""
-  (hi, lo), nb = _checked_xa_call(
-      "xa_forward_hard", q.shape, k.shape, xa_keep.shape, patterns, xa_block,
-      xa_applies(q.shape, k.shape, q.dtype, streaming, xa_block, tiles),
-      f"the Mosaic GPU kernel does not take XAttention blocks of {xa_block} with q {q.shape} "
-      f"{q.dtype}, k {k.shape}, {streaming}, {tiles} (see mosaic_gpu.xa_applies)")
+  (hi, lo), nb = _checked_xa_forward("xa_forward_hard", q, k, xa_keep, streaming, patterns,
+                                     xa_block, tiles)
   b, t = q.shape[:2]
   kh = k.shape[2]
   q, k, v = (pad_to(x, 1, tiles.block_kv) for x in (q, k, v))
@@ -1172,11 +1179,8 @@ def packed_xa_forward_hard(q, k, v, gate_btk, segment_ids, positions, xa_keep,
   (`packed_xa_walk`), the others their full or streaming tiles; a program with rows of both
   patterns walks its full range, its XA rows masked to kept blocks (`XAWalk.mixed`). Called
   outside `jax.jit` in interpret mode, as `packed_forward_hard`."""
-  (hi, _), _ = _checked_xa_call(
-      "packed_xa_forward_hard", q.shape, k.shape, xa_keep.shape, patterns, xa_block,
-      xa_applies(q.shape, k.shape, q.dtype, streaming, xa_block, tiles),
-      f"the Mosaic GPU kernel does not take XAttention blocks of {xa_block} with q {q.shape} "
-      f"{q.dtype}, k {k.shape}, {streaming}, {tiles} (see mosaic_gpu.xa_applies)")
+  (hi, _), _ = _checked_xa_forward("packed_xa_forward_hard", q, k, xa_keep, streaming,
+                                   patterns, xa_block, tiles)
   b, t = q.shape[:2]
   kh = k.shape[2]
   rows = _rows_per_program(q.shape[2] // kh, tiles)
