@@ -54,6 +54,8 @@ DEFAULT, OVERLAP = mosaic_gpu.DEFAULT_TILES, mosaic_gpu.MosaicTiles(overlap=True
 # Persistent programs, few enough that each takes several work items (unevenly).
 PERSISTENT = mosaic_gpu.MosaicTiles(persistent=3)
 OVERLAP_PERSISTENT = mosaic_gpu.MosaicTiles(overlap=True, persistent=2)
+# More programs than work items (a short prompt on a big GPU): some programs have none.
+OVERLAP_IDLE = mosaic_gpu.MosaicTiles(overlap=True, persistent=8)
 
 
 @pytest.mark.parametrize("b,t,n,k,d,gates,st,dtype,tiles", [
@@ -62,11 +64,12 @@ OVERLAP_PERSISTENT = mosaic_gpu.MosaicTiles(overlap=True, persistent=2)
     (1, 300, 2, 2, 128, [[1.0, 0.0]], Streaming(1, 1, 128), jnp.bfloat16, DEFAULT),
     (2, 384, 4, 1, 64, [[0.0], [1.0]], Streaming(1, 1, 128), jnp.float16, DEFAULT),
     # The other schedules (`MosaicTiles.overlap`, `.persistent`): overlapped, G = 4 in
-    # float16; persistent, G = 2 over two batch rows; both, G = 1 with padding.
+    # float16; persistent, G = 2 over two batch rows; both, G = 1 with padding and 6 work
+    # items for 8 programs.
     (2, 384, 4, 1, 64, [[1.0], [0.0]], Streaming(1, 1, 128), jnp.float16, OVERLAP),
     (2, 384, 4, 2, 64, [[1.0, 0.0], [0.0, 1.0]], Streaming(1, 1, 128), jnp.bfloat16,
      PERSISTENT),
-    (1, 300, 2, 2, 128, [[0.0, 1.0]], Streaming(1, 1, 128), jnp.bfloat16, OVERLAP_PERSISTENT),
+    (1, 300, 2, 2, 128, [[0.0, 1.0]], Streaming(1, 1, 128), jnp.bfloat16, OVERLAP_IDLE),
 ], ids=schedule_id)
 def test_forward_matches_reference(b, t, n, k, d, gates, st, dtype, tiles):
   q, kk, v = qkv(b, t, n, k, d, dtype)
