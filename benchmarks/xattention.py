@@ -31,9 +31,11 @@ Per length and focus, every head in the same mode:
   XA attention Triton  the Triton kernel with the FA-XA patterns, every head XA, kept blocks
   XA attention Mosaic  the Mosaic GPU forward walking the kept-block lists (where it applies)
   XA total             the faster scoring + the faster XA attention, as a prefill runs them
---chunk-blocks adds, at each length's first focus (the scoring's time does not depend on the
-inputs), the jnp scoring with scoring tiles of that many blocks a side
-(`XAttention.chunk_blocks`; the default 64 is the row "XA scoring (jnp)"), outside XA total.
+At each length's first focus (the scoring's time does not depend on the inputs), outside XA
+total: the jnp scoring in a device loop over its chunks and tiles ("looped", `XAttention(
+unroll_chunks=0)`; by default up to 8 chunks are unrolled), and with --chunk-blocks in scoring
+tiles of that many blocks a side (`XAttention.chunk_blocks`; the default 64 is the row "XA
+scoring (jnp)").
 Then the targets: XA total <= (d + 0.1) x ours full, and XA total faster than cuDNN causal
 wherever d <= 0.6. Times are medians of --reps calls after two warm-ups; a ratio is cuDNN's
 time over the row's (> 1: faster than dense). At the first length the XA kernels' outputs are
@@ -186,9 +188,12 @@ def main(argv=None):
   full, ssa = forward(ones), forward(zeros)
   score_kernel = jax.jit(lambda q, k: select(q, k, xa, attn_impl="pallas_gpu"))
   score_jnp = jax.jit(lambda q, k: select(q, k, xa, attn_impl="reference"))
-  score_tiles = {c: jax.jit(lambda q, k, c=c: select(
-      q, k, dataclasses.replace(xa, chunk_blocks=c), attn_impl="reference"))
-      for c in args.chunk_blocks}
+  # The jnp scoring's other forms: in a device loop (as before `XAttention.unroll_chunks`),
+  # and in tiles of --chunk-blocks blocks.
+  score_forms = {"looped": dataclasses.replace(xa, unroll_chunks=0)} | {
+      f"{c}-block tiles": dataclasses.replace(xa, chunk_blocks=c) for c in args.chunk_blocks}
+  score_forms = {name: jax.jit(lambda q, k, x=x: select(q, k, x, attn_impl="reference"))
+                 for name, x in score_forms.items()}
   xa_triton = jax.jit(lambda q, k, v, keep: xa_hybrid_forward(
       q, k, v, zeros, keep, st, patterns="fa-xa", xa_block=xa.block, interpret=interpret))
   xa_mosaic = jax.jit(lambda q, k, v, keep: mosaic_gpu.xa_forward_hard(
@@ -234,8 +239,8 @@ def main(argv=None):
       if mosaic_xa:
         rows["XA attention Mosaic"] = timed(xa_mosaic, q, k, v, keep, reps=args.reps)
       if focus == args.focus[0]:
-        for c, fn in score_tiles.items():
-          rows[f"XA scoring (jnp, {c}-block tiles)"] = timed(fn, q, k, reps=args.reps)
+        for name, fn in score_forms.items():
+          rows[f"XA scoring (jnp, {name})"] = timed(fn, q, k, reps=args.reps)
       scoring = min(rows["XA scoring (kernel)"], rows["XA scoring (jnp)"])
       attention = min(sec for name, sec in rows.items() if name.startswith("XA attention"))
       rows["XA total"] = total = scoring + attention

@@ -42,6 +42,9 @@ class XAttention:
   block: int = 128
   threshold: float = 0.9
   chunk_blocks: int = 64          # blocks per side of a scoring tile (memory, not the result)
+  # At most this many chunks of scoring tiles are formed as separate operations, no device
+  # loop (the speed on short prompts, not the result); more run in a loop (compile time).
+  unroll_chunks: int = 8
 
   def __post_init__(self):
     if self.stride < 1 or self.block < 1 or self.block % self.stride:
@@ -51,6 +54,8 @@ class XAttention:
       raise ValueError(f"XAttention threshold must be in (0, 1], got {self.threshold}")
     if self.chunk_blocks < 1:
       raise ValueError("XAttention chunk_blocks must be positive")
+    if self.unroll_chunks < 0:
+      raise ValueError("XAttention unroll_chunks must be non-negative")
 
 
 def num_blocks(t: int, xa: XAttention) -> int:
@@ -68,7 +73,9 @@ def block_mass(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention,
   each tile's probabilities are summed per key block relative to the tile's own row maxima,
   and once the chunk's tiles are done the rows' softmax is assembled from those partial sums
   (weights exp(tile max - row max), exact, no second product). Memory per head:
-  O(rows x (rows + nb)) for rows = chunk_blocks * block/S."""
+  O(rows x (rows + nb)) for rows = chunk_blocks * block/S. Up to `unroll_chunks` chunks the
+  tiles are separate operations (static offsets, no device loop, whose per-iteration cost
+  dominates short prompts); beyond, the chunks and their tiles run in loops."""
   b, t, n, d = q_btnh.shape
   kh = k_btkh.shape[2]
   g = n // kh
@@ -98,7 +105,9 @@ def block_mass(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention,
   precision = jax.lax.Precision.DEFAULT if half else jax.lax.Precision.HIGHEST
   cut = lambda x, start, axis: jax.lax.dynamic_slice_in_dim(x, start, rows, axis=axis)
 
-  def one_chunk(r):
+  unrolled = n_chunks <= xa.unroll_chunks
+
+  def one_chunk(r):                        # r: a Python int when unrolled, else traced
     i = r * rows + jnp.arange(rows)
     q_c, seg_i = cut(q_r, r * rows, 3), cut(seg_s, r * rows, 1)
 
@@ -116,9 +125,14 @@ def block_mass(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention,
       part = jax.lax.dynamic_update_slice_in_dim(part, e, c * chunk, axis=4)
       return part, jax.lax.dynamic_update_slice_in_dim(tile_max, m[..., None], c, axis=4)
 
-    part, tile_max = jax.lax.fori_loop(
-        0, r + 1, tile, (jnp.zeros((b, kh, g, rows, n_chunks * chunk), jnp.float32),
-                         jnp.full((b, kh, g, rows, n_chunks), MASK_VALUE, jnp.float32)))
+    carry = (jnp.zeros((b, kh, g, rows, n_chunks * chunk), jnp.float32),
+             jnp.full((b, kh, g, rows, n_chunks), MASK_VALUE, jnp.float32))
+    if unrolled:
+      for c in range(r + 1):
+        carry = tile(c, carry)
+    else:
+      carry = jax.lax.fori_loop(0, r + 1, tile, carry)
+    part, tile_max = carry
     # Tiles right of the diagonal keep zero partial sums; rows without a real column too.
     weight = jnp.exp(tile_max - tile_max.max(axis=-1, keepdims=True))
     part = part * jnp.repeat(weight, chunk, axis=-1)
@@ -127,7 +141,10 @@ def block_mass(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention,
     # [B, K, G, chunk, per_blk, nb'] -> sum each block's rows, mean over the group.
     return p.reshape(b, kh, g, chunk, per_blk, n_chunks * chunk).sum(4).mean(2)
 
-  out = jax.lax.map(one_chunk, jnp.arange(n_chunks))   # [n_chunks, B, K, chunk, nb']
+  if unrolled:                             # [n_chunks, B, K, chunk, nb']
+    out = jnp.stack([one_chunk(r) for r in range(n_chunks)])
+  else:
+    out = jax.lax.map(one_chunk, jnp.arange(n_chunks))
   out = out.transpose(1, 2, 0, 3, 4).reshape(b, kh, n_chunks * chunk, n_chunks * chunk)
   return out[:, :, :nb, :nb]
 
