@@ -5,6 +5,7 @@ the parity tests are skipped, unless ELASTIC_JAX_REQUIRE_TORCH=1 (as CI sets), w
 missing reference environment an error instead.
 """
 
+import faulthandler
 import json
 import os
 import subprocess
@@ -20,6 +21,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HARNESS = os.path.join(ROOT, "tests", "torch_reference.py")
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+# A test that hangs (a kernel's barrier that never completes stalls the interpreter) ends its
+# process with every thread's traceback after this many seconds, instead of the whole run.
+TEST_TIMEOUT = float(os.environ.get("ELASTIC_JAX_TEST_TIMEOUT", "900"))
+
+
+@pytest.fixture(autouse=True)
+def _hang_guard():
+  faulthandler.dump_traceback_later(TEST_TIMEOUT, exit=True)
+  yield
+  faulthandler.cancel_dump_traceback_later()
 
 
 def _torch_python():
