@@ -3,7 +3,7 @@ dense cuDNN and the streaming mode, side by side in one run.
 
     python benchmarks/xattention.py [--lengths 32768 131072] [--focus 0.5 1 1.5 2]
         [--inputs structured|noise] [--threshold 0.9] [--train-lengths 16384]
-        [--chunk-blocks 32 128 256]
+        [--chunk-blocks 32 128 256] [--scoring-only]
     python benchmarks/xattention.py --dry-run          # CPU smoke test, tiny shapes, interpret
 
 Shape: B = 1, 32 query / 8 KV heads, head_dim 128, bf16 (the Llama-3.1-8B attention); XA stride
@@ -35,7 +35,8 @@ At each length's first focus (the scoring's time does not depend on the inputs),
 total: the jnp scoring in a device loop over its chunks and tiles ("looped", `XAttention(
 unroll_chunks=0)`; by default up to 8 chunks are unrolled), and with --chunk-blocks in scoring
 tiles of that many blocks a side (`XAttention.chunk_blocks`; the default 64 is the row "XA
-scoring (jnp)").
+scoring (jnp)"). --scoring-only times just those forms and the scoring kernel beside ours full
+at each length (no check, no attention rows).
 Then the targets: XA total <= (d + 0.1) x ours full, and XA total faster than cuDNN causal
 wherever d <= 0.6. Times are medians of --reps calls after two warm-ups; a ratio is cuDNN's
 time over the row's (> 1: faster than dense). At the first length the XA kernels' outputs are
@@ -154,6 +155,8 @@ def main(argv=None):
   p.add_argument("--dry-run", action="store_true")
   p.add_argument("--density-only", action="store_true",
                  help="print the kept density per length and focus, nothing timed (any device)")
+  p.add_argument("--scoring-only", action="store_true",
+                 help="time only the scoring's forms at each length (the first --focus)")
   args = p.parse_args(argv)
   if min(args.lengths + args.train_lengths + args.chunk_blocks) < 1 or args.reps < 1:
     p.error("--lengths, --train-lengths, --chunk-blocks and --reps must be positive")
@@ -200,6 +203,20 @@ def main(argv=None):
       q, k, v, zeros, keep, st, patterns="fa-xa", xa_block=xa.block, interpret=interpret))
   checked = False
   verdicts = []
+  if args.scoring_only:   # no attention, no check: the scoring forms against ours full
+    for t in args.lengths:
+      q, k, v = make_inputs(jax.random.key(t), args.focus[0], t=t)
+      rows = {"ours full": timed(full, q, k, v, reps=args.reps),
+              "XA scoring (kernel)": timed(score_kernel, q, k, reps=args.reps),
+              "XA scoring (jnp)": timed(score_jnp, q, k, reps=args.reps)}
+      for name, fn in score_forms.items():
+        rows[f"XA scoring (jnp, {name})"] = timed(fn, q, k, reps=args.reps)
+      print(f"\nT={t}, scoring only")
+      width = max(map(len, rows))
+      for name, sec in rows.items():
+        print(f"  {name:<{width}} {sec * 1e3:9.2f} ms   {sec / rows['ours full']:5.3f} of ours full")
+      sys.stdout.flush()
+    return
   for t in args.lengths:
     for focus in args.focus:
       q, k, v = make_inputs(jax.random.key(t), focus, t=t)
