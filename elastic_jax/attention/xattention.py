@@ -42,9 +42,10 @@ class XAttention:
   block: int = 128
   threshold: float = 0.9
   chunk_blocks: int = 64          # blocks per side of a scoring tile (memory, not the result)
-  # At most this many chunks of scoring tiles are formed as separate operations, no device
-  # loop (the speed on short prompts, not the result); more run in a loop (compile time).
-  unroll_chunks: int = 8
+  # Up to this many chunks the scoring's tiles are separate operations with fixed offsets, no
+  # device loop (speed, not the result; not yet timed on a GPU, so off by default); more
+  # chunks run in a loop.
+  unroll_chunks: int = 0
 
   def __post_init__(self):
     if self.stride < 1 or self.block < 1 or self.block % self.stride:
@@ -73,9 +74,9 @@ def block_mass(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention,
   each tile's probabilities are summed per key block relative to the tile's own row maxima,
   and once the chunk's tiles are done the rows' softmax is assembled from those partial sums
   (weights exp(tile max - row max), exact, no second product). Memory per head:
-  O(rows x (rows + nb)) for rows = chunk_blocks * block/S. Up to `unroll_chunks` chunks the
-  tiles are separate operations (static offsets, no device loop, whose per-iteration cost
-  dominates short prompts); beyond, the chunks and their tiles run in loops."""
+  O(rows x (rows + nb)) for rows = chunk_blocks * block/S. The chunks and their tiles run in
+  loops, or, up to `unroll_chunks` chunks, as separate operations with fixed offsets (no
+  device loop, whose per-iteration cost may dominate short prompts)."""
   b, t, n, d = q_btnh.shape
   kh = k_btkh.shape[2]
   g = n // kh
