@@ -35,8 +35,8 @@ At each length's first focus (the scoring's time does not depend on the inputs),
 total: the jnp scoring with its chunks and tiles as separate operations up to 8 chunks
 ("unrolled", `XAttention(unroll_chunks=8)`; the default runs them in a device loop), and with
 --chunk-blocks in scoring tiles of that many blocks a side (`XAttention.chunk_blocks`; the
-default 64 is the row "XA scoring (jnp)"). --scoring-only times just those forms and the scoring kernel beside ours full
-at each length (no check, no attention rows).
+default 64 is the row "XA scoring (jnp)"). --scoring-only times just those forms and the
+scoring kernel beside ours full at each length (no check, no attention rows).
 Then the targets: XA total <= (d + 0.1) x ours full, and XA total faster than cuDNN causal
 wherever d <= 0.6. Times are medians of --reps calls after two warm-ups; a ratio is cuDNN's
 time over the row's (> 1: faster than dense). At the first length the XA kernels' outputs are
@@ -214,7 +214,8 @@ def main(argv=None):
       print(f"\nT={t}, scoring only")
       width = max(map(len, rows))
       for name, sec in rows.items():
-        print(f"  {name:<{width}} {sec * 1e3:9.2f} ms   {sec / rows['ours full']:5.3f} of ours full")
+        share = sec / rows["ours full"]
+        print(f"  {name:<{width}} {sec * 1e3:9.2f} ms   {share:5.3f} of ours full")
       sys.stdout.flush()
     return
   for t in args.lengths:

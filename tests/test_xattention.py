@@ -78,7 +78,7 @@ def _inputs(t, n=4, kh=2, d=8, b=2, seed=0, sharp=3.0):
 
 @pytest.mark.parametrize("t,chunk,unroll", [(64, 16, 8), (100, 2, 8), (131, 3, 0), (80, 4, 0)])
 def test_block_mass_matches_numpy(t, chunk, unroll):
-  """One chunk; four and three chunks, unrolled and looped (`XAttention.unroll_chunks`)."""
+  """One and four chunks unrolled, three and two in the device loop (`unroll_chunks`)."""
   xa = XAttention(stride=4, block=16, threshold=0.9, chunk_blocks=chunk, unroll_chunks=unroll)
   q, k, _ = _inputs(t)
   got = np.asarray(block_mass(jnp.asarray(q), jnp.asarray(k), xa))
