@@ -276,8 +276,8 @@ def test_kernels_lower_for_the_gpu():
   code the interpreter skips: P in registers for wgmma, `run_state` accumulators, the
   overlapped schedule's asynchronous waits; compiling to PTX needs the GPU's toolchain).
   The plain forward in every schedule; the other forward kernels in the default and the
-  overlapped persistent ones (which run the overlapped schedule's code); the training forward, and the dQ and dK/dV kernels behind it on
-  packed rows under XAttention."""
+  overlapped persistent ones (which run the overlapped schedule's code); the training
+  forward, and the dQ and dK/dV kernels behind it on packed rows under XAttention."""
   st, xb = Streaming(1, 2, 128), 256
   s = jax.ShapeDtypeStruct
   b, t, n, kh, d = 1, 1024, 4, 2, 128
