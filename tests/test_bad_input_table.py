@@ -297,29 +297,26 @@ def test_python_api_bad_input(world):
       mosaic_gpu.xa_forward_train(q64, k64, k64, jax.numpy.ones((1, 2)), kw.pop("xa_keep"),
                                   Streaming(1, 1, 128), interpret=True, **kw)
   ids = jax.numpy.zeros((1, 128), int)
-  for kw, words in ((dict(patterns="fa-ssa", xa_block=128), "not 'fa-ssa'"),
-                    (dict(patterns="fa-xa", xa_block=64), "do not take packed rows with "
-                                                          "XAttention blocks of 64"),
-                    (dict(patterns="fa-xa", xa_block=128, xa_keep=jax.numpy.ones((1, 2, 2, 2),
-                                                                                  bool)),
-                     "xa_keep has shape")):
-    kw = dict(dict(xa_keep=jax.numpy.ones((1, 2, 1, 1), bool)), **kw)
-    with pytest.raises(ValueError, match=words):
-      mosaic_gpu.packed_xa_forward_train(q64, k64, k64, jax.numpy.ones((1, 128, 2)), ids, ids,
-                                         kw.pop("xa_keep"), Streaming(1, 1, 128),
-                                         interpret=True, **kw)
-  for kw, words in ((dict(patterns="fa-ssa", xa_block=128), "not 'fa-ssa'"),
-                    (dict(patterns="fa-xa", xa_block=64), "does not take XAttention blocks of 64"),
-                    (dict(patterns="fa-xa", xa_block=128,
-                          tiles=mosaic_gpu.MosaicTiles(persistent=-1)), "does not take"),
-                    (dict(patterns="fa-xa", xa_block=128, xa_keep=jax.numpy.ones((1, 2, 2, 2),
-                                                                                  bool)),
-                     "xa_keep has shape")):
-    kw = dict(dict(xa_keep=jax.numpy.ones((1, 2, 1, 1), bool)), **kw)
-    with pytest.raises(ValueError, match=words):
-      mosaic_gpu.packed_xa_forward_hard(q64, k64, k64, jax.numpy.ones((1, 128, 2)), ids, ids,
-                                        kw.pop("xa_keep"), Streaming(1, 1, 128),
-                                        interpret=True, **kw)
+  keep = lambda n: jax.numpy.ones((1, 2, n, n), bool)
+  # The two packed XA entry points: the same rows, their own words for the blocks they refuse,
+  # and the forward's tiles.
+  packed = ((mosaic_gpu.packed_xa_forward_train,
+             "do not take packed rows with XAttention blocks of 64", ()),
+            (mosaic_gpu.packed_xa_forward_hard, "does not take XAttention blocks of 64",
+             ((dict(patterns="fa-xa", xa_block=128,
+                    tiles=mosaic_gpu.MosaicTiles(persistent=-1)), "does not take"),)))
+  for fn, block_words, extra in packed:
+    for kw, words in ((dict(patterns="fa-ssa", xa_block=128), "not 'fa-ssa'"),
+                      (dict(patterns="fa-xa", xa_block=64), block_words),
+                      (dict(patterns="fa-xa", xa_block=128, xa_keep=keep(2)),
+                       "xa_keep has shape"), *extra):
+      kw = dict(dict(xa_keep=keep(1)), **kw)
+      with pytest.raises(ValueError, match=words):
+        fn(q64, k64, k64, jax.numpy.ones((1, 128, 2)), ids, ids, kw.pop("xa_keep"),
+           Streaming(1, 1, 128), interpret=True, **kw)
+  from elastic_jax.attention.xattention import XAttention
+  with pytest.raises(ValueError, match="unroll_chunks must be non-negative"):
+    XAttention(unroll_chunks=-1)
 
 
 def test_nan_weights_warn_at_conversion(world, tmp_path):
