@@ -199,10 +199,11 @@ def select(q_btnh, k_btkh, xa: XAttention, segment_ids_bt=None, attn_impl: str =
   attn_impl: "reference" (plain jnp, `block_mass`), "pallas_gpu" (the scoring kernel; unpacked
   rows only), "auto" (the plain-jnp scoring everywhere: on an H200 its earlier full-width form
   took 2.1 ms at 32K tokens and 27 ms at 128K against the kernel's 3.5 and 47 ms,
-  `benchmarks/xattention.py`, 2026-12-03, then with float32 products of bf16 inputs; the
-  causal one-pass form now in `block_mass` forms the tiles on or below the diagonal, n(n+1)/2
-  of n^2 for n chunks (one chunk up to 64 blocks, 8K tokens; 0.53 of the products at 128K),
-  and is not yet timed on a GPU).
+  `benchmarks/xattention.py`, 2026-12-03, then with float32 products of bf16 inputs, and the
+  kernel in an earlier form that walked the columns twice; the causal one-pass form now in
+  `block_mass` forms the tiles on or below the diagonal, n(n+1)/2 of n^2 for n chunks (one
+  chunk up to 64 blocks, 8K tokens; 0.53 of the products at 128K); neither it nor the
+  kernel's one walk is yet timed on a GPU).
   """
   if attn_impl not in ("reference", "pallas_gpu", "auto"):
     raise ValueError(f"XAttention scoring implementation '{attn_impl}' is unknown")
@@ -244,21 +245,26 @@ def kept_fraction(keep_bkij: jax.Array, lengths_b: jax.Array, block: int) -> jax
 # The scoring as a Pallas kernel (Triton backend on GPUs; `interpret=True` on CPU).
 
 
-def _mass_kernel(q_ref, k_ref, o_ref, *, stride, rows, cols, per_block, real, scale):
-  """Block masses of one (batch, query head, chunk of `rows` stride rows).
-
-  Two walks over the stride columns up to the chunk's causal end: the first finds each row's
-  softmax maximum and normaliser (online), the second sums the normalised probabilities into
-  (query block, key block) tiles with two indicator products. q_r . k_r is formed as the sum
-  over t of Q_t K_t^T with Q_t = q[i*S + S-1-t] and K_t = k[j*S + t], so the antidiagonal
-  reshape is never materialised."""
+def _mass_kernel(q_ref, k_ref, part_ref, max_ref, *, stride, rows, cols, per_block, real,
+                 scale):
+  """Partial block masses of one (batch, query head, chunk of `rows` stride rows), in one walk
+  over the stride columns up to the chunk's causal end: per tile, each row's maximum over the
+  tile (max_ref's row of that tile) and the row's exp(score - that maximum) summed per key
+  block (part_ref's columns of the tile's blocks, an indicator product). `block_mass_pallas`
+  weighs the tiles by their maxima and normalises the rows after the kernel, as `block_mass`
+  does per chunk (exact, no second product). q_r . k_r is formed as the sum over t of Q_t K_t^T
+  with Q_t = q[i*S + S-1-t] and K_t = k[j*S + t], so the antidiagonal reshape is never
+  materialised."""
   from jax.experimental import pallas as pl
   chunk = pl.program_id(2)
   i = chunk * rows + jnp.arange(rows)
-  n_cols = jnp.minimum((chunk + 1) * rows, real)
-  n_tiles = (n_cols + cols - 1) // cols
+  n_tiles = (jnp.minimum((chunk + 1) * rows, real) + cols - 1) // cols
+  per_tile = cols // per_block
+  # Indicator: stride column c -> its key block.
+  col_blk = (jax.lax.broadcasted_iota(jnp.int32, (cols, per_tile), 0) // per_block
+             == jax.lax.broadcasted_iota(jnp.int32, (cols, per_tile), 1)).astype(jnp.float32)
 
-  def scores(c):
+  def tile(c, carry):
     def antidiagonal(t, s):      # one (Q_t, K_t) pair live at a time (shared memory)
       q_t = q_ref[:, stride - 1 - t, :]
       k_t = k_ref[pl.ds(c * cols, cols), t, :]
@@ -267,36 +273,15 @@ def _mass_kernel(q_ref, k_ref, o_ref, *, stride, rows, cols, per_block, real, sc
     s = jax.lax.fori_loop(0, stride, antidiagonal, jnp.zeros((rows, cols), jnp.float32))
     j = c * cols + jnp.arange(cols)
     ok = (j[None, :] <= i[:, None]) & (j[None, :] < real) & (i[:, None] < real)
-    return jnp.where(ok, s * scale, MASK_VALUE), ok
-
-  def stats(c, carry):
-    m, l = carry
-    s, ok = scores(c)
-    m_new = jnp.maximum(m, s.max(axis=1))
-    p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
-    return m_new, l * jnp.exp(m - m_new) + p.sum(axis=1)
-
-  m, l = jax.lax.fori_loop(0, n_tiles, stats, (jnp.full((rows,), MASK_VALUE, jnp.float32),
-                                               jnp.zeros((rows,), jnp.float32)))
-  inv_l = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
-  # Indicators: stride row r -> its query block, stride column c -> its key block.
-  row_blk = (jax.lax.broadcasted_iota(jnp.int32, (rows // per_block, rows), 1) // per_block
-             == jax.lax.broadcasted_iota(jnp.int32, (rows // per_block, rows), 0))
-  col_blk = (jax.lax.broadcasted_iota(jnp.int32, (cols, cols // per_block), 0) // per_block
-             == jax.lax.broadcasted_iota(jnp.int32, (cols, cols // per_block), 1))
-  hi = jax.lax.Precision.HIGHEST
-
-  def reduce(c, carry):
-    s, ok = scores(c)
-    p = jnp.where(ok, jnp.exp(s - m[:, None]), 0.0) * inv_l[:, None]
-    part = jnp.dot(row_blk.astype(jnp.float32), p, precision=hi,
-                   preferred_element_type=jnp.float32)
-    part = jnp.dot(part, col_blk.astype(jnp.float32), precision=hi,
-                   preferred_element_type=jnp.float32)
-    o_ref[:, pl.ds(c * (cols // per_block), cols // per_block)] = part
+    s = jnp.where(ok, s * scale, MASK_VALUE)
+    m = s.max(axis=1)
+    e = jnp.where(ok, jnp.exp(s - m[:, None]), 0.0)
+    part_ref[:, pl.ds(c * per_tile, per_tile)] = jnp.dot(
+        e, col_blk, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    max_ref[pl.ds(c, 1), :] = m[None, :]
     return carry
 
-  jax.lax.fori_loop(0, n_tiles, reduce, None)
+  jax.lax.fori_loop(0, n_tiles, tile, None)
 
 
 @functools.partial(jax.jit, static_argnames=("xa", "interpret", "backend"))
@@ -305,10 +290,13 @@ def block_mass_pallas(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention,
   """`block_mass` (unpacked rows) as a Pallas kernel: [B, K, nb, nb] float32.
 
   Grid (batch, query head, chunks of stride rows); each program reads its KV head's keys in
-  tiles. Rows per program: 16 query blocks (at least 16 rows, so both indicator products have
-  16-row operands); columns per tile likewise 16 key blocks' stride columns. backend "gpu"
-  (Triton; `interpret=True` on CPU) or "tpu" (Pallas TPU interpret mode only: its strided
-  loads are not laid out for Mosaic, and no TPU is lent to tune them)."""
+  tiles and writes each row's per-tile maxima and partial block sums (`_mass_kernel`, one
+  product per tile); the rows' softmax, the sums over a query block's rows and the mean over
+  the group follow in jnp. Rows per program: 16 query blocks (at least 16 rows, so the
+  indicator product has 16-row operands); columns per tile likewise 16 key blocks' stride
+  columns. backend "gpu" (Triton; `interpret=True` on CPU) or "tpu" (Pallas TPU interpret
+  mode only: its strided loads are not laid out for Mosaic, and no TPU is lent to tune
+  them)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plgpu
   from jax.experimental.pallas import tpu as pltpu
@@ -328,24 +316,37 @@ def block_mass_pallas(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention,
   nb = num_blocks(t, xa)
   rows = cols = 16 * per_block
   ns = -(-(nb * per_block) // rows) * rows
+  real = -(-t // s)
   dp = max(16, pl.next_power_of_2(d))
   pad = lambda x: jnp.pad(x, [(0, 0), (0, ns * s - t), (0, 0), (0, dp - d)])
   q5 = pad(q_btnh).reshape(b, ns, s, n, dp)
   k5 = pad(k_btkh).reshape(b, ns, s, kh, dp)
-  out_blocks = ns // per_block
+  nbo, nt = ns // per_block, ns // cols          # blocks and tiles a side
   kernel = functools.partial(_mass_kernel, stride=s, rows=rows, cols=cols,
-                             per_block=per_block, real=-(-t // s), scale=1.0 / (d ** 0.5 * s))
-  mass = pl.pallas_call(
+                             per_block=per_block, real=real, scale=1.0 / (d ** 0.5 * s))
+  part, tile_max = pl.pallas_call(
       kernel,
       grid=(b, n, ns // rows),
       in_specs=[pl.BlockSpec((None, rows, s, None, dp), lambda i, h, c: (i, c, 0, h, 0)),
                 pl.BlockSpec((None, ns, s, None, dp), lambda i, h, c: (i, 0, 0, h // g, 0))],
-      out_specs=pl.BlockSpec((None, None, rows // per_block, out_blocks),
-                             lambda i, h, c: (i, h, c, 0)),
-      out_shape=jax.ShapeDtypeStruct((b, n, out_blocks, out_blocks), jnp.float32),
+      out_specs=[pl.BlockSpec((None, None, rows, nbo), lambda i, h, c: (i, h, c, 0)),
+                 pl.BlockSpec((None, None, nt, rows), lambda i, h, c: (i, h, 0, c))],
+      out_shape=[jax.ShapeDtypeStruct((b, n, ns, nbo), jnp.float32),
+                 jax.ShapeDtypeStruct((b, n, nt, ns), jnp.float32)],
       name="xattention_block_mass",
       **backend_kw,
   )(q5, k5)
-  causal = jnp.tril(jnp.ones((out_blocks, out_blocks), bool))[None, None]
-  mass = jnp.where(causal, mass, 0.0)        # blocks past a chunk's causal end: never written
-  return mass.reshape(b, kh, g, out_blocks, out_blocks).mean(2)[:, :, :nb, :nb]
+  # A row's tiles the kernel wrote: on or left of its chunk's diagonal, holding a real column
+  # (the rest of both outputs is never written).
+  row_tile = jnp.arange(ns) // rows
+  written = ((jnp.arange(nt)[None, :] <= row_tile[:, None])
+             & (jnp.arange(nt)[None, :] * cols < real))                   # [ns, nt]
+  tile_max = jnp.where(written, jnp.swapaxes(tile_max, 2, 3), MASK_VALUE)  # [B, N, ns, nt]
+  weight = jnp.where(written, jnp.exp(tile_max - tile_max.max(-1, keepdims=True)), 0.0)
+  part = part.reshape(b, n, ns, nt, cols // per_block)
+  part = jnp.where(written[..., None], part, 0.0) * weight[..., None]
+  total = part.sum(axis=(-2, -1), keepdims=True)
+  p = (part / jnp.where(total > 0, total, 1.0)).reshape(b, n, nbo, per_block, nbo).sum(3)
+  mass = p.reshape(b, kh, g, nbo, nbo).mean(2)
+  causal = jnp.tril(jnp.ones((nbo, nbo), bool))[None, None]
+  return jnp.where(causal, mass, 0.0)[:, :, :nb, :nb]
