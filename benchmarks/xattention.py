@@ -32,8 +32,9 @@ Per length and focus, every head in the same mode:
   XA attention Mosaic  the Mosaic GPU forward walking the kept-block lists (where it applies)
   XA total             the faster scoring + the faster XA attention, as a prefill runs them
 At each length's first focus (the scoring's time does not depend on the inputs), outside XA
-total: the jnp scoring with its chunks and tiles as separate operations up to 8 chunks
-("unrolled", `XAttention(unroll_chunks=8)`; the default runs them in a device loop), and with
+total: the jnp scoring without a device loop up to 8 chunks ("unrolled",
+`XAttention(unroll_chunks=8)`: each chunk's causal prefix in one product; the default runs
+tiles in a device loop), and with
 --chunk-blocks in scoring tiles of that many blocks a side (`XAttention.chunk_blocks`; the
 default 64 is the row "XA scoring (jnp)"). --scoring-only times just those forms and the
 scoring kernel beside ours full at each length (no check, no attention rows).
@@ -191,8 +192,9 @@ def main(argv=None):
   full, ssa = forward(ones), forward(zeros)
   score_kernel = jax.jit(lambda q, k: select(q, k, xa, attn_impl="pallas_gpu"))
   score_jnp = jax.jit(lambda q, k: select(q, k, xa, attn_impl="reference"))
-  # The jnp scoring's other forms: unrolled up to 8 chunks (`XAttention.unroll_chunks`; the
-  # default runs a device loop), and in tiles of --chunk-blocks blocks.
+  # The jnp scoring's other forms: without a device loop up to 8 chunks
+  # (`XAttention.unroll_chunks`; the default loops over tiles), and in tiles of
+  # --chunk-blocks blocks.
   score_forms = {"unrolled": dataclasses.replace(xa, unroll_chunks=8)} | {
       f"{c}-block tiles": dataclasses.replace(xa, chunk_blocks=c) for c in args.chunk_blocks}
   score_forms = {name: jax.jit(lambda q, k, x=x: select(q, k, x, attn_impl="reference"))

@@ -78,7 +78,8 @@ def _inputs(t, n=4, kh=2, d=8, b=2, seed=0, sharp=3.0):
 
 @pytest.mark.parametrize("t,chunk,unroll", [(64, 16, 8), (100, 2, 8), (131, 3, 0), (80, 4, 0)])
 def test_block_mass_matches_numpy(t, chunk, unroll):
-  """One and four chunks unrolled, three and two in the device loop (`unroll_chunks`)."""
+  """One and four chunks unrolled (each chunk's causal prefix at once), three and two in the
+  device loop of tiles (`unroll_chunks`)."""
   xa = XAttention(stride=4, block=16, threshold=0.9, chunk_blocks=chunk, unroll_chunks=unroll)
   q, k, _ = _inputs(t)
   got = np.asarray(block_mass(jnp.asarray(q), jnp.asarray(k), xa))
@@ -99,8 +100,9 @@ def test_scoring_kernel_matches_numpy(t, stride, block, d, backend):
   np.testing.assert_allclose(got, _numpy_mass(q, k, stride, block), atol=atol)
 
 
-def test_block_mass_in_packed_rows_stays_within_segments():
-  xa = XAttention(stride=4, block=16, chunk_blocks=2)
+@pytest.mark.parametrize("unroll", [0, 8])
+def test_block_mass_in_packed_rows_stays_within_segments(unroll):
+  xa = XAttention(stride=4, block=16, chunk_blocks=2, unroll_chunks=unroll)
   q, k, _ = _inputs(96, b=1)
   seg = np.asarray([[1] * 40 + [2] * 56])
   got = np.asarray(block_mass(jnp.asarray(q), jnp.asarray(k), xa, jnp.asarray(seg)))

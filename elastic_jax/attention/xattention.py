@@ -42,9 +42,9 @@ class XAttention:
   block: int = 128
   threshold: float = 0.9
   chunk_blocks: int = 64          # blocks per side of a scoring tile (memory, not the result)
-  # Up to this many chunks the scoring's tiles are separate operations with fixed offsets, no
-  # device loop (speed, not the result; not yet timed on a GPU, so off by default); more
-  # chunks run in a loop.
+  # Up to this many chunks each chunk scores its causal prefix in one operation of fixed
+  # shape, no device loop and no tiles (speed, not the result; not yet timed on a GPU, so off
+  # by default); more chunks run in a loop of tiles.
   unroll_chunks: int = 0
 
   def __post_init__(self):
@@ -75,8 +75,10 @@ def block_mass(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention,
   and once the chunk's tiles are done the rows' softmax is assembled from those partial sums
   (weights exp(tile max - row max), exact, no second product). Memory per head:
   O(rows x (rows + nb)) for rows = chunk_blocks * block/S. The chunks and their tiles run in
-  loops, or, up to `unroll_chunks` chunks, as separate operations with fixed offsets (no
-  device loop, whose per-iteration cost may dominate short prompts)."""
+  loops. Up to `unroll_chunks` chunks there is no device loop (whose per-iteration cost may
+  dominate short prompts) and no tiles: each chunk forms its whole causal prefix of stride
+  columns in one product, of fixed shape, and its rows' softmax directly (memory per head
+  O(rows x ns), ns = T/S)."""
   b, t, n, d = q_btnh.shape
   kh = k_btkh.shape[2]
   g = n // kh
@@ -108,7 +110,26 @@ def block_mass(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention,
 
   unrolled = n_chunks <= xa.unroll_chunks
 
-  def one_chunk(r):                        # r: a Python int when unrolled, else traced
+  def group_mean(p):                       # [B, K, G, rows, cols] -> [B, K, chunk, nb']
+    p = p.reshape(b, kh, g, chunk, per_blk, p.shape[-1]).sum(4).mean(2)
+    return jnp.pad(p, [(0, 0)] * 3 + [(0, n_chunks * chunk - p.shape[-1])])
+
+  def prefix_chunk(r: int):                # unrolled: chunk r against its causal prefix
+    i = r * rows + jnp.arange(rows)
+    j = jnp.arange((r + 1) * rows)
+    scores = jnp.einsum("bkgrx,bkcx->bkgrc", q_r[:, :, :, r * rows:(r + 1) * rows],
+                        k_r[:, :, :(r + 1) * rows], precision=precision,
+                        preferred_element_type=jnp.float32) * scale
+    ok = ((j[None, None, :] <= i[None, :, None]) & (j < real)[None, None, :]
+          & (i < real)[None, :, None]
+          & (seg_s[:, r * rows:(r + 1) * rows, None] == seg_s[:, None, :(r + 1) * rows]))
+    scores = jnp.where(ok[:, None, None], scores, MASK_VALUE)           # [B, K, G, R, C]
+    e = jnp.exp(scores - scores.max(axis=-1, keepdims=True)) * ok[:, None, None]
+    total = e.sum(axis=-1, keepdims=True)
+    p = e / jnp.where(total > 0, total, 1.0)
+    return group_mean(p.reshape(*p.shape[:-1], (r + 1) * chunk, per_blk).sum(-1))
+
+  def one_chunk(r):                        # in the device loop: tiles of the chunk's row
     i = r * rows + jnp.arange(rows)
     q_c, seg_i = cut(q_r, r * rows, 3), cut(seg_s, r * rows, 1)
 
@@ -128,22 +149,17 @@ def block_mass(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention,
 
     carry = (jnp.zeros((b, kh, g, rows, n_chunks * chunk), jnp.float32),
              jnp.full((b, kh, g, rows, n_chunks), MASK_VALUE, jnp.float32))
-    if unrolled:
-      for c in range(r + 1):
-        carry = tile(c, carry)
-    else:
-      carry = jax.lax.fori_loop(0, r + 1, tile, carry)
+    carry = jax.lax.fori_loop(0, r + 1, tile, carry)
     part, tile_max = carry
     # Tiles right of the diagonal keep zero partial sums; rows without a real column too.
     weight = jnp.exp(tile_max - tile_max.max(axis=-1, keepdims=True))
     part = part * jnp.repeat(weight, chunk, axis=-1)
     total = part.sum(axis=-1, keepdims=True)
     p = part / jnp.where(total > 0, total, 1.0)
-    # [B, K, G, chunk, per_blk, nb'] -> sum each block's rows, mean over the group.
-    return p.reshape(b, kh, g, chunk, per_blk, n_chunks * chunk).sum(4).mean(2)
+    return group_mean(p)                   # each block's rows summed, the group's mean
 
   if unrolled:                             # [n_chunks, B, K, chunk, nb']
-    out = jnp.stack([one_chunk(r) for r in range(n_chunks)])
+    out = jnp.stack([prefix_chunk(r) for r in range(n_chunks)])
   else:
     out = jax.lax.map(one_chunk, jnp.arange(n_chunks))
   out = out.transpose(1, 2, 0, 3, 4).reshape(b, kh, n_chunks * chunk, n_chunks * chunk)
