@@ -308,11 +308,12 @@ def block_mass_pallas(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention,
   Grid (batch, query head, chunks of stride rows); each program reads its KV head's keys in
   tiles and writes each row's per-tile maxima and partial block sums (`_mass_kernel`, one
   product per tile); the rows' softmax, the sums over a query block's rows and the mean over
-  the group follow in jnp. Rows per program: 16 query blocks (at least 16 rows, so the
-  indicator product has 16-row operands); columns per tile likewise 16 key blocks' stride
-  columns. backend "gpu" (Triton; `interpret=True` on CPU) or "tpu" (Pallas TPU interpret
-  mode only: its strided loads are not laid out for Mosaic, and no TPU is lent to tune
-  them)."""
+  the group follow in jnp. Memory: those partial sums, float32 [B, N, T/S, nb] (1 GiB at
+  128K tokens with 32 query heads; `block_mass` bounds its own per chunk). Rows per program:
+  16 query blocks (at least 16 rows, so the indicator product has 16-row operands); columns
+  per tile likewise 16 key blocks' stride columns. backend "gpu" (Triton; `interpret=True`
+  on CPU) or "tpu" (Pallas TPU interpret mode only: its strided loads are not laid out for
+  Mosaic, and no TPU is lent to tune them)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plgpu
   from jax.experimental.pallas import tpu as pltpu
