@@ -32,10 +32,9 @@ Per length and focus, every head in the same mode:
   XA attention Mosaic  the Mosaic GPU forward walking the kept-block lists (where it applies)
   XA total             the faster scoring + the faster XA attention, as a prefill runs them
 At each length's first focus (the scoring's time does not depend on the inputs), outside XA
-total: the jnp scoring without a device loop up to 8 chunks ("unrolled",
-`XAttention(unroll_chunks=8)`: each chunk's causal prefix in one product; the default runs
-tiles in a device loop), and with
---chunk-blocks in scoring tiles of that many blocks a side (`XAttention.chunk_blocks`; the
+total: the jnp scoring in its loop of tiles ("looped", `XAttention(unroll_chunks=0)`; the
+default, up to 16 chunks, scores each chunk's causal prefix in one product), and with
+--chunk-blocks in chunks (and tiles) of that many blocks (`XAttention.chunk_blocks`; the
 default 64 is the row "XA scoring (jnp)"). --scoring-only times just those forms and the
 scoring kernel beside ours full at each length (no check, no attention rows).
 Then the targets: XA total <= (d + 0.1) x ours full, and XA total faster than cuDNN causal
@@ -151,7 +150,7 @@ def main(argv=None):
   p.add_argument("--train-lengths", type=int, nargs="*", default=[16384],
                  help="forward+backward (training) at these lengths, the first --focus")
   p.add_argument("--chunk-blocks", type=int, nargs="*", default=[],
-                 help="also time the jnp scoring with tiles of these many blocks a side")
+                 help="also time the jnp scoring with chunks of these many blocks")
   p.add_argument("--reps", type=int, default=10)
   p.add_argument("--dry-run", action="store_true")
   p.add_argument("--density-only", action="store_true",
@@ -192,11 +191,11 @@ def main(argv=None):
   full, ssa = forward(ones), forward(zeros)
   score_kernel = jax.jit(lambda q, k: select(q, k, xa, attn_impl="pallas_gpu"))
   score_jnp = jax.jit(lambda q, k: select(q, k, xa, attn_impl="reference"))
-  # The jnp scoring's other forms: without a device loop up to 8 chunks
-  # (`XAttention.unroll_chunks`; the default loops over tiles), and in tiles of
-  # --chunk-blocks blocks.
-  score_forms = {"unrolled": dataclasses.replace(xa, unroll_chunks=8)} | {
-      f"{c}-block tiles": dataclasses.replace(xa, chunk_blocks=c) for c in args.chunk_blocks}
+  # The jnp scoring's other forms: its loop of tiles at any length (`XAttention.unroll_chunks`
+  # = 0; by default up to 16 chunks score their causal prefixes without a loop), and with
+  # chunks and tiles of --chunk-blocks blocks.
+  score_forms = {"looped": dataclasses.replace(xa, unroll_chunks=0)} | {
+      f"{c}-block chunks": dataclasses.replace(xa, chunk_blocks=c) for c in args.chunk_blocks}
   score_forms = {name: jax.jit(lambda q, k, x=x: select(q, k, x, attn_impl="reference"))
                  for name, x in score_forms.items()}
   xa_triton = jax.jit(lambda q, k, v, keep: xa_hybrid_forward(

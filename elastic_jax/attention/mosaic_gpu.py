@@ -9,9 +9,9 @@ each warpgroup's softmax overlapping its own PV product (tile s's QK^T and tile 
 issued together, `_kernel`'s `overlapped`); `MosaicTiles(persistent=P)` launches P
 persistent programs that take the work items in turn, heaviest first, the K/V ring running
 on from one item to the next (`_persistent`). Both are checked against the reference in
-interpret mode (where wgmma runs synchronously; the persistent programs on plain and packed
-rows) and lower to their Mosaic GPU modules, but have not yet run natively, so neither is the
-default.
+interpret mode (where wgmma runs synchronously) and natively; on an H100 both are slower than
+the default schedule (full heads at 0.69-0.70x its speed with the overlap, 0.92-0.94x
+persistent, 2026-12-05, benchmarks/README.md), so neither is the default.
 
 The routing is read at run time, one launch for all heads: every program loads its KV head's
 mode from a small int32 array and walks that head's own list of KV tiles,
