@@ -14,10 +14,11 @@ estimated cheaply from antidiagonal sums:
      (`reference.hybrid_attention`'s "xa" pattern, the kernels' XA mode).
 Grouped-query attention (decision): the unit that is kept or skipped is the KV head, as for
 the routing; its block mass is the mean of its G query heads' masses (each query head's rows
-sum to 1, so the mean keeps the threshold's meaning). Scores are formed in tiles of
-`chunk_blocks` x `chunk_blocks` blocks, only those on or below the diagonal, in one pass
-(`block_mass`), so memory stays O(rows * (rows + nb)) per head at any T, rows = chunk_blocks *
-block/S.
+sum to 1, so the mean keeps the threshold's meaning). Scores are formed per chunk of
+`chunk_blocks` query blocks (rows = chunk_blocks * block/S stride rows), only on or below the
+diagonal, in one pass (`block_mass`): up to `unroll_chunks` chunks each against its whole
+causal prefix (memory O(rows * T/S) per head), past that in a loop of tiles of chunk_blocks x
+chunk_blocks blocks (memory O(rows * (rows + nb)) per head at any T).
 
 Shape letters: B batch, T tokens, N query heads, K KV heads, G = N / K, D head dim; I, J query
 and key blocks (nb = ceil(T / block) of each).
@@ -41,7 +42,8 @@ class XAttention:
   stride: int = 16
   block: int = 128
   threshold: float = 0.9
-  chunk_blocks: int = 64          # blocks per side of a scoring tile (memory, not the result)
+  chunk_blocks: int = 64          # query blocks per scoring chunk, key blocks per tile side
+                                  # (speed and memory, not the result)
   # Up to this many chunks (16 of 64 blocks: 128K tokens) each chunk scores its causal prefix
   # in one operation of fixed shape, no device loop and no tiles: 1.5x faster than the loop
   # of tiles at 64K and 128K tokens on an H100 (benchmarks/README.md). More chunks run in
