@@ -30,7 +30,9 @@ stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(tests tests-triton schedules schedules-attention profile
                                     attention xattention packed)
 mkdir -p "$out"
-export JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+# The GPU first (the default device); the CPU beside it for the tests that run Pallas TPU
+# interpret mode, whose callbacks need a CPU device.
+export JAX_PLATFORMS=cuda,cpu PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 py=${PYTHON:-python}
 
