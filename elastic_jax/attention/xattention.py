@@ -128,9 +128,11 @@ def block_mass(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention,
           & (seg_s[:, r * rows:(r + 1) * rows, None] == seg_s[:, None, :(r + 1) * rows]))
     scores = jnp.where(ok[:, None, None], scores, MASK_VALUE)           # [B, K, G, R, C]
     e = jnp.exp(scores - scores.max(axis=-1, keepdims=True)) * ok[:, None, None]
+    # Summed per key block first, the rows' totals from those sums: one pass over the scores
+    # after the one for their maxima.
+    e = e.reshape(*e.shape[:-1], (r + 1) * chunk, per_blk).sum(-1)
     total = e.sum(axis=-1, keepdims=True)
-    p = e / jnp.where(total > 0, total, 1.0)
-    return group_mean(p.reshape(*p.shape[:-1], (r + 1) * chunk, per_blk).sum(-1))
+    return group_mean(e / jnp.where(total > 0, total, 1.0))
 
   def one_chunk(r):                        # in the device loop: tiles of the chunk's row
     i = r * rows + jnp.arange(rows)
@@ -207,7 +209,8 @@ def select_blocks(mass_bkij: jax.Array, threshold: float,
   gained = jnp.maximum(ranked, 0.0)
   before = jnp.cumsum(gained, axis=-1) - gained           # kept mass before each candidate
   take = (ranked >= 0.0) & (base + before < threshold * row)
-  taken = jnp.take_along_axis(take, jnp.argsort(order, axis=-1), axis=-1)
+  # Back to block order: a scatter through the permutation, not a second sort.
+  taken = jnp.put_along_axis(jnp.zeros_like(take), order, take, axis=-1, inplace=False)
   return forced | taken
 
 
