@@ -316,7 +316,7 @@ def block_mass_pallas(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention,
   16 query blocks (at least 16 rows, so the indicator product has 16-row operands); columns
   per tile likewise 16 key blocks' stride columns. backend "gpu" (Triton; `interpret=True`
   on CPU) or "tpu" (Pallas TPU interpret mode only: its strided loads are not laid out for
-  Mosaic, and no TPU is lent to tune them)."""
+  Mosaic, nor tuned on a TPU)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plgpu
   from jax.experimental.pallas import tpu as pltpu
