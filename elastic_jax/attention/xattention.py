@@ -113,26 +113,28 @@ def block_mass(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention,
 
   unrolled = n_chunks <= xa.unroll_chunks
 
-  def group_mean(p):                       # [B, K, G, rows, cols] -> [B, K, chunk, nb']
-    p = p.reshape(b, kh, g, chunk, per_blk, p.shape[-1]).sum(4).mean(2)
+  def block_sums(q_c, k_c, i, j, seg_i, seg_j):
+    """Stride rows i against columns j: per row the maximum of its visible scores and
+    exp(score - that maximum) summed per key block, [B, K, G, R, |j| / per_blk]."""
+    scores = jnp.einsum("bkgrx,bkcx->bkgrc", q_c, k_c, precision=precision,
+                        preferred_element_type=jnp.float32) * scale
+    ok = ((j[None, None, :] <= i[None, :, None]) & (j < real)[None, None, :]
+          & (i < real)[None, :, None] & (seg_i[:, :, None] == seg_j[:, None, :]))
+    scores = jnp.where(ok[:, None, None], scores, MASK_VALUE)           # [B, K, G, R, C]
+    m = scores.max(axis=-1)
+    e = jnp.exp(scores - m[..., None]) * ok[:, None, None]
+    return e.reshape(*e.shape[:-1], j.shape[0] // per_blk, per_blk).sum(-1), m
+
+  def group_mean(part):                    # [B, K, G, rows, nb''] -> [B, K, chunk, nb']
+    p = _row_normalised(part).reshape(b, kh, g, chunk, per_blk, part.shape[-1])
+    p = p.sum(4).mean(2)                   # each block's rows summed, the group's mean
     return jnp.pad(p, [(0, 0)] * 3 + [(0, n_chunks * chunk - p.shape[-1])])
 
   def prefix_chunk(r: int):                # unrolled: chunk r against its causal prefix
-    i = r * rows + jnp.arange(rows)
-    j = jnp.arange((r + 1) * rows)
-    scores = jnp.einsum("bkgrx,bkcx->bkgrc", q_r[:, :, :, r * rows:(r + 1) * rows],
-                        k_r[:, :, :(r + 1) * rows], precision=precision,
-                        preferred_element_type=jnp.float32) * scale
-    ok = ((j[None, None, :] <= i[None, :, None]) & (j < real)[None, None, :]
-          & (i < real)[None, :, None]
-          & (seg_s[:, r * rows:(r + 1) * rows, None] == seg_s[:, None, :(r + 1) * rows]))
-    scores = jnp.where(ok[:, None, None], scores, MASK_VALUE)           # [B, K, G, R, C]
-    e = jnp.exp(scores - scores.max(axis=-1, keepdims=True)) * ok[:, None, None]
-    # Summed per key block first, the rows' totals from those sums: one pass over the scores
-    # after the one for their maxima.
-    e = e.reshape(*e.shape[:-1], (r + 1) * chunk, per_blk).sum(-1)
-    total = e.sum(axis=-1, keepdims=True)
-    return group_mean(e / jnp.where(total > 0, total, 1.0))
+    now, before = slice(r * rows, (r + 1) * rows), slice(0, (r + 1) * rows)
+    part, _ = block_sums(q_r[:, :, :, now], k_r[:, :, before], r * rows + jnp.arange(rows),
+                         jnp.arange((r + 1) * rows), seg_s[:, now], seg_s[:, before])
+    return group_mean(part)
 
   def one_chunk(r):                        # in the device loop: tiles of the chunk's row
     i = r * rows + jnp.arange(rows)
@@ -140,28 +142,15 @@ def block_mass(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention,
 
     def tile(c, carry):                    # the (r, c) tile, c <= r
       part, tile_max = carry
-      j = c * rows + jnp.arange(rows)
-      scores = jnp.einsum("bkgrx,bkcx->bkgrc", q_c, cut(k_r, c * rows, 2),
-                          precision=precision, preferred_element_type=jnp.float32) * scale
-      ok = ((j[None, None, :] <= i[None, :, None]) & (j < real)[None, None, :]
-            & (i < real)[None, :, None] & (seg_i[:, :, None] == cut(seg_s, c * rows, 1)[:, None]))
-      scores = jnp.where(ok[:, None, None], scores, MASK_VALUE)         # [B, K, G, R, R]
-      m = scores.max(axis=-1)
-      e = jnp.exp(scores - m[..., None]) * ok[:, None, None]
-      e = e.reshape(*e.shape[:-1], chunk, per_blk).sum(-1)              # per key block
-      part = jax.lax.dynamic_update_slice_in_dim(part, e, c * chunk, axis=4)
+      e, m = block_sums(q_c, cut(k_r, c * rows, 2), i, c * rows + jnp.arange(rows), seg_i,
+                        cut(seg_s, c * rows, 1))
+      part = jax.lax.dynamic_update_slice_in_dim(part, e[..., None, :], c, axis=4)
       return part, jax.lax.dynamic_update_slice_in_dim(tile_max, m[..., None], c, axis=4)
 
-    carry = (jnp.zeros((b, kh, g, rows, n_chunks * chunk), jnp.float32),
+    # Tiles right of the diagonal keep zero partial sums and the mask value as maximum.
+    carry = (jnp.zeros((b, kh, g, rows, n_chunks, chunk), jnp.float32),
              jnp.full((b, kh, g, rows, n_chunks), MASK_VALUE, jnp.float32))
-    carry = jax.lax.fori_loop(0, r + 1, tile, carry)
-    part, tile_max = carry
-    # Tiles right of the diagonal keep zero partial sums; rows without a real column too.
-    weight = jnp.exp(tile_max - tile_max.max(axis=-1, keepdims=True))
-    part = part * jnp.repeat(weight, chunk, axis=-1)
-    total = part.sum(axis=-1, keepdims=True)
-    p = part / jnp.where(total > 0, total, 1.0)
-    return group_mean(p)                   # each block's rows summed, the group's mean
+    return group_mean(_weighted_tiles(*jax.lax.fori_loop(0, r + 1, tile, carry)))
 
   if unrolled:                             # [n_chunks, B, K, chunk, nb']
     out = jnp.stack([prefix_chunk(r) for r in range(n_chunks)])
@@ -169,6 +158,21 @@ def block_mass(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention,
     out = jax.lax.map(one_chunk, jnp.arange(n_chunks))
   out = out.transpose(1, 2, 0, 3, 4).reshape(b, kh, n_chunks * chunk, n_chunks * chunk)
   return out[:, :, :nb, :nb]
+
+
+def _weighted_tiles(part, tile_max):
+  """Partial block sums of several tiles, each relative to its rows' own maxima, [..., nt,
+  blocks] with tile_max [..., nt], on one scale: exp(tile max - row max) x part, [...,
+  nt * blocks]. Tiles never reached hold zero sums (their maxima are then irrelevant)."""
+  weight = jnp.exp(tile_max - tile_max.max(axis=-1, keepdims=True))
+  return (part * weight[..., None]).reshape(*part.shape[:-2], -1)
+
+
+def _row_normalised(part):
+  """Block sums on one scale per row -> the row's probability mass per block (rows with no
+  visible column stay zero)."""
+  total = part.sum(axis=-1, keepdims=True)
+  return part / jnp.where(total > 0, total, 1.0)
 
 
 def forced_blocks(t: int, xa: XAttention, segment_ids_bt: jax.Array | None = None,
@@ -362,11 +366,8 @@ def block_mass_pallas(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention,
   written = ((jnp.arange(nt)[None, :] <= row_tile[:, None])
              & (jnp.arange(nt)[None, :] * cols < real))                   # [ns, nt]
   tile_max = jnp.where(written, jnp.swapaxes(tile_max, 2, 3), MASK_VALUE)  # [B, N, ns, nt]
-  weight = jnp.where(written, jnp.exp(tile_max - tile_max.max(-1, keepdims=True)), 0.0)
-  part = part.reshape(b, n, ns, nt, cols // per_block)
-  part = jnp.where(written[..., None], part, 0.0) * weight[..., None]
-  total = part.sum(axis=(-2, -1), keepdims=True)
-  p = (part / jnp.where(total > 0, total, 1.0)).reshape(b, n, nbo, per_block, nbo).sum(3)
-  mass = p.reshape(b, kh, g, nbo, nbo).mean(2)
+  part = jnp.where(written[..., None], part.reshape(b, n, ns, nt, cols // per_block), 0.0)
+  p = _row_normalised(_weighted_tiles(part, tile_max))                     # [B, N, ns, nbo]
+  mass = p.reshape(b, kh, g, nbo, per_block, nbo).sum(4).mean(2)
   causal = jnp.tril(jnp.ones((nbo, nbo), bool))[None, None]
   return jnp.where(causal, mass, 0.0)[:, :, :nb, :nb]
