@@ -26,22 +26,26 @@ Per length and focus, every head in the same mode:
   ours full            our inference kernel, every head full (the Mosaic GPU forward on a
                        Hopper GPU, else Triton): the time XA heads are held against
   ours SSA             every head streaming
-  XA scoring (kernel)  the Pallas scoring kernel + selection (`xattention.select`, pallas_gpu)
-  XA scoring (jnp)     the plain-jnp scoring + selection (the default, "auto")
+  XA scoring (Mosaic)  the Mosaic GPU scoring kernel + selection (`xattention.select`,
+                       "mosaic_gpu"; a Hopper GPU, where it applies)
+  XA scoring (Triton)  the Triton scoring kernel + selection ("pallas_gpu")
+  XA scoring (jnp)     the plain-jnp scoring + selection ("reference")
   XA attention Triton  the Triton kernel with the FA-XA patterns, every head XA, kept blocks
   XA attention Mosaic  the Mosaic GPU forward walking the kept-block lists (where it applies)
-  XA total             the faster scoring + the faster XA attention, as a prefill runs them
+  XA total             the fastest scoring + the faster XA attention
 At each length's first focus (the scoring's time does not depend on the inputs), outside XA
 total: the jnp scoring in its loop of tiles ("looped", `XAttention(unroll_chunks=0)`; the
 default, up to 16 chunks, scores each chunk's causal prefix in one product), and with
 --chunk-blocks in chunks (and tiles) of that many blocks (`XAttention.chunk_blocks`; the
-default 64 is the row "XA scoring (jnp)"). --scoring-only times just those forms and the
-scoring kernel beside ours full at each length (no check, no attention rows).
+default 64 is the row "XA scoring (jnp)"), and with --scoring-tiles the Mosaic GPU scoring
+kernel in other tiles (`mosaic_gpu_scoring.ScoringTiles`, rows x cols x depth x slots).
+--scoring-only times just the scoring rows beside ours full at each length (no check, no
+attention rows).
 Then the targets: XA total <= (d + 0.1) x ours full, and XA total faster than cuDNN causal
 wherever d <= 0.6. Times are medians of --reps calls after two warm-ups; a ratio is cuDNN's
 time over the row's (> 1: faster than dense). At the first length the XA kernels' outputs are
-checked against the float32 reference on the same kept blocks, and the scoring kernel's block
-masses against the jnp ones.
+checked against the float32 reference on the same kept blocks, and the scoring kernels' block
+masses and selections against the jnp ones.
 
 Training (--train-lengths, the first --focus): gradients of q, k, v (and the gate) with every
 head sparse, through the Triton kernels (SSA, and XA on the kept blocks under "fa-xa"); on a
@@ -60,15 +64,23 @@ import statistics
 import sys
 import time
 
+if "--dry-run" in sys.argv:
+  # The Mosaic GPU kernels' interpret mode runs each warpgroup in its own host thread, blocked
+  # at barriers while another one works: XLA's CPU client needs threads to spare (as the
+  # tests' conftest.py sets it).
+  os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from elastic_jax.attention import Streaming, mosaic_gpu  # noqa: E402
+from elastic_jax.attention import Streaming, mosaic_gpu, mosaic_gpu_scoring  # noqa: E402
 from elastic_jax.attention.pallas_gpu import hybrid_forward, xa_hybrid_forward  # noqa: E402
 from elastic_jax.attention.reference import dense_hybrid_attention, hybrid_attention  # noqa: E402
 from elastic_jax.attention.xattention import (  # noqa: E402
-    XAttention, block_mass, block_mass_pallas, kept_fraction, select)
+    XAttention, block_mass, block_mass_pallas, forced_blocks, kept_fraction, select,
+    select_blocks)
+from elastic_jax.attention.mosaic_gpu_scoring import block_mass_mosaic  # noqa: E402
 
 SEGMENT = 512          # tokens per topic segment of the structured inputs
 ROPE_THETA = 5e5
@@ -135,6 +147,12 @@ def noise_inputs(key, focus, *, t: int, n: int, kh: int, d: int, dtype):
   return q, k, v
 
 
+def _select_mosaic(q, k, *, xa, tiles, interpret):
+  """`select` with the Mosaic GPU scoring kernel in other tiles."""
+  mass = block_mass_mosaic(q, k, xa, tiles=tiles, interpret=interpret)
+  return select_blocks(mass, xa.threshold, forced_blocks(q.shape[1], xa, batch=q.shape[0]))
+
+
 def _hopper() -> bool:
   return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
 
@@ -151,6 +169,8 @@ def main(argv=None):
                  help="forward+backward (training) at these lengths, the first --focus")
   p.add_argument("--chunk-blocks", type=int, nargs="*", default=[],
                  help="also time the jnp scoring with chunks of these many blocks")
+  p.add_argument("--scoring-tiles", nargs="*", default=[], metavar="RxCxDxS",
+                 help="also time the Mosaic GPU scoring kernel in these tiles")
   p.add_argument("--reps", type=int, default=10)
   p.add_argument("--dry-run", action="store_true")
   p.add_argument("--density-only", action="store_true",
@@ -189,8 +209,19 @@ def main(argv=None):
     forward = lambda gate: jax.jit(lambda q, k, v: hybrid_forward(q, k, v, gate, st,
                                                                   interpret=interpret))
   full, ssa = forward(ones), forward(zeros)
-  score_kernel = jax.jit(lambda q, k: select(q, k, xa, attn_impl="pallas_gpu"))
+  score_triton = jax.jit(lambda q, k: select(q, k, xa, attn_impl="pallas_gpu"))
   score_jnp = jax.jit(lambda q, k: select(q, k, xa, attn_impl="reference"))
+  mosaic_scoring = mosaic_gpu_scoring.applies((1, 1, n, d), (1, 1, kh, d), dtype, xa) and (
+      _hopper() or args.dry_run)
+  score_mosaic = jax.jit(lambda q, k: select(q, k, xa, attn_impl="mosaic_gpu"))
+  scorings = {"XA scoring (Triton)": score_triton, "XA scoring (jnp)": score_jnp} | (
+      {"XA scoring (Mosaic)": score_mosaic} if mosaic_scoring else {})
+  for spec in args.scoring_tiles if mosaic_scoring else ():
+    tiles = mosaic_gpu_scoring.ScoringTiles(*map(int, spec.split("x")))
+    if not mosaic_gpu_scoring.applies((1, 1, n, d), (1, 1, kh, d), dtype, xa, tiles):
+      p.error(f"the Mosaic GPU scoring kernel does not take tiles {spec}")
+    scorings[f"XA scoring (Mosaic {spec})"] = jax.jit(functools.partial(
+        _select_mosaic, xa=xa, tiles=tiles, interpret=interpret))
   # The jnp scoring's other forms: its loop of tiles at any length (`XAttention.unroll_chunks`
   # = 0; by default up to 16 chunks score their causal prefixes without a loop), and with
   # chunks and tiles of --chunk-blocks blocks.
@@ -207,9 +238,8 @@ def main(argv=None):
   if args.scoring_only:   # no attention, no check: the scoring forms against ours full
     for t in args.lengths:
       q, k, v = make_inputs(jax.random.key(t), args.focus[0], t=t)
-      rows = {"ours full": timed(full, q, k, v, reps=args.reps),
-              "XA scoring (kernel)": timed(score_kernel, q, k, reps=args.reps),
-              "XA scoring (jnp)": timed(score_jnp, q, k, reps=args.reps)}
+      rows = {"ours full": timed(full, q, k, v, reps=args.reps)} | {
+          name: timed(fn, q, k, reps=args.reps) for name, fn in scorings.items()}
       for name, fn in score_forms.items():
         rows[f"XA scoring (jnp, {name})"] = timed(fn, q, k, reps=args.reps)
       print(f"\nT={t}, scoring only")
@@ -230,9 +260,14 @@ def main(argv=None):
         continue
       if not checked:
         checked = True
-        mass_k = block_mass_pallas(q, k, xa, interpret=interpret)
         mass_j = block_mass(q, k, xa)
-        same = float((keep == score_kernel(q, k)).mean())
+        kernels = {"Triton": (block_mass_pallas(q, k, xa, interpret=interpret), score_triton)}
+        if mosaic_scoring:
+          kernels["Mosaic"] = (block_mass_mosaic(q, k, xa, interpret=interpret), score_mosaic)
+        masses = "; ".join(
+            f"{name}: max |diff| {float(jnp.abs(mass - mass_j).max()):.2e}, selections agree "
+            f"on {float((keep == fn(q, k)).mean()):.4%} of blocks"
+            for name, (mass, fn) in kernels.items())
         up = [x.astype(jnp.float32) for x in (q, k, v)]
         if t <= 8192 or args.dry_run:
           want = dense_hybrid_attention(*up, zeros, st, patterns="fa-xa", xa_keep=keep,
@@ -245,22 +280,21 @@ def main(argv=None):
         errs = f"Triton {rel(xa_triton(q, k, v, keep)):.2e}"
         if mosaic_xa:
           errs += f", Mosaic {rel(xa_mosaic(q, k, v, keep)):.2e}"
-        print(f"check at T={t}: block masses kernel vs jnp max |diff| "
-              f"{float(jnp.abs(mass_k - mass_j).max()):.2e}; selections agree on "
-              f"{same:.4%} of blocks; XA attention vs float32 reference rel. error: {errs}",
-              flush=True)
+        print(f"check at T={t}: block masses against the jnp scoring's, {masses}; XA attention "
+              f"vs float32 reference rel. error: {errs}", flush=True)
       rows = {"cuDNN causal": timed(cudnn, q, k, v, reps=args.reps),
               "ours full": timed(full, q, k, v, reps=args.reps),
-              "ours SSA": timed(ssa, q, k, v, reps=args.reps),
-              "XA scoring (kernel)": timed(score_kernel, q, k, reps=args.reps),
-              "XA scoring (jnp)": timed(score_jnp, q, k, reps=args.reps),
-              "XA attention Triton": timed(xa_triton, q, k, v, keep, reps=args.reps)}
+              "ours SSA": timed(ssa, q, k, v, reps=args.reps)} | {
+          name: timed(fn, q, k, reps=args.reps) for name, fn in scorings.items()
+          if focus == args.focus[0] or "Mosaic " not in name}
+      rows["XA attention Triton"] = timed(xa_triton, q, k, v, keep, reps=args.reps)
       if mosaic_xa:
         rows["XA attention Mosaic"] = timed(xa_mosaic, q, k, v, keep, reps=args.reps)
       if focus == args.focus[0]:
         for name, fn in score_forms.items():
           rows[f"XA scoring (jnp, {name})"] = timed(fn, q, k, reps=args.reps)
-      scoring = min(rows["XA scoring (kernel)"], rows["XA scoring (jnp)"])
+      scoring = min(rows[name] for name in ("XA scoring (Mosaic)", "XA scoring (Triton)",
+                                            "XA scoring (jnp)") if name in rows)
       attention = min(sec for name, sec in rows.items() if name.startswith("XA attention"))
       rows["XA total"] = total = scoring + attention
       base = rows["cuDNN causal"]

@@ -20,10 +20,11 @@ import pytest
 from mosaic_tools import INTERPRET, TOL, kept_blocks, packed_row, qkv, schedule_id
 
 from elastic_jax import hybrid_attention
-from elastic_jax.attention import Streaming, mosaic_gpu
+from elastic_jax.attention import Streaming, mosaic_gpu, mosaic_gpu_scoring
 from elastic_jax.attention.common import MODE_FULL, MODE_SPARSE
 from elastic_jax.attention import reference
 from elastic_jax.attention.reference import dense_hybrid_attention
+from elastic_jax.attention.xattention import XAttention
 
 
 @pytest.mark.parametrize("rows,block_kv", [(64, 128), (128, 128), (64, 64)])
@@ -277,7 +278,8 @@ def test_kernels_lower_for_the_gpu():
   overlapped schedule's asynchronous waits; compiling to PTX needs the GPU's toolchain).
   The plain forward in every schedule; the other forward kernels in the default and the
   overlapped persistent ones (which run the overlapped schedule's code); the training
-  forward, and the dQ and dK/dV kernels behind it on packed rows under XAttention."""
+  forward, and the dQ and dK/dV kernels behind it on packed rows under XAttention; the XA
+  scoring kernel."""
   st, xb = Streaming(1, 2, 128), 256
   s = jax.ShapeDtypeStruct
   b, t, n, kh, d = 1, 1024, 4, 2, 128
@@ -306,6 +308,7 @@ def test_kernels_lower_for_the_gpu():
       (lambda q, k, v, g, sg, kp, do: mg.packed_xa_backward(
           mg.packed_xa_forward_train(q, k, v, g, sg, sg, kp, st, **xa)[1], do, st, **xa),
        (q, k, k, gate_rows, seg, keep, q), 4)]
+  cases.append((lambda q, k: mosaic_gpu_scoring.block_mass_mosaic(q, k, XAttention()), (q, k), 1))
   for fn, args, launches in cases:
     module = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
     assert module.count("mosaic_gpu_v2") == launches

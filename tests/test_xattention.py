@@ -12,6 +12,7 @@ import pytest
 
 from elastic_jax.attention import Streaming, hybrid_attention
 from elastic_jax.attention.reference import dense_hybrid_attention
+from elastic_jax.attention.mosaic_gpu_scoring import ScoringTiles, block_mass_mosaic
 from elastic_jax.attention.xattention import (XAttention, block_lists, block_mass,
                                               block_mass_pallas, forced_blocks, kept_fraction,
                                               select, select_blocks)
@@ -99,6 +100,29 @@ def test_scoring_kernel_matches_numpy(t, stride, block, d, backend):
   # tf32 scores on a GPU, also in interpret mode there (its products run on the GPU)
   atol = 2e-3 if jax.default_backend() == "gpu" else 2e-5
   np.testing.assert_allclose(got, _numpy_mass(q, k, stride, block), atol=atol)
+
+
+def test_mosaic_scoring_kernel_matches_numpy():
+  """The Mosaic GPU scoring kernel (interpret mode on CPU, native on a GPU): head_dim in two
+  pieces per step, three row tiles against one to three column tiles (open and masked ones),
+  padded rows and columns, two batch rows."""
+  native = jax.default_backend() == "gpu"
+  t, stride, block = 600, 4, 16
+  xa = XAttention(stride=stride, block=block)
+  q, k, _ = _inputs(t, d=128, seed=11)
+  q, k = (jnp.asarray(x, jnp.bfloat16) for x in (q, k))
+  tiles = ScoringTiles(rows=64, cols=64, depth=64, slots=3)
+  got = np.asarray(block_mass_mosaic(q, k, xa, tiles=tiles, interpret=not native))
+  want = _numpy_mass(*(np.asarray(x, np.float32) for x in (q, k)), stride, block)
+  np.testing.assert_allclose(got, want, atol=2e-5)
+  keep = np.asarray(select(q, k, xa, attn_impl="mosaic_gpu"))
+  assert (keep == np.asarray(select(q, k, xa))).mean() > 0.99
+
+
+def test_mosaic_scoring_kernel_names_what_it_does_not_take():
+  q, k = jnp.zeros((1, 256, 3, 64), jnp.bfloat16), jnp.zeros((1, 256, 1, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="does not take"):
+    block_mass_mosaic(q, k, XAttention(stride=4, block=16))
 
 
 @pytest.mark.parametrize("unroll", [0, 8])

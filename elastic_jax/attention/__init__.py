@@ -40,7 +40,7 @@ from elastic_jax.attention import mosaic_gpu, pallas_gpu, pallas_tpu
 from elastic_jax.errors import ElasticJaxError
 
 
-def _hopper() -> bool:
+def on_hopper() -> bool:
   """Whether the default device is an NVIDIA GPU with wgmma (compute capability 9.x)."""
   return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
 
@@ -48,7 +48,7 @@ def _hopper() -> bool:
 def _auto_hybrid(*args, **kwargs):
   """The fused kernel for the backend this runs on (Mosaic GPU's forward on Hopper); the
   reference on CPU."""
-  gpu = mosaic_gpu.hybrid_attention if _hopper() else pallas_gpu.hybrid_attention
+  gpu = mosaic_gpu.hybrid_attention if on_hopper() else pallas_gpu.hybrid_attention
   impl = {"gpu": gpu, "tpu": pallas_tpu.hybrid_attention}.get(
       jax.default_backend(), hybrid_attention)
   if impl is hybrid_attention:
@@ -64,7 +64,7 @@ def _auto_causal(q, k, v, segment_ids=None):
   if backend == "gpu" and segment_ids is None and q.dtype in (jnp.bfloat16, jnp.float16):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
   if backend == "gpu":
-    return _full_heads(HYBRID_IMPLS["mosaic_gpu" if _hopper() else "pallas_gpu"])(
+    return _full_heads(HYBRID_IMPLS["mosaic_gpu" if on_hopper() else "pallas_gpu"])(
         q, k, v, segment_ids)
   if backend == "tpu":
     return _full_heads(HYBRID_IMPLS["pallas_tpu"])(q, k, v, segment_ids)

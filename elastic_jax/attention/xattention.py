@@ -222,17 +222,28 @@ def select(q_btnh, k_btkh, xa: XAttention, segment_ids_bt=None, attn_impl: str =
            ) -> jax.Array:
   """Scoring then selection: kept blocks [B, K, nb, nb] bool (no gradient flows through).
 
-  attn_impl: "reference" (plain jnp, `block_mass`), "pallas_gpu" (the scoring kernel; unpacked
-  rows only), "auto" (the plain-jnp scoring everywhere: on an H100 on 2026-12-05, with 32
-  query and 8 KV heads, `block_mass`'s default form took 1.25 ms at 32K tokens, 3.95 ms at
-  64K and about 13.4 ms at 128K, against the kernel's 1.68, 6.15 and 21.9 ms;
-  `benchmarks/xattention.py --scoring-only` and benchmarks/README.md).
+  attn_impl: "reference" (plain jnp, `block_mass`), "mosaic_gpu" (the Mosaic GPU scoring
+  kernel, `mosaic_gpu_scoring`; unpacked rows in its layout, interpret mode off a GPU),
+  "pallas_gpu" (the Triton scoring kernel; unpacked rows), "auto" (the Mosaic GPU kernel on a
+  Hopper GPU where it takes the call, else the plain-jnp scoring). Scoring and selection on an
+  H100 on 2026-12-05, 32 query and 8 KV heads, D 128, bf16 (`benchmarks/xattention.py`,
+  benchmarks/README.md): the Mosaic GPU kernel 1.06-1.20 ms at 32K tokens and 12.1-12.3 ms at
+  128K, `block_mass` 1.18-1.38 and 12.7-12.9 ms, the Triton kernel 1.76-1.92 and 22 ms; the
+  three select the same blocks.
   """
-  if attn_impl not in ("reference", "pallas_gpu", "auto"):
+  if attn_impl not in ("reference", "mosaic_gpu", "pallas_gpu", "auto"):
     raise ValueError(f"XAttention scoring implementation '{attn_impl}' is unknown")
+  from elastic_jax.attention import mosaic_gpu_scoring, on_hopper
   q_btnh, k_btkh = jax.lax.stop_gradient(q_btnh), jax.lax.stop_gradient(k_btkh)
-  if segment_ids_bt is None and attn_impl == "pallas_gpu":
-    mass = block_mass_pallas(q_btnh, k_btkh, xa, interpret=jax.default_backend() != "gpu")
+  on_gpu = jax.default_backend() == "gpu"
+  takes = segment_ids_bt is None and mosaic_gpu_scoring.applies(
+      q_btnh.shape, k_btkh.shape, q_btnh.dtype, xa)
+  if attn_impl == "auto":
+    attn_impl = "mosaic_gpu" if takes and on_gpu and on_hopper() else "reference"
+  if attn_impl == "mosaic_gpu" and takes:
+    mass = mosaic_gpu_scoring.block_mass_mosaic(q_btnh, k_btkh, xa, interpret=not on_gpu)
+  elif attn_impl == "pallas_gpu" and segment_ids_bt is None:
+    mass = block_mass_pallas(q_btnh, k_btkh, xa, interpret=not on_gpu)
   else:
     mass = block_mass(q_btnh, k_btkh, xa, segment_ids_bt)
   forced = forced_blocks(q_btnh.shape[1], xa, segment_ids_bt, q_btnh.shape[0])
@@ -360,14 +371,26 @@ def block_mass_pallas(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention,
       name="xattention_block_mass",
       **backend_kw,
   )(q5, k5)
-  # A row's tiles the kernel wrote: on or left of its chunk's diagonal, holding a real column
-  # (the rest of both outputs is never written).
-  row_tile = jnp.arange(ns) // rows
-  written = ((jnp.arange(nt)[None, :] <= row_tile[:, None])
-             & (jnp.arange(nt)[None, :] * cols < real))                   # [ns, nt]
+  return masses_from_tiles(part, tile_max, num_kv_heads=kh, rows=rows, cols=cols,
+                           per_block=per_block, real=real, nb=nb)
+
+
+def masses_from_tiles(part: jax.Array, tile_max: jax.Array, *, num_kv_heads: int, rows: int,
+                      cols: int, per_block: int, real: int, nb: int) -> jax.Array:
+  """A scoring kernel's outputs -> block masses [B, K, nb, nb] float32 (zero above the
+  diagonal). part [B, N, ns, nb'] float32: per stride row, exp(score - the tile's maximum)
+  summed per key block; tile_max [B, N, nt, ns]: each row's maximum per tile of `cols` stride
+  columns (natural-log units). A kernel program covers `rows` stride rows and writes the tiles
+  holding a column it sees: those before the first of min(its rows' end, real) columns (the
+  rest of both outputs is never written, and ignored here)."""
+  b, n, ns, nbo = part.shape
+  nt = tile_max.shape[2]
+  g = n // num_kv_heads
+  row_end = jnp.minimum((jnp.arange(ns) // rows + 1) * rows, real)
+  written = jnp.arange(nt)[None, :] * cols < row_end[:, None]              # [ns, nt]
   tile_max = jnp.where(written, jnp.swapaxes(tile_max, 2, 3), MASK_VALUE)  # [B, N, ns, nt]
   part = jnp.where(written[..., None], part.reshape(b, n, ns, nt, cols // per_block), 0.0)
   p = _row_normalised(_weighted_tiles(part, tile_max))                     # [B, N, ns, nbo]
-  mass = p.reshape(b, kh, g, nbo, per_block, nbo).sum(4).mean(2)
+  mass = p.reshape(b, num_kv_heads, g, nbo, per_block, nbo).sum(4).mean(2)
   causal = jnp.tril(jnp.ones((nbo, nbo), bool))[None, None]
   return jnp.where(causal, mass, 0.0)[:, :, :nb, :nb]
