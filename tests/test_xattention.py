@@ -12,6 +12,7 @@ import pytest
 
 from elastic_jax.attention import Streaming, hybrid_attention
 from elastic_jax.attention.reference import dense_hybrid_attention
+from elastic_jax.attention import mosaic_gpu_scoring
 from elastic_jax.attention.mosaic_gpu_scoring import ScoringTiles, block_mass_mosaic
 from elastic_jax.attention.xattention import (XAttention, block_lists, block_mass,
                                               block_mass_pallas, forced_blocks, kept_fraction,
@@ -119,10 +120,29 @@ def test_mosaic_scoring_kernel_matches_numpy():
   assert (keep == np.asarray(select(q, k, xa))).mean() > 0.99
 
 
-def test_mosaic_scoring_kernel_names_what_it_does_not_take():
+def test_mosaic_scoring_kernel_names_what_it_does_not_take_and_its_memory():
   q, k = jnp.zeros((1, 256, 3, 64), jnp.bfloat16), jnp.zeros((1, 256, 1, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match="does not take"):
     block_mass_mosaic(q, k, XAttention(stride=4, block=16))
+  # What select(auto) budgets is the kernel's real output (traced, not run).
+  xa = XAttention()
+  for t in (5000, 40000):
+    q, k = (jax.ShapeDtypeStruct((2, t, h, 128), jnp.bfloat16) for h in (8, 2))
+    jaxpr = jax.make_jaxpr(lambda q, k: block_mass_mosaic(q, k, xa))(q, k).jaxpr
+    part, _ = next(_two_float32_outputs(jaxpr))   # the kernel call: (part, tile maxima)
+    assert part.size * 4 == mosaic_gpu_scoring.partial_sums_bytes(q.shape, xa)
+
+
+def _two_float32_outputs(jaxpr):
+  """The output avals of every equation with two float32 outputs, nested jaxprs included."""
+  for eqn in jaxpr.eqns:
+    avals = [v.aval for v in eqn.outvars]
+    if len(avals) == 2 and all(a.dtype == jnp.float32 for a in avals):
+      yield avals
+    for param in eqn.params.values():
+      inner = getattr(param, "jaxpr", param)
+      if hasattr(inner, "eqns"):
+        yield from _two_float32_outputs(inner)
 
 
 @pytest.mark.parametrize("unroll", [0, 8])

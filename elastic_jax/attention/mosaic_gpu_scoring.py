@@ -105,6 +105,22 @@ def applies(q_shape, k_shape, dtype, xa: XAttention,
           and _smem_bytes(jnp.dtype(dtype).itemsize, blocks, tiles) <= _SMEM_BYTES)
 
 
+def partial_sums_bytes(q_shape, xa: XAttention,
+                       tiles: ScoringTiles = DEFAULT_SCORING_TILES) -> int:
+  """Bytes of the kernel's partial block sums, float32 [B, N, ns, nb'] (they grow as T^2:
+  1 GiB at 128K tokens with 32 query heads, 16 GiB at 512K)."""
+  b, t, n, _ = q_shape
+  ns = _stride_rows(t, xa, tiles)
+  return 4 * b * n * ns * (ns // (xa.block // xa.stride))
+
+
+def _stride_rows(t: int, xa: XAttention, tiles: ScoringTiles) -> int:
+  """Stride rows (and columns) after padding: whole tiles of rows and of columns."""
+  per_block = xa.block // xa.stride
+  unit = math.lcm(tiles.rows, tiles.cols, per_block)
+  return -(-max(num_blocks(t, xa) * per_block, -(-t // xa.stride)) // unit) * unit
+
+
 def _kernel(q_ref, k_ref, ind_ref, part_ref, max_ref, scoped, *, stride, per_block, real,
             scale, groups, tiles: ScoringTiles, num_row_tiles):
   """One program: `rows` stride rows of two query heads of one KV head (module docstring)."""
@@ -293,8 +309,7 @@ def block_mass_mosaic(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention, *,
   s = xa.stride
   per_block = xa.block // s
   real = -(-t // s)
-  unit = math.lcm(tiles.rows, tiles.cols, per_block)
-  ns = -(-max(num_blocks(t, xa) * per_block, real) // unit) * unit
+  ns = _stride_rows(t, xa, tiles)
   pad = lambda x: jnp.pad(x, [(0, 0), (0, ns * s - t), (0, 0), (0, 0)])
   q5 = pad(q_btnh).reshape(b, ns, s, n, d)
   k5 = pad(k_btkh).reshape(b, ns, s, kh, d)

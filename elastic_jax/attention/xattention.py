@@ -218,6 +218,11 @@ def select_blocks(mass_bkij: jax.Array, threshold: float,
   return forced | taken
 
 
+# The most memory select(attn_impl="auto") gives the Mosaic GPU scoring kernel's partial sums
+# (2 GiB: up to 128K tokens with 64 query heads, about 180K with 32).
+MOSAIC_SCORING_BYTES = 2 << 30
+
+
 def select(q_btnh, k_btkh, xa: XAttention, segment_ids_bt=None, attn_impl: str = "reference"
            ) -> jax.Array:
   """Scoring then selection: kept blocks [B, K, nb, nb] bool (no gradient flows through).
@@ -225,7 +230,9 @@ def select(q_btnh, k_btkh, xa: XAttention, segment_ids_bt=None, attn_impl: str =
   attn_impl: "reference" (plain jnp, `block_mass`), "mosaic_gpu" (the Mosaic GPU scoring
   kernel, `mosaic_gpu_scoring`; unpacked rows in its layout, interpret mode off a GPU),
   "pallas_gpu" (the Triton scoring kernel; unpacked rows), "auto" (the Mosaic GPU kernel on a
-  Hopper GPU where it takes the call, else the plain-jnp scoring). Scoring and selection on an
+  Hopper GPU where it takes the call and its partial sums, which grow as T^2, stay within
+  `MOSAIC_SCORING_BYTES`; else the plain-jnp scoring, whose memory past 128K tokens does not
+  grow with the length). Scoring and selection on an
   H100 on 2026-12-05, 32 query and 8 KV heads, D 128, bf16 (`benchmarks/xattention.py`,
   benchmarks/README.md): the Mosaic GPU kernel 1.06-1.20 ms at 32K tokens and 12.1-12.3 ms at
   128K, `block_mass` 1.18-1.38 and 12.7-12.9 ms, the Triton kernel 1.76-1.92 and 22 ms; the
@@ -239,7 +246,8 @@ def select(q_btnh, k_btkh, xa: XAttention, segment_ids_bt=None, attn_impl: str =
   takes = segment_ids_bt is None and mosaic_gpu_scoring.applies(
       q_btnh.shape, k_btkh.shape, q_btnh.dtype, xa)
   if attn_impl == "auto":
-    attn_impl = "mosaic_gpu" if takes and on_gpu and on_hopper() else "reference"
+    small = mosaic_gpu_scoring.partial_sums_bytes(q_btnh.shape, xa) <= MOSAIC_SCORING_BYTES
+    attn_impl = "mosaic_gpu" if takes and small and on_gpu and on_hopper() else "reference"
   if attn_impl == "mosaic_gpu" and takes:
     mass = mosaic_gpu_scoring.block_mass_mosaic(q_btnh, k_btkh, xa, interpret=not on_gpu)
   elif attn_impl == "pallas_gpu" and segment_ids_bt is None:
