@@ -60,6 +60,7 @@ import dataclasses
 import functools
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -74,7 +75,8 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from elastic_jax.attention import Streaming, mosaic_gpu, mosaic_gpu_scoring  # noqa: E402
+from elastic_jax.attention import (  # noqa: E402
+    Streaming, mosaic_gpu, mosaic_gpu_scoring, on_hopper)
 from elastic_jax.attention.pallas_gpu import hybrid_forward, xa_hybrid_forward  # noqa: E402
 from elastic_jax.attention.reference import dense_hybrid_attention, hybrid_attention  # noqa: E402
 from elastic_jax.attention.xattention import (  # noqa: E402
@@ -153,10 +155,6 @@ def _select_mosaic(q, k, *, xa, tiles, interpret):
   return select_blocks(mass, xa.threshold, forced_blocks(q.shape[1], xa, batch=q.shape[0]))
 
 
-def _hopper() -> bool:
-  return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
-
-
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -198,7 +196,7 @@ def main(argv=None):
         f"{xa.threshold}; {args.inputs} inputs", flush=True)
   zeros, ones = jnp.zeros((1, kh), jnp.float32), jnp.ones((1, kh), jnp.float32)
   mosaic = mosaic_gpu.applies((1, 1, n, d), (1, 1, kh, d), dtype, st) and (
-      _hopper() or args.dry_run)
+      on_hopper() or args.dry_run)
   mosaic_xa = mosaic and mosaic_gpu.xa_applies((1, 1, n, d), (1, 1, kh, d), dtype, st, xa.block)
   cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, is_causal=True, implementation="xla" if args.dry_run else "cudnn"))
@@ -212,10 +210,13 @@ def main(argv=None):
   score_triton = jax.jit(lambda q, k: select(q, k, xa, attn_impl="pallas_gpu"))
   score_jnp = jax.jit(lambda q, k: select(q, k, xa, attn_impl="reference"))
   mosaic_scoring = mosaic_gpu_scoring.applies((1, 1, n, d), (1, 1, kh, d), dtype, xa) and (
-      _hopper() or args.dry_run)
+      on_hopper() or args.dry_run)
   score_mosaic = jax.jit(lambda q, k: select(q, k, xa, attn_impl="mosaic_gpu"))
   scorings = {"XA scoring (Triton)": score_triton, "XA scoring (jnp)": score_jnp} | (
       {"XA scoring (Mosaic)": score_mosaic} if mosaic_scoring else {})
+  for spec in args.scoring_tiles:
+    if not re.fullmatch(r"[1-9]\d*(x[1-9]\d*){3}", spec):
+      p.error(f"--scoring-tiles {spec}: expected ROWSxCOLSxDEPTHxSLOTS, e.g. 64x256x64x3")
   for spec in args.scoring_tiles if mosaic_scoring else ():
     tiles = mosaic_gpu_scoring.ScoringTiles(*map(int, spec.split("x")))
     if not mosaic_gpu_scoring.applies((1, 1, n, d), (1, 1, kh, d), dtype, xa, tiles):
@@ -325,7 +326,7 @@ def main(argv=None):
   # The Mosaic GPU training kernels (the library's default there) on a Hopper GPU where they take
   # the layout; not in a dry run (several Mosaic kernels in one computation stall the
   # interpreter).
-  mosaic_train = (not args.dry_run and _hopper()
+  mosaic_train = (not args.dry_run and on_hopper()
                   and mosaic_gpu.xa_trains((1, 1, n, d), (1, 1, kh, d), dtype, st, xa.block))
   if mosaic_train:
     hybrid_m = mosaic_gpu.make_hybrid(training="mosaic")

@@ -55,6 +55,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from elastic_jax.attention.mosaic_gpu import _SMEM_BYTES
 from elastic_jax.attention.reference import MASK_VALUE
 from elastic_jax.attention.xattention import XAttention, masses_from_tiles, num_blocks
 
@@ -65,7 +66,6 @@ except ImportError:  # pragma: no cover
 
 _LOG2E = math.log2(math.e)
 _COMPUTE_WGS = 2
-_SMEM_BYTES = 227 * 1024   # shared memory a Hopper thread block may use
 _SUM_SCALE = 2.0 ** 14     # exp(score - m) <= 1, scaled into float16's normal range
 
 

@@ -389,7 +389,7 @@ def masses_from_tiles(part: jax.Array, tile_max: jax.Array, *, num_kv_heads: int
   diagonal). part [B, N, ns, nb'] float32: per stride row, exp(score - the tile's maximum)
   summed per key block; tile_max [B, N, nt, ns]: each row's maximum per tile of `cols` stride
   columns (natural-log units). A kernel program covers `rows` stride rows and writes the tiles
-  holding a column it sees: those before the first of min(its rows' end, real) columns (the
+  that start before min(its rows' end, real), i.e. hold a column one of its rows may see (the
   rest of both outputs is never written, and ignored here)."""
   b, n, ns, nbo = part.shape
   nt = tile_max.shape[2]
