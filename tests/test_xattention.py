@@ -129,20 +129,20 @@ def test_mosaic_scoring_kernel_names_what_it_does_not_take_and_its_memory():
   for t in (5000, 40000):
     q, k = (jax.ShapeDtypeStruct((2, t, h, 128), jnp.bfloat16) for h in (8, 2))
     jaxpr = jax.make_jaxpr(lambda q, k: block_mass_mosaic(q, k, xa))(q, k).jaxpr
-    part, _ = next(_two_float32_outputs(jaxpr))   # the kernel call: (part, tile maxima)
+    part, _, _ = next(_three_float32_outputs(jaxpr))   # the kernel: part, tile max, tile sum
     assert part.size * 4 == mosaic_gpu_scoring.partial_sums_bytes(q.shape, xa)
 
 
-def _two_float32_outputs(jaxpr):
-  """The output avals of every equation with two float32 outputs, nested jaxprs included."""
+def _three_float32_outputs(jaxpr):
+  """The output avals of every equation with three float32 outputs, nested jaxprs included."""
   for eqn in jaxpr.eqns:
     avals = [v.aval for v in eqn.outvars]
-    if len(avals) == 2 and all(a.dtype == jnp.float32 for a in avals):
+    if len(avals) == 3 and all(a.dtype == jnp.float32 for a in avals):
       yield avals
     for param in eqn.params.values():
       inner = getattr(param, "jaxpr", param)
       if hasattr(inner, "eqns"):
-        yield from _two_float32_outputs(inner)
+        yield from _three_float32_outputs(inner)
 
 
 @pytest.mark.parametrize("unroll", [0, 8])

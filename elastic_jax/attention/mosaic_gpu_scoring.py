@@ -14,22 +14,23 @@ over the same `rows` stride rows, share every key tile:
     masks them), and exp(score - m) summed per key block by a second product with a 0/1
     indicator [cols, cols / (block / S)] on the tensor cores; exp(score - m) enters it as two
     float16 halves (hi + lo, scaled by 2^14), so the sums keep about 22 bits;
-  * outputs per (batch, query head): the partial block sums [ns, nb'] and the tile maxima
-    [nt, ns], as the Triton kernel's; the rows' softmax across tiles, the sums over a query
-    block's rows and the mean over the group follow in jnp (`xattention.masses_from_tiles`).
+  * outputs per (batch, query head): the partial block sums [ns, nb'], the tile maxima
+    [nt, ns] and each row's sum over the tile [nt, ns], as the Triton kernel's; the rows'
+    softmax across tiles, the sums over a query block's rows and the mean over the group
+    follow in jnp, one pass over the partial sums (`xattention.masses_from_tiles`).
 A program walks the column tiles on or left of its rows' diagonal (those holding a real
 column), S x D / depth steps each (`ScoringTiles.depth`: a step's share of head_dim);
 programs start heaviest first. Padding: T up to whole tiles of stride
 rows and columns; padded keys and queries are masked.
 
-Natively on an H100 (2026-12-05, 32/8 heads, D 128, bf16; benchmarks/README.md) its block
-masses are within 9.6e-7 of `block_mass`'s and select the same blocks at 32K tokens; with
-the selection it takes 1.06-1.20 ms at 32K tokens against `block_mass`'s 1.18-1.38 ms, and
-12.1-12.3 ms at 128K against 12.7-12.9 ms (timed alone by a direct script, the kernel took 0.97 and 10.4
-ms, 284 and 423 TFLOP/s of the causal scores' products; the jnp finish and the selection
-the rest), so `xattention.select(attn_impl="auto")` runs it on a Hopper GPU. The default
-tiles were the fastest of nine tried there (columns 128 or 256, depth 32, 64 or 128, two to
-eight slots).
+Natively on an H200 (2026-12-05, 32/8 heads, D 128, bf16; benchmarks/README.md) its block
+masses are within 9.6e-7 of `block_mass`'s and select the same blocks at 32K and 128K
+tokens; with the finish and the selection it takes 0.89-1.09 ms at 32K tokens against
+`block_mass`'s 1.16-1.41 ms, and 9.5-9.9 ms at 128K against 13.2-13.7 ms (before the kernel
+wrote its rows' tile sums, which lets the finish read the partial sums once, 1.02 and 10.40
+ms in the same pair of runs), so `xattention.select(attn_impl="auto")` runs it on a Hopper
+GPU. The default tiles were the fastest of nine tried on an H100 and of five on the H200
+(columns 128 or 256, depth 32, 64 or 128, two to eight slots).
 
 Its layout constraints (`applies`): bf16 or fp16, head_dim a multiple of the step's depth,
 G even (the two warpgroups' query heads share a KV head), tiles of columns whose key blocks
@@ -88,7 +89,7 @@ def _smem_bytes(itemsize: int, blocks: int, tiles: ScoringTiles) -> int:
   ring = tiles.slots * (align(_COMPUTE_WGS * tiles.rows * tiles.depth * itemsize)
                         + align(tiles.cols * tiles.depth * itemsize))
   return (ring + align(tiles.cols * blocks * 2) + align(_COMPUTE_WGS * tiles.rows * blocks * 4)
-          + align(_COMPUTE_WGS * tiles.rows * 4) + 2304)   # + barriers, reserved
+          + 2 * align(_COMPUTE_WGS * tiles.rows * 4) + 2304)   # + barriers, reserved
 
 
 def applies(q_shape, k_shape, dtype, xa: XAttention,
@@ -121,11 +122,11 @@ def _stride_rows(t: int, xa: XAttention, tiles: ScoringTiles) -> int:
   return -(-max(num_blocks(t, xa) * per_block, -(-t // xa.stride)) // unit) * unit
 
 
-def _kernel(q_ref, k_ref, ind_ref, part_ref, max_ref, scoped, *, stride, per_block, real,
+def _kernel(q_ref, k_ref, ind_ref, part_ref, max_ref, sum_ref, scoped, *, stride, per_block, real,
             scale, groups, tiles: ScoringTiles, num_row_tiles):
   """One program: `rows` stride rows of two query heads of one KV head (module docstring)."""
-  (q_smem, k_smem, ind_smem, part_smem, max_smem, e_smem), (q_ready, k_ready, ind_ready), free = (
-      scoped)
+  (q_smem, k_smem, ind_smem, part_smem, max_smem, sum_smem, e_smem), (q_ready, k_ready,
+                                                                      ind_ready), free = scoped
   rows, cols, depth, slots = tiles.rows, tiles.cols, tiles.depth, tiles.slots
   blocks = cols // per_block
   pieces = q_ref.shape[-1] // depth        # steps per stride offset t
@@ -194,12 +195,15 @@ def _kernel(q_ref, k_ref, ind_ref, part_ref, max_ref, scoped, *, stride, per_blo
 
       sums = pl.run_scoped(block_sums, plgpu.ACC((rows, blocks), jnp.float32))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous tile's stores have read
-      part_smem.at[wg][...] = sums * (1.0 / _SUM_SCALE)
+      sums = sums * (1.0 / _SUM_SCALE)
+      part_smem.at[wg][...] = sums
       max_smem.at[wg][...] = m * math.log(2.0)          # natural-log units, as block_mass's
+      sum_smem.at[wg][...] = sums.sum(axis=1)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(part_smem.at[wg],
                               part_ref.at[b, head, pl.ds(row0, rows), pl.ds(c * blocks, blocks)])
       plgpu.copy_smem_to_gmem(max_smem.at[wg], max_ref.at[b, head, c, pl.ds(row0, rows)])
+      plgpu.copy_smem_to_gmem(sum_smem.at[wg], sum_ref.at[b, head, c, pl.ds(row0, rows)])
       return carry
 
     lax.fori_loop(0, n_open, functools.partial(column_tile, masked=False), None)
@@ -246,16 +250,17 @@ def _transforms(minor: int, dtype):
 
 def _call(q5, k5, ind, *, stride, per_block, real, scale, tiles: ScoringTiles, interpret):
   """The kernel over padded inputs q5 [B, ns, S, N, D], k5 [B, ns, S, K, D] and the indicator
-  [cols, blocks] float16: (part float32 [B, N, ns, nb'], tile maxima float32 [B, N, nt, ns])."""
+  [cols, blocks] float16: (part float32 [B, N, ns, nb'], tile maxima and tile sums float32
+  [B, N, nt, ns])."""
   b, ns, _, n, d = q5.shape
   kh = k5.shape[3]
   rows, cols, depth, slots = tiles.rows, tiles.cols, tiles.depth, tiles.slots
   blocks = cols // per_block
   dtype = q5.dtype
 
-  def entry(q_ref, k_ref, ind_ref, part_ref, max_ref):
+  def entry(q_ref, k_ref, ind_ref, part_ref, max_ref, sum_ref):
     def program(*scoped):
-      _kernel(q_ref, k_ref, ind_ref, part_ref, max_ref, scoped, stride=stride,
+      _kernel(q_ref, k_ref, ind_ref, part_ref, max_ref, sum_ref, scoped, stride=stride,
               per_block=per_block, real=real, scale=scale, groups=n // kh, tiles=tiles,
               num_row_tiles=ns // rows)
 
@@ -267,6 +272,7 @@ def _call(q5, k5, ind, *, stride, per_block, real, scale, tiles: ScoringTiles, i
          plgpu.SMEM((cols, blocks), jnp.float16, transforms=_transforms(blocks, jnp.float16)),
          plgpu.SMEM((_COMPUTE_WGS, rows, blocks), jnp.float32,
                     transforms=_transforms(blocks, jnp.float32)),
+         plgpu.SMEM((_COMPUTE_WGS, rows), jnp.float32),
          plgpu.SMEM((_COMPUTE_WGS, rows), jnp.float32),
          plgpu.SMEM((_COMPUTE_WGS, rows, cols), jnp.float16,
                     transforms=_transforms(cols, jnp.float16)) if interpret else None),
@@ -280,6 +286,7 @@ def _call(q5, k5, ind, *, stride, per_block, real, scale, tiles: ScoringTiles, i
   return plgpu.kernel(
       entry,
       out_type=(jax.ShapeDtypeStruct((b, n, ns, ns // per_block), jnp.float32),
+                jax.ShapeDtypeStruct((b, n, ns // cols, ns), jnp.float32),
                 jax.ShapeDtypeStruct((b, n, ns // cols, ns), jnp.float32)),
       grid=(n // _COMPUTE_WGS, ns // rows, b),
       grid_names=("hp", "rt", "b"),
@@ -316,7 +323,8 @@ def block_mass_mosaic(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention, *,
   blocks = tiles.cols // per_block
   ind = (jnp.arange(tiles.cols)[:, None] // per_block
          == jnp.arange(blocks)[None, :]).astype(jnp.float16)
-  part, tile_max = _call(q5, k5, ind, stride=s, per_block=per_block, real=real,
+  part, tile_max, tile_sum = _call(q5, k5, ind, stride=s, per_block=per_block, real=real,
                          scale=1.0 / (d ** 0.5 * s), tiles=tiles, interpret=interpret)
-  return masses_from_tiles(part, tile_max, num_kv_heads=kh, rows=tiles.rows, cols=tiles.cols,
-                           per_block=per_block, real=real, nb=num_blocks(t, xa))
+  return masses_from_tiles(part, tile_max, tile_sum, num_kv_heads=kh, rows=tiles.rows,
+                           cols=tiles.cols, per_block=per_block, real=real,
+                           nb=num_blocks(t, xa))

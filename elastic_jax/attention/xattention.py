@@ -208,13 +208,19 @@ def select_blocks(mass_bkij: jax.Array, threshold: float,
   row = mass.sum(-1, keepdims=True)
   base = jnp.where(forced, mass, 0.0).sum(-1, keepdims=True)
   cand = jnp.where(causal & ~forced, mass, -1.0)          # -1: not a candidate
-  order = jnp.argsort(-cand, axis=-1, stable=True)        # descending; ties: lower J first
-  ranked = jnp.take_along_axis(cand, order, axis=-1)
+  # The candidates in descending mass are taken as a prefix; its length k and its last value
+  # come from the sorted masses alone (no argsort, no scatter back through the permutation).
+  ranked = -jnp.sort(-cand, axis=-1)
   gained = jnp.maximum(ranked, 0.0)
   before = jnp.cumsum(gained, axis=-1) - gained           # kept mass before each candidate
-  take = (ranked >= 0.0) & (base + before < threshold * row)
-  # Back to block order: a scatter through the permutation, not a second sort.
-  taken = jnp.put_along_axis(jnp.zeros_like(take), order, take, axis=-1, inplace=False)
+  k = ((ranked >= 0.0) & (base + before < threshold * row)).sum(-1, keepdims=True)
+  last = jnp.take_along_axis(ranked, jnp.maximum(k - 1, 0), axis=-1)
+  # Taken: every candidate heavier than the last one, and of those tied with it the k - (the
+  # heavier ones) with the lowest J (ties: lower J first).
+  heavier = cand > last
+  tied = cand == last
+  slots = k - heavier.sum(-1, keepdims=True)
+  taken = (k > 0) & (heavier | (tied & (jnp.cumsum(tied, axis=-1) <= slots)))
   return forced | taken
 
 
@@ -232,11 +238,11 @@ def select(q_btnh, k_btkh, xa: XAttention, segment_ids_bt=None, attn_impl: str =
   "pallas_gpu" (the Triton scoring kernel; unpacked rows), "auto" (the Mosaic GPU kernel on a
   Hopper GPU where it takes the call and its partial sums, which grow as T^2, stay within
   `MOSAIC_SCORING_BYTES`; else the plain-jnp scoring, whose memory past 128K tokens does not
-  grow with the length). Scoring and selection on an
-  H100 on 2026-12-05, 32 query and 8 KV heads, D 128, bf16 (`benchmarks/xattention.py`,
-  benchmarks/README.md): the Mosaic GPU kernel 1.06-1.20 ms at 32K tokens and 12.1-12.3 ms at
-  128K, `block_mass` 1.18-1.38 and 12.7-12.9 ms, the Triton kernel 1.76-1.92 and 22 ms; the
-  three select the same blocks.
+  grow with the length). Scoring and selection on an H200 on 2026-12-05, 32 query and 8 KV
+  heads, D 128, bf16 (`benchmarks/xattention.py`, benchmarks/README.md): the Mosaic GPU
+  kernel 0.89-1.09 ms at 32K tokens and 9.5-9.9 ms at 128K, `block_mass` 1.16-1.41 and
+  13.2-13.7 ms, the Triton kernel 1.67-1.92 and 18.8-19.1 ms; the three select the same
+  blocks.
   """
   if attn_impl not in ("reference", "mosaic_gpu", "pallas_gpu", "auto"):
     raise ValueError(f"XAttention scoring implementation '{attn_impl}' is unknown")
@@ -287,16 +293,16 @@ def kept_fraction(keep_bkij: jax.Array, lengths_b: jax.Array, block: int) -> jax
 # The scoring as a Pallas kernel (Triton backend on GPUs; `interpret=True` on CPU).
 
 
-def _mass_kernel(q_ref, k_ref, part_ref, max_ref, *, stride, rows, cols, per_block, real,
-                 scale):
+def _mass_kernel(q_ref, k_ref, part_ref, max_ref, sum_ref, *, stride, rows, cols, per_block,
+                 real, scale):
   """Partial block masses of one (batch, query head, chunk of `rows` stride rows), in one walk
   over the stride columns up to the chunk's causal end: per tile, each row's maximum over the
-  tile (max_ref's row of that tile) and the row's exp(score - that maximum) summed per key
-  block (part_ref's columns of the tile's blocks, an indicator product). `block_mass_pallas`
-  weighs the tiles by their maxima and normalises the rows after the kernel, as `block_mass`
-  does per chunk (exact, no second product). q_r . k_r is formed as the sum over t of Q_t K_t^T
-  with Q_t = q[i*S + S-1-t] and K_t = k[j*S + t], so the antidiagonal reshape is never
-  materialised."""
+  tile (max_ref's row of that tile), the row's exp(score - that maximum) summed per key
+  block (part_ref's columns of the tile's blocks, an indicator product) and over the tile
+  (sum_ref's row). `block_mass_pallas` weighs the tiles by their maxima and normalises the
+  rows after the kernel, as `block_mass` does per chunk (exact, no second product). q_r . k_r
+  is formed as the sum over t of Q_t K_t^T with Q_t = q[i*S + S-1-t] and K_t = k[j*S + t], so
+  the antidiagonal reshape is never materialised."""
   from jax.experimental import pallas as pl
   chunk = pl.program_id(2)
   i = chunk * rows + jnp.arange(rows)
@@ -318,9 +324,11 @@ def _mass_kernel(q_ref, k_ref, part_ref, max_ref, *, stride, rows, cols, per_blo
     s = jnp.where(ok, s * scale, MASK_VALUE)
     m = s.max(axis=1)
     e = jnp.where(ok, jnp.exp(s - m[:, None]), 0.0)
-    part_ref[:, pl.ds(c * per_tile, per_tile)] = jnp.dot(
-        e, col_blk, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    sums = jnp.dot(e, col_blk, precision=jax.lax.Precision.HIGHEST,
+                   preferred_element_type=jnp.float32)
+    part_ref[:, pl.ds(c * per_tile, per_tile)] = sums
     max_ref[pl.ds(c, 1), :] = m[None, :]
+    sum_ref[pl.ds(c, 1), :] = sums.sum(axis=1)[None, :]
     return carry
 
   jax.lax.fori_loop(0, n_tiles, tile, None)
@@ -367,38 +375,51 @@ def block_mass_pallas(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention,
   nbo, nt = ns // per_block, ns // cols          # blocks and tiles a side
   kernel = functools.partial(_mass_kernel, stride=s, rows=rows, cols=cols,
                              per_block=per_block, real=real, scale=1.0 / (d ** 0.5 * s))
-  part, tile_max = pl.pallas_call(
+  part, tile_max, tile_sum = pl.pallas_call(
       kernel,
       grid=(b, n, ns // rows),
       in_specs=[pl.BlockSpec((None, rows, s, None, dp), lambda i, h, c: (i, c, 0, h, 0)),
                 pl.BlockSpec((None, ns, s, None, dp), lambda i, h, c: (i, 0, 0, h // g, 0))],
       out_specs=[pl.BlockSpec((None, None, rows, nbo), lambda i, h, c: (i, h, c, 0)),
+                 pl.BlockSpec((None, None, nt, rows), lambda i, h, c: (i, h, 0, c)),
                  pl.BlockSpec((None, None, nt, rows), lambda i, h, c: (i, h, 0, c))],
       out_shape=[jax.ShapeDtypeStruct((b, n, ns, nbo), jnp.float32),
+                 jax.ShapeDtypeStruct((b, n, nt, ns), jnp.float32),
                  jax.ShapeDtypeStruct((b, n, nt, ns), jnp.float32)],
       name="xattention_block_mass",
       **backend_kw,
   )(q5, k5)
-  return masses_from_tiles(part, tile_max, num_kv_heads=kh, rows=rows, cols=cols,
+  return masses_from_tiles(part, tile_max, tile_sum, num_kv_heads=kh, rows=rows, cols=cols,
                            per_block=per_block, real=real, nb=nb)
 
 
-def masses_from_tiles(part: jax.Array, tile_max: jax.Array, *, num_kv_heads: int, rows: int,
-                      cols: int, per_block: int, real: int, nb: int) -> jax.Array:
+def masses_from_tiles(part: jax.Array, tile_max: jax.Array, tile_sum: jax.Array, *,
+                      num_kv_heads: int, rows: int, cols: int, per_block: int, real: int,
+                      nb: int) -> jax.Array:
   """A scoring kernel's outputs -> block masses [B, K, nb, nb] float32 (zero above the
   diagonal). part [B, N, ns, nb'] float32: per stride row, exp(score - the tile's maximum)
   summed per key block; tile_max [B, N, nt, ns]: each row's maximum per tile of `cols` stride
-  columns (natural-log units). A kernel program covers `rows` stride rows and writes the tiles
-  that start before min(its rows' end, real), i.e. hold a column one of its rows may see (the
-  rest of both outputs is never written, and ignored here)."""
+  columns (natural-log units); tile_sum [B, N, nt, ns]: the row's part summed over the tile.
+  A kernel program covers `rows` stride rows and writes the tiles that start before min(its
+  rows' end, real), i.e. hold a column one of its rows may see (the rest of the outputs is
+  never written, and ignored here). The rows' normalisers come from the small per-tile
+  arrays, so the partial sums are read once: each row's tile is weighed by exp(tile max - row
+  max) / (the row's total x G), and the weighted sums are added over a query block's rows and
+  the group's heads."""
   b, n, ns, nbo = part.shape
   nt = tile_max.shape[2]
-  g = n // num_kv_heads
+  kh = num_kv_heads
+  g = n // kh
   row_end = jnp.minimum((jnp.arange(ns) // rows + 1) * rows, real)
   written = jnp.arange(nt)[None, :] * cols < row_end[:, None]              # [ns, nt]
   tile_max = jnp.where(written, jnp.swapaxes(tile_max, 2, 3), MASK_VALUE)  # [B, N, ns, nt]
-  part = jnp.where(written[..., None], part.reshape(b, n, ns, nt, cols // per_block), 0.0)
-  p = _row_normalised(_weighted_tiles(part, tile_max))                     # [B, N, ns, nbo]
-  mass = p.reshape(b, num_kv_heads, g, nbo, per_block, nbo).sum(4).mean(2)
+  tile_sum = jnp.where(written, jnp.swapaxes(tile_sum, 2, 3), 0.0)
+  weight = jnp.exp(tile_max - tile_max.max(axis=-1, keepdims=True))
+  total = (weight * tile_sum).sum(axis=-1, keepdims=True)
+  coef = weight / (jnp.where(total > 0, total, 1.0) * g)   # rows with no visible column: 0
+  blocks = cols // per_block
+  part = jnp.where(written[..., None], part.reshape(b, n, ns, nt, blocks), 0.0)
+  mass = (part.reshape(b, kh, g, nbo, per_block, nt, blocks)
+          * coef.reshape(b, kh, g, nbo, per_block, nt, 1)).sum((2, 4)).reshape(b, kh, nbo, nbo)
   causal = jnp.tril(jnp.ones((nbo, nbo), bool))[None, None]
   return jnp.where(causal, mass, 0.0)[:, :, :nb, :nb]
