@@ -11,7 +11,9 @@ persistent programs that take the work items in turn, heaviest first, the K/V ri
 on from one item to the next (`_persistent`). Both are checked against the reference in
 interpret mode (where wgmma runs synchronously) and natively; on an H100 both are slower than
 the default schedule (full heads at 0.69-0.70x its speed with the overlap, 0.92-0.94x
-persistent, 2026-12-05, benchmarks/README.md), so neither is the default.
+persistent, 2026-12-05, benchmarks/README.md), so neither is the default. The overlap's
+loss: ptxas serialises its wgmma (warning C7513: non-wgmma instructions define a wgmma's
+input registers inside another's pipeline stage; the default schedule has no such warning).
 
 The routing is read at run time, one launch for all heads: every program loads its KV head's
 mode from a small int32 array and walks that head's own list of KV tiles,
