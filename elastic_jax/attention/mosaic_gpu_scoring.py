@@ -122,11 +122,12 @@ def _stride_rows(t: int, xa: XAttention, tiles: ScoringTiles) -> int:
   return -(-max(num_blocks(t, xa) * per_block, -(-t // xa.stride)) // unit) * unit
 
 
-def _kernel(q_ref, k_ref, ind_ref, part_ref, max_ref, sum_ref, scoped, *, stride, per_block, real,
-            scale, groups, tiles: ScoringTiles, num_row_tiles):
+def _kernel(q_ref, k_ref, ind_ref, part_ref, max_ref, sum_ref, scoped, *, stride, per_block,
+            real, scale, groups, tiles: ScoringTiles, num_row_tiles):
   """One program: `rows` stride rows of two query heads of one KV head (module docstring)."""
-  (q_smem, k_smem, ind_smem, part_smem, max_smem, sum_smem, e_smem), (q_ready, k_ready,
-                                                                      ind_ready), free = scoped
+  smem, ready, free = scoped
+  q_smem, k_smem, ind_smem, part_smem, max_smem, sum_smem, e_smem = smem
+  q_ready, k_ready, ind_ready = ready
   rows, cols, depth, slots = tiles.rows, tiles.cols, tiles.depth, tiles.slots
   blocks = cols // per_block
   pieces = q_ref.shape[-1] // depth        # steps per stride offset t
@@ -324,7 +325,8 @@ def block_mass_mosaic(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention, *,
   ind = (jnp.arange(tiles.cols)[:, None] // per_block
          == jnp.arange(blocks)[None, :]).astype(jnp.float16)
   part, tile_max, tile_sum = _call(q5, k5, ind, stride=s, per_block=per_block, real=real,
-                         scale=1.0 / (d ** 0.5 * s), tiles=tiles, interpret=interpret)
+                                   scale=1.0 / (d ** 0.5 * s), tiles=tiles,
+                                   interpret=interpret)
   return masses_from_tiles(part, tile_max, tile_sum, num_kv_heads=kh, rows=tiles.rows,
                            cols=tiles.cols, per_block=per_block, real=real,
                            nb=num_blocks(t, xa))
