@@ -40,11 +40,15 @@ issue's targets stand, and --json.
 
 Times are medians after two warm-up calls, by one rule for both libraries
 (`attention_torch.timed`): --reps calls at most, fewer (not under 3) once they have taken
---seconds. A speed-up is the peer's time over the row's time (> 1: the row is faster).
-TFLOP/s counts the work the pattern needs: 4 * D FLOPs per (query, key) pair; causal pairs for
-full heads, SSA's kept pairs for streaming heads (`router.streaming_kept_fraction`), the
-window's pairs for cuDNN window; forward+backward counts 3.5 forwards. In training ours also
-computes the gate's gradient, which needs O_FA of the streaming heads too: not counted.
+--seconds. The JAX rows of one length (cuDNN's and ours at every MSR, forward or training) are
+timed interleaved, in rounds that call each once (`measure_together`): the card's clock drifts
+as it heats, and timed one after another, rows minutes apart differed by up to 9% for the same
+kernel (an H100, 128K). Flex runs in its own process before them. A speed-up is the peer's time
+over the row's time (> 1: the row is faster). TFLOP/s counts the work the pattern needs: 4 * D
+FLOPs per (query, key) pair; causal pairs for full heads, SSA's kept pairs for streaming heads
+(`router.streaming_kept_fraction`), the window's pairs for cuDNN window; forward+backward counts
+3.5 forwards. In training ours also computes the gate's gradient, which needs O_FA of the
+streaming heads too: not counted.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -212,17 +217,47 @@ def msr_label(row: Row, kh: int) -> str:
   return "-" if row.streams is None else f"{row.streams / kh:g}"
 
 
-def measure(b: Bench, row: Row, label: str, fn, *args) -> Row:
-  """Times fn(*args) into `row`; a failure (a peer that does not run here) is recorded."""
-  what = f"{label}: {row.kernel} {msr_label(row, b.kh)}"
-  try:
-    row.sec, row.reps, row.first_s = timed(lambda: jax.block_until_ready(fn(*args)),
-                                           *b.timing)
-    log(f"{what}: {row.sec * 1e3:.3f} ms ({row.reps} reps, first call {row.first_s:.1f} s)")
-  except Exception as e:
+def measure_together(b: Bench, label: str, cases) -> list[Row]:
+  """Times each case (row, fn, args) into its row, interleaved: two warm-up calls each (the
+  first compiles), then rounds that call every case once, so that a drift of the card's clock
+  over the run (it slows as it heats) falls on every row alike and the ratios between rows
+  hold. Rounds: --reps at most, fewer (not under 3) once they have taken --seconds per case.
+  A case that fails (a peer that does not run here) is recorded and left out. Returns the
+  rows, in the cases' order."""
+  reps, min_reps, seconds = b.timing
+  what = lambda row: f"{label}: {row.kernel} {msr_label(row, b.kh)}"
+
+  def fail(row, e):
     row.error = short(e)
-    log(f"{what}: failed, {row.error}")
-  return row
+    log(f"{what(row)}: failed, {row.error}")
+
+  live = []
+  for row, fn, args in cases:
+    call = lambda fn=fn, args=args: jax.block_until_ready(fn(*args))
+    try:
+      start = time.perf_counter()
+      call()
+      row.first_s = time.perf_counter() - start
+      call()
+      live.append((row, call, []))
+    except Exception as e:
+      fail(row, e)
+  rounds = spent = 0
+  while live and rounds < reps and (rounds < min_reps or spent < seconds * len(live)):
+    for row, call, samples in list(live):
+      try:
+        start = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - start)
+        spent += samples[-1]
+      except Exception as e:
+        fail(row, e)
+        live.remove((row, call, samples))
+    rounds += 1
+  for row, _, samples in live:
+    row.sec, row.reps = statistics.median(samples), len(samples)
+    log(f"{what(row)}: {row.sec * 1e3:.3f} ms ({row.reps} reps, first call {row.first_s:.1f} s)")
+  return [row for row, _, _ in cases]
 
 
 @dataclasses.dataclass
@@ -385,18 +420,22 @@ def forward_rows(b: Bench, t: int, streams, flex: Flex) -> list[Row]:
   q, k, v = b.inputs(t)
   causal, kept, window = b.pairs(t)
   label = f"forward T={t}"
-  rows = [measure(b, Row(f"{b.peer} causal", "cudnn_causal", None, b.hybrid_work(t, 0)),
-                  label, jax.jit(b.cudnn), q, k, v),
-          measure(b, Row(f"{b.peer} window {b.window}", "cudnn_window", None,
-                         4 * b.d * b.n * window),
-                  label, jax.jit(functools.partial(b.cudnn, window=True)), q, k, v)]
+  cases = [(Row(f"{b.peer} causal", "cudnn_causal", None, b.hybrid_work(t, 0)),
+            jax.jit(b.cudnn), (q, k, v)),
+           (Row(f"{b.peer} window {b.window}", "cudnn_window", None, 4 * b.d * b.n * window),
+            jax.jit(functools.partial(b.cudnn, window=True)), (q, k, v))]
   ours = jax.jit(b.ours)
   variants = b.variants()  # jitted once per length: each compiles once, not once per MSR
   for s in streams:
     work, gate = b.hybrid_work(t, s), b.gate(s)
-    rows.append(measure(b, Row("ours", "ours", s, work), label, ours, q, k, v, gate))
-    for name, (key, fn) in variants.items():
-      rows.append(measure(b, Row(name, key, s, work), label, fn, q, k, v, gate))
+    cases.append((Row("ours", "ours", s, work), ours, (q, k, v, gate)))
+    cases += [(Row(name, key, s, work), fn, (q, k, v, gate))
+              for name, (key, fn) in variants.items()]
+  timed_rows = measure_together(b, label, cases)
+  rows = timed_rows[:2]
+  for s in streams:
+    work = b.hybrid_work(t, s)
+    rows += [r for r in timed_rows[2:] if r.streams == s]
     rows.append(flex.row("forward", t, s, work))
     rec = flex.results.get(("forward", t, s), {})
     if "pairs" in rec:
@@ -405,12 +444,12 @@ def forward_rows(b: Bench, t: int, streams, flex: Flex) -> list[Row]:
       rows[-1].note = (f"mask keeps {rec['pairs']} pairs, ours {want:.0f}: "
                        + ("same pattern" if ok else "MISMATCH"))
       log(f"{label}: Flex {msr_label(rows[-1], b.kh)}: {rows[-1].note}")
-    rows.append(ideal(rows, b.kh, s, work))
+    rows.append(ideal(timed_rows, b.kh, s, work))
   return rows
 
 
 def ideal(rows: list[Row], kh: int, s: int, work: float) -> Row:
-  """min(full kernels) * (1 - MSR) + min(window kernels) * MSR, from rows timed already."""
+  """min(full kernels) * (1 - MSR) + min(window kernels) * MSR, from the length's rows."""
   def best(*which):
     secs = [r.sec for r in rows if (r.key, r.streams) in which and r.sec is not None]
     return min(secs) if secs else None
@@ -430,33 +469,33 @@ def train_rows(b: Bench, t: int, train_streams, flex: Flex) -> list[Row]:
   label = f"train T={t}"
   full = TRAIN_FLOPS * b.hybrid_work(t, 0)
   _, _, window = b.pairs(t)
-  rows = [measure(b, Row(f"{b.peer} causal", "cudnn_causal", None, full),
-                  label, fwd_bwd(b.cudnn, 3), cot, q, k, v),
-          measure(b, Row(f"{b.peer} window {b.window}", "cudnn_window", None,
-                         TRAIN_FLOPS * 4 * b.d * b.n * window),
-                  label, fwd_bwd(functools.partial(b.cudnn, window=True), 3), cot, q, k, v)]
+  cases = [(Row(f"{b.peer} causal", "cudnn_causal", None, full),
+            fwd_bwd(b.cudnn, 3), (cot, q, k, v)),
+           (Row(f"{b.peer} window {b.window}", "cudnn_window", None,
+                TRAIN_FLOPS * 4 * b.d * b.n * window),
+            fwd_bwd(functools.partial(b.cudnn, window=True), 3), (cot, q, k, v))]
   ours = fwd_bwd(b.ours, 4)
-  for s in train_streams:
-    work = TRAIN_FLOPS * b.hybrid_work(t, s)
-    rows.append(measure(b, Row("ours", "ours", s, work), label, ours, cot, q, k, v, b.gate(s)))
-    rows.append(flex.row("train", t, s, work))
-  rows.append(measure(b, Row("ours, every gate 0.5", "ours_mixed", None, full), label, ours,
-                      cot, q, k, v, jnp.full((1, b.kh), 0.5, jnp.float32)))
+  mixed = jnp.full((1, b.kh), 0.5, jnp.float32)
+  cases += [(Row("ours", "ours", s, TRAIN_FLOPS * b.hybrid_work(t, s)), ours,
+             (cot, q, k, v, b.gate(s))) for s in train_streams]
+  cases.append((Row("ours, every gate 0.5", "ours_mixed", None, full), ours,
+                (cot, q, k, v, mixed)))
   if b.triton_training:
     triton = fwd_bwd(b.triton_trained(), 4)
-    for s in train_streams:
-      rows.append(measure(b, Row("ours, Triton training", "ours_triton_train", s,
-                                 TRAIN_FLOPS * b.hybrid_work(t, s)),
-                          label, triton, cot, q, k, v, b.gate(s)))
-    rows.append(measure(b, Row("ours, Triton, gates 0.5", "ours_triton_train_mixed", None, full),
-                        label, triton, cot, q, k, v, jnp.full((1, b.kh), 0.5, jnp.float32)))
+    cases += [(Row("ours, Triton training", "ours_triton_train", s,
+                   TRAIN_FLOPS * b.hybrid_work(t, s)), triton, (cot, q, k, v, b.gate(s)))
+              for s in train_streams]
+    cases.append((Row("ours, Triton, gates 0.5", "ours_triton_train_mixed", None, full), triton,
+                  (cot, q, k, v, mixed)))
   for spec in b.train_tiles:
     variant = fwd_bwd(b.trained(spec), 4)
-    for s in train_streams:
-      rows.append(measure(b, Row(f"ours, tiles {spec}", f"ours[{spec}]", s,
-                                 TRAIN_FLOPS * b.hybrid_work(t, s)),
-                          label, variant, cot, q, k, v, b.gate(s)))
-  return rows
+    cases += [(Row(f"ours, tiles {spec}", f"ours[{spec}]", s, TRAIN_FLOPS * b.hybrid_work(t, s)),
+               variant, (cot, q, k, v, b.gate(s))) for s in train_streams]
+  rows = measure_together(b, label, cases)
+  # Flex's rows after ours at each MSR, as printed before
+  at = len(train_streams) + 2
+  return rows[:at] + [flex.row("train", t, s, TRAIN_FLOPS * b.hybrid_work(t, s))
+                      for s in train_streams] + rows[at:]
 
 
 def matmul_ceiling(b: Bench) -> dict:

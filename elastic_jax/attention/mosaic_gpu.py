@@ -9,11 +9,12 @@ each warpgroup's softmax overlapping its own PV product (tile s's QK^T and tile 
 issued together, `_kernel`'s `overlapped`); `MosaicTiles(persistent=P)` launches P
 persistent programs that take the work items in turn, heaviest first, the K/V ring running
 on from one item to the next (`_persistent`). Both are checked against the reference in
-interpret mode (where wgmma runs synchronously) and natively; on an H100 both are slower than
-the default schedule (full heads at 0.69-0.70x its speed with the overlap, 0.92-0.94x
-persistent, 2026-12-05, benchmarks/README.md), so neither is the default. The overlap's
-loss: ptxas serialises its wgmma (warning C7513: non-wgmma instructions define a wgmma's
-input registers inside another's pipeline stage; the default schedule has no such warning).
+interpret mode (where wgmma runs synchronously) and natively. Neither is faster than the
+default schedule on an H100 (2026-12-05, benchmarks/README.md): persistent programs run full
+heads at 0.92-0.94x its speed; the overlap runs at 0.97-1.01x. The overlap was at 0.69-0.70x
+while it rescaled the accumulator and cast P to bf16 with a product in flight: ptxas then
+serialised every wgmma (warning C7513). It now does both after the PV product's wait, as
+FlashAttention-3 does, and the warning is gone.
 
 The routing is read at run time, one launch for all heads: every program loads its KV head's
 mode from a small int32 array and walks that head's own list of KV tiles,
@@ -330,8 +331,8 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
     bcast = lambda x, like: lax.broadcast_in_dim(x, like.shape, [0])
 
     def softmax(x, tile, m_i, l_i, masked: bool, acc=None):
-      """A KV tile's scores -> (P in the input type, new row max, new row sum, the factor
-      that rescales the accumulator to the new max, and acc so rescaled where given); tile:
+      """A KV tile's scores -> (P in float32, new row max, new row sum, the factor that
+      rescales the accumulator to the new max, and acc so rescaled where given); tile:
       a callable giving the KV tile (its masks' columns). Base-2 with the scale folded in: m
       is kept scaled, p = exp2(x * c - m) is an FMA. A masked tile scales first and masks to
       a finite MASK_VALUE: a row none of whose keys the tile shows (another segment's) then
@@ -349,7 +350,7 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
       if acc is not None:
         acc = acc * bcast(alpha, acc)
       l_i = l_i * alpha + p.sum(axis=1)
-      return p.astype(dtype), m_new, l_i, alpha, acc
+      return p, m_new, l_i, alpha, acc
 
     def pv_product(acc_ref, p_lo, slot):
       if p_smem2 is None:
@@ -380,15 +381,16 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
 
     def overlapped(acc, m_i, l_i, ranges):
       """The walk with FlashAttention-3's intra-warpgroup overlap (`MosaicTiles.overlap`).
-      Step s issues tile s's QK^T and tile s-1's PV back to back (the accumulator takes
-      tile s-1's rescale in between), awaits only the first, and runs tile s's softmax while
-      the PV product is in flight. The warpgroups take turns issuing: turn[w] is warpgroup
-      w's, arrived at by the other once it has issued, so that one's softmax also overlaps
-      the other's products. Step 0 issues its QK^T alone, masked (the masks are exact on any
-      tile of a walk); the last PV is issued after the loop. The turns run on across a
-      persistent program's items: a one-arrival barrier must not complete twice before its
-      waiter has seen the first completion, so warpgroup 1's first arrival and warpgroup 0's
-      last wait are the program's, not each item's."""
+      Step s issues tile s's QK^T and tile s-1's PV back to back, awaits only the first, and
+      runs tile s's softmax (P in float32) while the PV product is in flight; once that product
+      is awaited it rescales the accumulator to the new row max and casts P for step s+1's PV
+      (registers a wgmma reads are defined only while none is in flight). The warpgroups take
+      turns issuing: turn[w] is warpgroup w's, arrived at by the other once it has issued, so
+      that one's softmax also overlaps the other's products. Step 0 issues its QK^T alone,
+      masked (the masks are exact on any tile of a walk); the last PV is issued after the loop.
+      The turns run on across a persistent program's items: a one-arrival barrier must not
+      complete twice before its waiter has seen the first completion, so warpgroup 1's first
+      arrival and warpgroup 0's last wait are the program's, not each item's."""
       scores = lambda: plgpu.ACC((block_q, block_kv), jnp.float32)
 
       def issue_qk(s_ref, slot):
@@ -407,10 +409,13 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
 
       x = pl.run_scoped(first, scores())
       plgpu.barrier_arrive(k_free.at[slot0])
-      p_lo, m_i, l_i, alpha, _ = softmax(x, lambda: tile_of(0), m_i, l_i, masked=True)
+      p, m_i, l_i, _, _ = softmax(x, lambda: tile_of(0), m_i, l_i, masked=True)
+      p_lo = p.astype(dtype)
+      x_like = plgpu.layout_cast(jnp.full((block_q, block_kv), 0.0, jnp.float32),
+                                 plgpu.Layout.WGMMA)   # the shape of a step's P, leaving PV's state
 
       def step(s, carry, masked: bool):
-        acc, m_i, l_i, p_lo, alpha = carry
+        acc, m_i, l_i, p_lo = carry   # acc at the row max m_i; p_lo: tile s-1's P
         slot, prev = ring(s), ring(s - 1)
         tile = tile_of(s)   # outside run_state, which cannot close over constants
         plgpu.barrier_wait(k_ready.at[slot])
@@ -424,19 +429,24 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
             plgpu.barrier_arrive(turn.at[1 - wg])
             x = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)   # QK^T done; PV may run on
             plgpu.barrier_arrive(k_free.at[slot])
-            return softmax(x, lambda: tile, m_i, l_i, masked)[:3]
+            p, m_new, l_new, alpha, _ = softmax(x, lambda: tile, m_i, l_i, masked)
+            return p, m_new, l_new, alpha
 
-          return add_pv(acc * bcast(alpha, acc), pv_then_softmax, (p_lo, m_i, l_i))
+          return add_pv(acc, pv_then_softmax, (x_like, m_i, l_i, m_i))
 
-        acc, (p_new, m_new, l_new) = pl.run_scoped(products, scores())
+        acc, outs = pl.run_scoped(products, scores())
+        # Only now, the PV product awaited, are its operands' registers redefined: the
+        # accumulator's rescale and P's cast while a product is in flight would make ptxas
+        # serialise the wgmma (C7513); the barrier keeps them after the wait.
+        acc, (p, m_new, l_new, alpha) = lax.optimization_barrier((acc, outs))
         plgpu.barrier_arrive(v_free.at[prev])
-        return acc, m_new, l_new, p_new, jnp.exp2(m_i - m_new)
+        return acc * bcast(alpha, acc), m_new, l_new, p.astype(dtype)
 
-      carry = (acc, m_i, l_i, p_lo, alpha)
+      carry = (acc, m_i, l_i, p_lo)
       for s_lo, s_hi, masked in ranges:
         carry = lax.fori_loop(jnp.maximum(s_lo, 1), jnp.maximum(s_hi, 1),
                               functools.partial(step, masked=masked), carry)
-      acc, m_i, l_i, p_lo, alpha = carry
+      acc, m_i, l_i, p_lo = carry
       last = ring(steps - 1)
       plgpu.barrier_wait(v_ready.at[last])
       plgpu.barrier_wait(turn.at[wg])
@@ -445,7 +455,7 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
         pv_product(acc_ref, p_lo, last)
         plgpu.barrier_arrive(turn.at[1 - wg])
 
-      acc, _ = add_pv(acc * bcast(alpha, acc), pv_last)
+      acc, _ = add_pv(acc, pv_last)
       plgpu.barrier_arrive(v_free.at[last])
       if base is None:   # observe warpgroup 1's last arrival (a persistent program: at its end;
         # between items that arrival is the next item's first turn)
@@ -472,8 +482,8 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
 
         x = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
         plgpu.barrier_arrive(k_free.at[slot])
-        p_lo, m_new, l_i, _, acc = softmax(x, lambda: tile_of(s), m_i, l_i, masked, acc)
-        acc, l_i, m_new, p_lo = lax.optimization_barrier((acc, l_i, m_new, p_lo))
+        p, m_new, l_i, _, acc = softmax(x, lambda: tile_of(s), m_i, l_i, masked, acc)
+        acc, l_i, m_new, p_lo = lax.optimization_barrier((acc, l_i, m_new, p.astype(dtype)))
         plgpu.barrier_arrive(turn)
         plgpu.barrier_wait(v_ready.at[slot])
         plgpu.barrier_wait(turn)
