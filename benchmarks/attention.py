@@ -492,7 +492,7 @@ def train_rows(b: Bench, t: int, train_streams, flex: Flex) -> list[Row]:
     cases += [(Row(f"ours, tiles {spec}", f"ours[{spec}]", s, TRAIN_FLOPS * b.hybrid_work(t, s)),
                variant, (cot, q, k, v, b.gate(s))) for s in train_streams]
   rows = measure_together(b, label, cases)
-  # Flex's rows after ours at each MSR, as printed before
+  # the table: cuDNN's rows, ours at each MSR, Flex's at each, then the rest
   at = len(train_streams) + 2
   return rows[:at] + [flex.row("train", t, s, TRAIN_FLOPS * b.hybrid_work(t, s))
                       for s in train_streams] + rows[at:]
