@@ -57,6 +57,9 @@ PERSISTENT = mosaic_gpu.MosaicTiles(persistent=3)
 OVERLAP_PERSISTENT = mosaic_gpu.MosaicTiles(overlap=True, persistent=2)
 # More programs than work items (a short prompt on a big GPU): some programs have none.
 OVERLAP_IDLE = mosaic_gpu.MosaicTiles(overlap=True, persistent=8)
+# Clusters of two programs sharing each K/V tile (TMA multicast): natively only.
+MULTICAST = mosaic_gpu.MosaicTiles(multicast=True)
+NATIVE = pytest.mark.skipif(INTERPRET, reason="a multicast copy needs the GPU")
 
 
 @pytest.mark.parametrize("b,t,n,k,d,gates,st,dtype,tiles", [
@@ -71,6 +74,9 @@ OVERLAP_IDLE = mosaic_gpu.MosaicTiles(overlap=True, persistent=8)
     (2, 384, 4, 2, 64, [[1.0, 0.0], [0.0, 1.0]], Streaming(1, 1, 128), jnp.bfloat16,
      PERSISTENT),
     (1, 300, 2, 2, 128, [[0.0, 1.0]], Streaming(1, 1, 128), jnp.bfloat16, OVERLAP_IDLE),
+    # Multicast, G = 4 over a batch of two with T padded (natively only).
+    pytest.param(2, 700, 8, 2, 128, [[1.0, 0.0], [0.0, 1.0]], Streaming(1, 2, 128),
+                 jnp.bfloat16, MULTICAST, marks=NATIVE),
 ], ids=schedule_id)
 def test_forward_matches_reference(b, t, n, k, d, gates, st, dtype, tiles):
   q, kk, v = qkv(b, t, n, k, d, dtype)
@@ -130,6 +136,15 @@ def test_applies_only_where_its_layout_holds():
                                Streaming(1, 16, 64))
   # head_dim 192: the tiles would not fit in a Hopper block's shared memory.
   assert not mosaic_gpu.applies((1, 1000, 32, 192), (1, 1000, 8, 192), jnp.bfloat16, st)
+  # Multicast pairs two programs of one KV head: G a multiple of 4, one program per item.
+  assert mosaic_gpu.applies((1, 1000, 32, 128), (1, 1000, 8, 128), jnp.bfloat16, st, MULTICAST)
+  assert not mosaic_gpu.applies((1, 1000, 16, 128), (1, 1000, 8, 128), jnp.bfloat16, st,
+                                MULTICAST)
+  assert not mosaic_gpu.applies((1, 1000, 32, 128), (1, 1000, 8, 128), jnp.bfloat16, st,
+                                mosaic_gpu.MosaicTiles(multicast=True, persistent=132))
+  with pytest.raises(ValueError, match="natively only"):
+    mosaic_gpu.hybrid_forward_hard(*qkv(1, 128, 8, 2, 64, jnp.bfloat16), jnp.ones((1, 2)), st,
+                                   tiles=MULTICAST, interpret=True)
 
 
 @pytest.mark.parametrize("n,k,d,lengths,st,tiles", [
@@ -309,6 +324,9 @@ def test_kernels_lower_for_the_gpu():
           mg.packed_xa_forward_train(q, k, v, g, sg, sg, kp, st, **xa)[1], do, st, **xa),
        (q, k, k, gate_rows, seg, keep, q), 4)]
   cases.append((lambda q, k: mosaic_gpu_scoring.block_mass_mosaic(q, k, XAttention()), (q, k), 1))
+  q8 = s((b, t, 2 * n, d), jnp.bfloat16)   # multicast: G = 4
+  cases.append((lambda q, k, v, g: mg.hybrid_forward_hard(q, k, v, g, st, tiles=MULTICAST),
+                (q8, k, k, gate), 1))
   for fn, args, launches in cases:
     module = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
     assert module.count("mosaic_gpu_v2") == launches

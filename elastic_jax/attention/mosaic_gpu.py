@@ -9,9 +9,14 @@ each warpgroup's softmax overlapping its own PV product (tile s's QK^T and tile 
 issued together, `_kernel`'s `overlapped`); `MosaicTiles(persistent=P)` launches P
 persistent programs that take the work items in turn, heaviest first, the K/V ring running
 on from one item to the next (`_persistent`). Both are checked against the reference in
-interpret mode (where wgmma runs synchronously) and natively. Neither is faster than the
-default schedule on an H100 (2026-12-05, benchmarks/README.md): persistent programs run full
-heads at 0.92-0.94x its speed; the overlap runs at 0.97-1.01x. The overlap was at 0.69-0.70x
+interpret mode (where wgmma runs synchronously) and natively. `MosaicTiles(multicast=True)`
+launches the two programs of one KV head and query tile as a cluster that shares each K/V tile
+(TMA multicast); Pallas's GPU interpreter has no multicast copy, so it is checked natively
+only (bit-equal to the default schedule's outputs). None is faster than the default schedule
+on an H100 (2026-12-05, benchmarks/README.md): persistent programs run full heads at
+0.92-0.94x its speed; the overlap at 0.97-1.01x; multicast at 1.00-1.01x, though it halves
+the traffic out of L2 (Nsight Compute: L2 at 39% of its peak without it, so L2 was not what
+held full heads back). The overlap was at 0.69-0.70x
 while it rescaled the accumulator and cast P to bf16 with a product in flight: ptxas then
 serialised every wgmma (warning C7513). It now does both after the PV product's wait, as
 FlashAttention-3 does, and the warning is gone.
@@ -98,12 +103,17 @@ class MosaicTiles:
   and P in registers; without, QK^T, softmax, PV in turn. persistent = P > 0 launches P
   programs (e.g. the GPU's SM count) that each take the work items p, p + P, ... in
   heavy-first order, the K/V ring running on across items (the next item's first tiles load
-  while the last ones are computed); 0 launches one program per item."""
+  while the last ones are computed); 0 launches one program per item. multicast (G a
+  multiple of 4, not persistent) launches the two programs of one KV head and query tile as
+  a cluster: each loads half of every K/V tile and the bulk copy engine multicasts it into
+  both programs' rings, halving the K/V traffic out of L2; a slot is free once both
+  programs' warpgroups have released it (a cluster barrier)."""
   block_q: int = 64
   block_kv: int = 128
   slots: int = 2
   overlap: bool = False
   persistent: int = 0
+  multicast: bool = False
 
 
 DEFAULT_TILES = MosaicTiles()
@@ -132,7 +142,8 @@ def applies(q_shape, k_shape, dtype, streaming: Streaming,
           and d % 64 == 0 and smem <= _SMEM_BYTES and (groups == 1 or groups % 2 == 0)
           and streaming.block % tiles.block_kv == 0 and streaming.block % rows == 0
           and tiles.block_kv % rows == 0 and tiles.block_q % 64 == 0
-          and tiles.block_kv % 64 == 0 and tiles.slots >= 2 and tiles.persistent >= 0)
+          and tiles.block_kv % 64 == 0 and tiles.slots >= 2 and tiles.persistent >= 0
+          and (not tiles.multicast or (groups % 4 == 0 and not tiles.persistent)))
 
 
 def _rows_per_program(groups: int, tiles: MosaicTiles) -> int:
@@ -233,6 +244,8 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
   if item is None:
     b = lax.axis_index("b")
     hp = lax.axis_index("hp")
+    if tiles.multicast:   # a cluster: the two head pairs of one KV head
+      hp = hp * 2 + lax.axis_index("pair")
     # Heavy first: programs launch in grid order, and the last query tiles have the most
     # causal tiles to visit, so they start first and the short ones fill the tail.
     qt = num_q_tiles - 1 - lax.axis_index("qt")
@@ -518,11 +531,14 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
   def _memory():
     if role is None:
       plgpu.set_max_registers(40, action="decrease")
+    # Multicast: each program of the cluster loads half of a tile into both rings.
+    multicast = dict(collective_axes="pair") if tiles.multicast else {}
 
     def load(s, slot, parts=((k_ref, k_smem, k_ready), (v_ref, v_smem, v_ready))):
       rows_kv = pl.ds(tile_of(s) * block_kv, block_kv)
       for src, dst, ready_ in parts:
-        plgpu.copy_gmem_to_smem(src.at[b, rows_kv, kv_head], dst.at[slot], ready_.at[slot])
+        plgpu.copy_gmem_to_smem(src.at[b, rows_kv, kv_head], dst.at[slot], ready_.at[slot],
+                                **multicast)
 
     if base is not None:   # a persistent program's item: the ring's slots may still be busy
       @pl.loop(0, steps)
@@ -646,6 +662,9 @@ def _call(q, k, v, modes, *, streaming: Streaming, tiles: MosaicTiles, scale, in
   b, tp, n, d = q.shape
   kh = k.shape[2]
   groups = n // kh
+  if tiles.multicast and interpret:
+    raise ValueError("MosaicTiles(multicast=True) runs natively only: Pallas's GPU interpreter "
+                     "has no multicast copy between the programs of a cluster")
   rows = _rows_per_program(groups, tiles)
   heads_per_program = _COMPUTE_WGS if groups >= 2 else 1
   slots = tiles.slots
@@ -696,7 +715,10 @@ def _call(q, k, v, modes, *, streaming: Streaming, tiles: MosaicTiles, scale, in
         (plgpu.Barrier(num_barriers=slots), plgpu.Barrier(num_barriers=slots),
          plgpu.Barrier(num_barriers=_COMPUTE_WGS),
          plgpu.Barrier(num_barriers=_COMPUTE_WGS * _ROW_FIELDS) if packed else None),
-        (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=slots),) * 2,
+        # A slot's release: by both programs of a multicast cluster, whose rings it fills.
+        (plgpu.ClusterBarrier(collective_axes=("pair",), num_arrivals=_COMPUTE_WGS,
+                              num_barriers=slots) if tiles.multicast else
+         plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=slots),) * 2,
         # The warpgroups' turns: one barrier both arrive at, or with `overlap` one each.
         plgpu.Barrier(num_barriers=_COMPUTE_WGS) if tiles.overlap else plgpu.Barrier(
             num_arrivals=_COMPUTE_WGS),
@@ -710,6 +732,9 @@ def _call(q, k, v, modes, *, streaming: Streaming, tiles: MosaicTiles, scale, in
   if lse:
     out_type = (out_type, jax.ShapeDtypeStruct((b, n, tp), jnp.float32))
   grid = dict(grid=(n // heads_per_program, tp // rows, b), grid_names=("hp", "qt", "b"))
+  if tiles.multicast:   # clusters of two programs along the head pairs
+    grid = dict(grid=(n // heads_per_program // 2, tp // rows, b), grid_names=("hp", "qt", "b"),
+                cluster=(2, 1, 1), cluster_names=("pair", "pair_qt", "pair_b"))
   if tiles.persistent:
     grid = dict(grid=(tiles.persistent,), grid_names=("p",))
   return plgpu.kernel(
