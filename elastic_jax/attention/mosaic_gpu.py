@@ -12,14 +12,15 @@ on from one item to the next (`_persistent`). Both are checked against the refer
 interpret mode (where wgmma runs synchronously) and natively. `MosaicTiles(multicast=True)`
 launches the two programs of one KV head and query tile as a cluster that shares each K/V tile
 (TMA multicast); Pallas's GPU interpreter has no multicast copy, so it is checked natively
-only (bit-equal to the default schedule's outputs). None is faster than the default schedule
+only (against the reference in the tests; on an H100 its outputs were also bit-equal to the
+default schedule's, plain, packed and XA rows). None is faster than the default schedule
 on an H100 (2026-12-05, benchmarks/README.md): persistent programs run full heads at
 0.92-0.94x its speed; the overlap at 0.97-1.01x; multicast at 1.00-1.01x, though it halves
 the traffic out of L2 (Nsight Compute: L2 at 39% of its peak without it, so L2 was not what
-held full heads back). The overlap was at 0.69-0.70x
-while it rescaled the accumulator and cast P to bf16 with a product in flight: ptxas then
-serialised every wgmma (warning C7513). It now does both after the PV product's wait, as
-FlashAttention-3 does, and the warning is gone.
+held full heads back; the training forward has not run with it natively). The overlap was
+at 0.69-0.70x while it rescaled the accumulator and cast P to bf16 with a product in flight:
+ptxas then serialised every wgmma (warning C7513). It now does both after the PV product's
+wait, as FlashAttention-3 does, and the warning is gone.
 
 The routing is read at run time, one launch for all heads: every program loads its KV head's
 mode from a small int32 array and walks that head's own list of KV tiles,
