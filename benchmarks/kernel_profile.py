@@ -81,6 +81,9 @@ def main(argv=None):
             "(forward, xa, train_forward)")
   if args.persistent < 0:
     p.error("--persistent must be a count of programs (0: one per work item)")
+  if args.multicast and (args.persistent or args.dry_run):
+    p.error("--multicast runs natively only (no --dry-run) and with one program per work item "
+            "(no --persistent)")
   tiles = mosaic_gpu.MosaicTiles(overlap=args.overlap, persistent=args.persistent,
                                  multicast=args.multicast)
   n, kh, d, st, t = 32, 8, 128, Streaming(1, 16, 128), args.length
