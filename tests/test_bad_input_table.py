@@ -10,6 +10,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import sys
 
 import jax
 import numpy as np
@@ -33,6 +34,7 @@ CFG = dict(model_type="qwen3", vocab_size=512, hidden_size=32, intermediate_size
 def _module(name):
   spec = importlib.util.spec_from_file_location(f"entry_{name}", os.path.join(ROOT, f"{name}.py"))
   mod = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = mod   # dataclasses look their module up there
   spec.loader.exec_module(mod)
   return mod
 
@@ -179,6 +181,13 @@ CASES = {
     "report run not label=dir": ("report", ["--run", "{root}"], 2, "expected LABEL=DIR"),
     "report out under a file": ("report", ["--run", "elastic={root}", "--out",
                                            "{root}/afile/table.md"], 2, "is a file, not a directory"),
+    "kernel profile multicast in interpret mode": ("benchmarks/kernel_profile",
+                                                   ["--dry-run", "--multicast"], 2,
+                                                   "--multicast runs natively only"),
+    "attention bench unknown kernel variant": ("benchmarks/attention",
+                                               ["--dry-run", "--mosaic-tiles",
+                                                "64x128x2+multicst"], 2,
+                                               "expected BQxBKVxSLOTS[+overlap][+multicast]"),
 }
 
 
@@ -195,6 +204,10 @@ def _main(entry):
   if entry == "report":
     from elastic_jax.repro.report import main
     return main
+  if entry.startswith("benchmarks/"):   # a benchmark imports its own folder's helpers
+    folder = os.path.join(ROOT, "benchmarks")
+    if folder not in sys.path:
+      sys.path.insert(0, folder)
   return _module(entry).main
 
 
