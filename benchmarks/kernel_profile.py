@@ -7,6 +7,8 @@ and its time and TFLOP/s beside the device's bf16 matrix-product rate.
         --launch-skip 2 --launch-count 1 python benchmarks/kernel_profile.py --kernel dkv --reps 1
     MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=dump python benchmarks/kernel_profile.py \\
         --kernel forward                                 # registers, spills, shared memory
+    ncu --clock-control none --section SpeedOfLight --kernel-name regex:sdpa --launch-skip 2 \
+        --launch-count 1 python benchmarks/kernel_profile.py --kernel cudnn --reps 1  # the peer
     python benchmarks/kernel_profile.py --dry-run        # CPU, interpret mode, tiny shapes
 
 Kernels (elastic_jax/attention/mosaic_gpu.py, mosaic_gpu_backward.py):
@@ -16,6 +18,8 @@ Kernels (elastic_jax/attention/mosaic_gpu.py, mosaic_gpu_backward.py):
   train_forward  the training forward: every head full, then every head streaming, with
                  log-sum-exps (`forward_train`; two launches)
   dq, dkv        the backward kernels on `forward_train`'s residuals
+  cudnn          the peer beside them: cuDNN's causal forward on the same shape, every head
+                 full (`jax.nn.dot_product_attention(implementation="cudnn")`; a GPU only)
 --overlap runs the forward kernels (forward, xa, train_forward) with FlashAttention-3's
 intra-warpgroup overlap (`mosaic_gpu.MosaicTiles(overlap=True)`); --multicast with each K/V
 tile multicast to a cluster of two programs (`MosaicTiles.multicast`); --persistent P with P
@@ -45,8 +49,8 @@ from elastic_jax.attention import Streaming, mosaic_gpu, mosaic_gpu_backward  # 
 from elastic_jax.attention.common import modes_from_gate, pad_to, row_deltas  # noqa: E402
 from elastic_jax.router import streaming_kept_fraction  # noqa: E402
 
-KERNELS = ("forward", "xa", "train_forward", "dq", "dkv")
-FLOPS_PER_PAIR = {"forward": 4, "xa": 4, "train_forward": 4, "dq": 6, "dkv": 8}
+KERNELS = ("forward", "xa", "train_forward", "dq", "dkv", "cudnn")
+FLOPS_PER_PAIR = {"forward": 4, "xa": 4, "train_forward": 4, "dq": 6, "dkv": 8, "cudnn": 4}
 
 
 def main(argv=None):
@@ -81,6 +85,10 @@ def main(argv=None):
             "(forward, xa, train_forward)")
   if args.persistent < 0:
     p.error("--persistent must be a count of programs (0: one per work item)")
+  if args.kernel == "cudnn" and (args.dry_run or args.mixed or args.xa or args.overlap
+                                 or args.persistent or args.multicast):
+    p.error("--kernel cudnn is cuDNN's causal forward on a GPU: no --dry-run, and none of "
+            "--mixed, --xa, --overlap, --persistent, --multicast")
   if args.multicast and (args.persistent or args.dry_run):
     p.error("--multicast runs natively only (no --dry-run) and with one program per work item "
             "(no --persistent)")
@@ -103,7 +111,10 @@ def main(argv=None):
 
   nb = -(-t // 128)
   keep = jax.random.bernoulli(keys[3], args.density, (1, kh, nb, nb)) | jnp.eye(nb, dtype=bool)
-  if args.kernel == "forward":
+  if args.kernel == "cudnn":
+    run, operands = jit(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="cudnn")), (q, k, v)
+  elif args.kernel == "forward":
     run, operands = jit(lambda q, k, v: mosaic_gpu.hybrid_forward_hard(
         q, k, v, gate, st, tiles=tiles, interpret=interpret)), (q, k, v)
   elif args.kernel == "xa":
@@ -152,13 +163,14 @@ def main(argv=None):
   xa_pairs = args.density * causal        # about: random blocks, and the diagonal's
   sparse_pairs = xa_pairs if args.kernel == "xa" or args.xa else kept
   visited = (kh - streams) * causal + streams * sparse_pairs
-  if args.mixed:
+  if args.mixed or args.kernel == "cudnn":
     visited = kh * causal
   if args.kernel == "train_forward":   # every head full, then every head sparse
     visited = kh * (causal + sparse_pairs)
   flops = FLOPS_PER_PAIR[args.kernel] * d * (n // kh) * visited
   print(f"{jax.devices()[0].device_kind}: {args.kernel} T={t} "
-        + ("gates 0.5" if args.mixed else f"MSR {streams / kh:g}")
+        + ("gates 0.5" if args.mixed else "causal" if args.kernel == "cudnn"
+           else f"MSR {streams / kh:g}")
         + (f", fa-xa at density {args.density:g}" if args.xa else "")
         + (", overlapped" if args.overlap else "")
         + (", multicast" if args.multicast else "")

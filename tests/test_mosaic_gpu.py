@@ -117,6 +117,27 @@ def test_op_takes_fractional_gates_and_gradients():
     assert float(jnp.abs(g.astype(jnp.float32) - w).max()) <= 2e-2 * scale
 
 
+@NATIVE
+def test_multicast_is_bit_equal_to_the_default_schedule():
+  """Multicast changes where a program's K/V tiles come from, not the arithmetic: plain rows
+  (T padded, mixed modes), packed rows and XA heads give the default schedule's outputs bit
+  for bit."""
+  st = Streaming(1, 2, 128)
+  q, k, v = qkv(1, 1000, 8, 2, 128, jnp.bfloat16, seed=3)
+  gate = jnp.asarray([[1.0, 0.0]], jnp.float32)
+  same = lambda f: bool(jnp.array_equal(f(DEFAULT), f(MULTICAST)))
+  assert same(lambda tiles: mosaic_gpu.hybrid_forward_hard(q, k, v, gate, st, tiles=tiles))
+  seg = jnp.asarray([[0] * 300 + [1] * 700], jnp.int32)
+  pos = jnp.asarray([list(range(300)) + list(range(700))], jnp.int32)
+  rows = jnp.broadcast_to(gate[:, None], (1, 1000, 2))
+  assert same(lambda tiles: mosaic_gpu.packed_forward_hard(q, k, v, rows, seg, pos, st,
+                                                           tiles=tiles))
+  keep = kept_blocks(1, 2, 1000, 128, seed=4)
+  assert same(lambda tiles: mosaic_gpu.xa_forward_hard(q, k, v, gate, keep, st,
+                                                       patterns="fa-xa", xa_block=128,
+                                                       tiles=tiles))
+
+
 def test_applies_only_where_its_layout_holds():
   st = Streaming(1, 16, 128)
   assert mosaic_gpu.applies((1, 1000, 32, 128), (1, 1000, 8, 128), jnp.bfloat16, st)
