@@ -161,7 +161,8 @@ class Bench:
     tiles = mosaic_gpu.MosaicTiles(*(int(x) for x in sizes.split("x")),
                                    overlap="overlap" in flags,
                                    persistent=persistent[0] if persistent else 0,
-                                   multicast="multicast" in flags)
+                                   multicast="multicast" in flags,
+                                   q_registers="qreg" in flags)
     return jax.jit(functools.partial(mosaic_gpu.hybrid_forward_hard, streaming=self.st,
                                      tiles=tiles, interpret=self.dry_run))
 
@@ -628,11 +629,12 @@ def parse_args(argv=None):
   p.add_argument("--also", nargs="+", default=[], metavar="IMPL",
                  help="also time the forward of these impls, e.g. pallas_gpu")
   p.add_argument("--mosaic-tiles", nargs="+", default=[],
-                 metavar="BQxBKVxSLOTS[+overlap][+multicast][+pP]",
+                 metavar="BQxBKVxSLOTS[+overlap][+multicast][+qreg][+pP]",
                  help="also time the Mosaic GPU kernel alone with these tiles, e.g. 64x128x2; "
                       "+overlap: FlashAttention-3's intra-warpgroup overlap "
                       "(mosaic_gpu.MosaicTiles.overlap); +multicast: each K/V tile "
-                      "multicast to a cluster of two programs (MosaicTiles.multicast); +p132: "
+                      "multicast to a cluster of two programs (MosaicTiles.multicast); +qreg: "
+                      "QK^T reads Q from registers (MosaicTiles.q_registers); +p132: "
                       "132 persistent programs (MosaicTiles.persistent)")
   p.add_argument("--train-tiles", nargs="+", default=[], metavar="FWD/DQ/DKV",
                  help="also time training with these tiles of the training forward, dQ and "
@@ -672,12 +674,12 @@ def parse_args(argv=None):
   for spec in args.mosaic_tiles:
     sizes, *flags = spec.split("+")
     parts = sizes.split("x")
-    known = lambda f: f in ("overlap", "multicast") or (f[:1] == "p" and f[1:].isdigit()
-                                                       and int(f[1:]) > 0)
+    known = lambda f: f in ("overlap", "multicast", "qreg") or (
+        f[:1] == "p" and f[1:].isdigit() and int(f[1:]) > 0)
     if (len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts)
         or not all(map(known, flags)) or len(flags) != len(set(f[0] for f in flags))):
-      p.error(f"--mosaic-tiles {spec}: expected BQxBKVxSLOTS[+overlap][+multicast][+pP], "
-              f"e.g. 64x128x2+overlap+p132")
+      p.error(f"--mosaic-tiles {spec}: expected "
+              f"BQxBKVxSLOTS[+overlap][+multicast][+qreg][+pP], e.g. 64x128x2+overlap+p132")
   for spec in args.train_tiles:
     parts = [x.split("x") for x in spec.split("/")]
     if len(parts) != 3 or not all(len(x) in (3, 4) and all(y.isdigit() and int(y) > 0

@@ -2,7 +2,7 @@
 and its time and TFLOP/s beside the device's bf16 matrix-product rate.
 
     python benchmarks/kernel_profile.py --kernel dq [--length 32768] [--msr 0.75 | --mixed]
-        [--xa --density 0.5] [--overlap] [--multicast] [--persistent 132]
+        [--xa --density 0.5] [--overlap] [--multicast] [--q-registers] [--persistent 132]
     ncu --clock-control none --section LaunchStats --section SpeedOfLight --section Occupancy \\
         --launch-skip 2 --launch-count 1 python benchmarks/kernel_profile.py --kernel dkv --reps 1
     MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=dump python benchmarks/kernel_profile.py \\
@@ -22,8 +22,9 @@ Kernels (elastic_jax/attention/mosaic_gpu.py, mosaic_gpu_backward.py):
                  full (`jax.nn.dot_product_attention(implementation="cudnn")`; a GPU only)
 --overlap runs the forward kernels (forward, xa, train_forward) with FlashAttention-3's
 intra-warpgroup overlap (`mosaic_gpu.MosaicTiles(overlap=True)`); --multicast with each K/V
-tile multicast to a cluster of two programs (`MosaicTiles.multicast`); --persistent P with P
-persistent programs (`MosaicTiles.persistent`, e.g. the SM count).
+tile multicast to a cluster of two programs (`MosaicTiles.multicast`); --q-registers with
+QK^T reading Q from registers (`MosaicTiles.q_registers`); --persistent P with P persistent
+programs (`MosaicTiles.persistent`, e.g. the SM count).
 --xa runs the training kernels under "fa-xa" (`xa_forward_train`, the backward kernels with
 the kept-block lists): the streaming heads become XA heads on random kept blocks of --density.
 Shape: B = 1, 32 query / 8 KV heads, head_dim 128, bf16; SSA sink 1 + local 16 blocks of 128.
@@ -69,6 +70,8 @@ def main(argv=None):
   p.add_argument("--multicast", action="store_true",
                  help="forward kernels: K/V tiles multicast to clusters of two programs "
                       "(MosaicTiles.multicast)")
+  p.add_argument("--q-registers", action="store_true",
+                 help="forward kernels: QK^T reads Q from registers (MosaicTiles.q_registers)")
   p.add_argument("--persistent", type=int, default=0,
                  help="forward kernels: this many persistent programs (MosaicTiles.persistent)")
   p.add_argument("--reps", type=int, default=5)
@@ -80,20 +83,21 @@ def main(argv=None):
     p.error("--mixed: the inference kernels take gates of 0 or 1 only")
   if args.xa and args.kernel in ("forward", "xa"):
     p.error("--xa is for the training kernels (--kernel xa times the inference forward)")
-  if (args.overlap or args.persistent or args.multicast) and args.kernel in ("dq", "dkv"):
-    p.error("--overlap, --multicast and --persistent are schedules of the forward kernels "
-            "(forward, xa, train_forward)")
+  if (args.overlap or args.persistent or args.multicast or args.q_registers) and args.kernel in (
+      "dq", "dkv"):
+    p.error("--overlap, --multicast, --q-registers and --persistent are schedules of the "
+            "forward kernels (forward, xa, train_forward)")
   if args.persistent < 0:
     p.error("--persistent must be a count of programs (0: one per work item)")
   if args.kernel == "cudnn" and (args.dry_run or args.mixed or args.xa or args.overlap
-                                 or args.persistent or args.multicast):
+                                 or args.persistent or args.multicast or args.q_registers):
     p.error("--kernel cudnn is cuDNN's causal forward on a GPU: no --dry-run, and none of "
-            "--mixed, --xa, --overlap, --persistent, --multicast")
+            "--mixed, --xa, --overlap, --persistent, --multicast, --q-registers")
   if args.multicast and (args.persistent or args.dry_run):
     p.error("--multicast runs natively only (no --dry-run) and with one program per work item "
             "(no --persistent)")
   tiles = mosaic_gpu.MosaicTiles(overlap=args.overlap, persistent=args.persistent,
-                                 multicast=args.multicast)
+                                 multicast=args.multicast, q_registers=args.q_registers)
   n, kh, d, st, t = 32, 8, 128, Streaming(1, 16, 128), args.length
   interpret = args.dry_run
   if args.dry_run:
@@ -174,6 +178,7 @@ def main(argv=None):
         + (f", fa-xa at density {args.density:g}" if args.xa else "")
         + (", overlapped" if args.overlap else "")
         + (", multicast" if args.multicast else "")
+        + (", Q in registers" if args.q_registers else "")
         + (f", {args.persistent} persistent programs" if args.persistent else "")
         + f": {sec * 1e3:.3f} ms (median of {args.reps}), {flops / sec / 1e12:.1f} TFLOP/s"
         + (" (dry run: interpret mode, times mean nothing)" if args.dry_run else ""))

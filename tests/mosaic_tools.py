@@ -11,14 +11,14 @@ TOL = {jnp.bfloat16: 3e-2, jnp.float16: 5e-3}
 
 def schedule_id(x):
   """Test ids naming the Mosaic forward's schedule ("default", "overlap", "persistent",
-  "multicast", "overlap-persistent": `pytest -k overlap` picks the overlapped schedule's
+  "multicast", "qreg", "overlap-persistent": `pytest -k overlap` picks the overlapped schedule's
   cases); None for other parameters (pytest's own ids). A bool parameter means overlap or
   not."""
   if isinstance(x, bool):
     return "overlap" if x else "default"
   if hasattr(x, "overlap"):
     names = [n for n, on in (("overlap", x.overlap), ("persistent", x.persistent),
-                             ("multicast", x.multicast)) if on]
+                             ("multicast", x.multicast), ("qreg", x.q_registers)) if on]
     return "-".join(names) or "default"
   return None
 

@@ -59,7 +59,10 @@ OVERLAP_PERSISTENT = mosaic_gpu.MosaicTiles(overlap=True, persistent=2)
 OVERLAP_IDLE = mosaic_gpu.MosaicTiles(overlap=True, persistent=8)
 # Clusters of two programs sharing each K/V tile (TMA multicast): natively only.
 MULTICAST = mosaic_gpu.MosaicTiles(multicast=True)
-NATIVE = pytest.mark.skipif(INTERPRET, reason="a multicast copy needs the GPU")
+# QK^T with Q in registers (interpret mode's wgmma reads shared memory only: natively only).
+Q_REGISTERS = mosaic_gpu.MosaicTiles(q_registers=True)
+NATIVE = pytest.mark.skipif(INTERPRET, reason="needs the GPU (multicast copies, wgmma from "
+                                              "registers)")
 
 
 @pytest.mark.parametrize("b,t,n,k,d,gates,st,dtype,tiles", [
@@ -77,6 +80,9 @@ NATIVE = pytest.mark.skipif(INTERPRET, reason="a multicast copy needs the GPU")
     # Multicast, G = 4 over a batch of two with T padded (natively only).
     pytest.param(2, 700, 8, 2, 128, [[1.0, 0.0], [0.0, 1.0]], Streaming(1, 2, 128),
                  jnp.bfloat16, MULTICAST, marks=NATIVE),
+    # Q in registers, G = 2 with T padded, float16 (natively only).
+    pytest.param(1, 700, 4, 2, 128, [[0.0, 1.0]], Streaming(1, 2, 128), jnp.float16,
+                 Q_REGISTERS, marks=NATIVE),
 ], ids=schedule_id)
 def test_forward_matches_reference(b, t, n, k, d, gates, st, dtype, tiles):
   q, kk, v = qkv(b, t, n, k, d, dtype)
@@ -118,14 +124,17 @@ def test_op_takes_fractional_gates_and_gradients():
 
 
 @NATIVE
-def test_multicast_is_bit_equal_to_the_default_schedule():
-  """Multicast changes where a program's K/V tiles come from, not the arithmetic: plain rows
-  (T padded, mixed modes), packed rows and XA heads give the default schedule's outputs bit
-  for bit."""
+@pytest.mark.parametrize("tiles,base", [
+    (MULTICAST, DEFAULT), (Q_REGISTERS, DEFAULT),
+    (mosaic_gpu.MosaicTiles(overlap=True, q_registers=True), OVERLAP)], ids=schedule_id)
+def test_operand_sources_are_bit_equal_to_their_schedule(tiles, base):
+  """Multicast changes where a program's K/V tiles come from, q_registers where QK^T reads Q
+  from, not the arithmetic: plain rows (T padded, mixed modes), packed rows and XA heads give
+  the same schedule's outputs without them bit for bit."""
   st = Streaming(1, 2, 128)
   q, k, v = qkv(1, 1000, 8, 2, 128, jnp.bfloat16, seed=3)
   gate = jnp.asarray([[1.0, 0.0]], jnp.float32)
-  same = lambda f: bool(jnp.array_equal(f(DEFAULT), f(MULTICAST)))
+  same = lambda f: bool(jnp.array_equal(f(base), f(tiles)))
   assert same(lambda tiles: mosaic_gpu.hybrid_forward_hard(q, k, v, gate, st, tiles=tiles))
   seg = jnp.asarray([[0] * 300 + [1] * 700], jnp.int32)
   pos = jnp.asarray([list(range(300)) + list(range(700))], jnp.int32)
@@ -310,7 +319,7 @@ def test_xa_op_takes_hard_and_fractional_gates():
 def test_kernels_lower_for_the_gpu():
   """Every Mosaic GPU kernel, in its schedules, lowers to its Mosaic GPU module here on the
   CPU (`jax.export` for platform "cuda": the Pallas-to-Mosaic-GPU lowering of the native-only
-  code the interpreter skips: P in registers for wgmma, `run_state` accumulators, the
+  code the interpreter skips: P and Q in registers for wgmma, `run_state` accumulators, the
   overlapped schedule's asynchronous waits; compiling to PTX needs the GPU's toolchain).
   The plain forward in every schedule; the other forward kernels in the default and the
   overlapped persistent ones (which run the overlapped schedule's code); the training
@@ -325,7 +334,7 @@ def test_kernels_lower_for_the_gpu():
   xa = dict(patterns="fa-xa", xa_block=xb)
   mg = mosaic_gpu
   cases = []
-  for tiles in (DEFAULT, OVERLAP, PERSISTENT, OVERLAP_PERSISTENT):
+  for tiles in (DEFAULT, OVERLAP, PERSISTENT, OVERLAP_PERSISTENT, Q_REGISTERS):
     cases.append((lambda q, k, v, g, tiles=tiles: mg.hybrid_forward_hard(q, k, v, g, st,
                                                                          tiles=tiles),
                   (q, k, k, gate), 1))
@@ -345,9 +354,12 @@ def test_kernels_lower_for_the_gpu():
           mg.packed_xa_forward_train(q, k, v, g, sg, sg, kp, st, **xa)[1], do, st, **xa),
        (q, k, k, gate_rows, seg, keep, q), 4)]
   cases.append((lambda q, k: mosaic_gpu_scoring.block_mass_mosaic(q, k, XAttention()), (q, k), 1))
-  q8 = s((b, t, 2 * n, d), jnp.bfloat16)   # multicast: G = 4
-  cases.append((lambda q, k, v, g: mg.hybrid_forward_hard(q, k, v, g, st, tiles=MULTICAST),
-                (q8, k, k, gate), 1))
+  q8 = s((b, t, 2 * n, d), jnp.bfloat16)   # multicast: G = 4; with Q in registers
+  for tiles in (MULTICAST, mosaic_gpu.MosaicTiles(multicast=True, overlap=True,
+                                                  q_registers=True)):
+    cases.append((lambda q, k, v, g, tiles=tiles: mg.hybrid_forward_hard(q, k, v, g, st,
+                                                                         tiles=tiles),
+                  (q8, k, k, gate), 1))
   for fn, args, launches in cases:
     module = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
     assert module.count("mosaic_gpu_v2") == launches

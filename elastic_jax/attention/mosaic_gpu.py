@@ -108,13 +108,16 @@ class MosaicTiles:
   multiple of 4, not persistent) launches the two programs of one KV head and query tile as
   a cluster: each loads half of every K/V tile and the bulk copy engine multicasts it into
   both programs' rings, halving the K/V traffic out of L2; a slot is free once both
-  programs' warpgroups have released it (a cluster barrier)."""
+  programs' warpgroups have released it (a cluster barrier). q_registers (natively; interpret
+  mode keeps Q in shared memory) loads each warpgroup's Q tile into registers once, so that
+  QK^T reads only K out of shared memory."""
   block_q: int = 64
   block_kv: int = 128
   slots: int = 2
   overlap: bool = False
   persistent: int = 0
   multicast: bool = False
+  q_registers: bool = False
 
 
 DEFAULT_TILES = MosaicTiles()
@@ -318,6 +321,10 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
         plgpu.barrier_wait(rows_ready.at[wg * _ROW_FIELDS + x])
         bounds.append(plgpu.load(rows_smem2.at[wg, x], layout=plgpu.Layout.WGMMA.reduce(1)))
     plgpu.barrier_wait(q_ready.at[wg])
+    # QK^T's left operand: the Q tile from shared memory, or (q_registers, natively) from
+    # registers, so that the tensor cores read only K out of shared memory.
+    q_op = (plgpu.load(qo_smem, layout=plgpu.Layout.WGMMA)
+            if tiles.q_registers and p_smem2 is None else qo_smem)
 
     def mask(x, tile):
       shape = (block_q, block_kv)
@@ -409,7 +416,7 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
 
       def issue_qk(s_ref, slot):
         plgpu.barrier_wait(turn.at[wg])
-        plgpu.wgmma(s_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+        plgpu.wgmma(s_ref, q_op, k_smem.at[slot].transpose((1, 0)))
 
       slot0 = ring(0)
       plgpu.barrier_wait(k_ready.at[slot0])
@@ -490,7 +497,7 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
         slot = ring(s)
 
         def qk(acc_ref):
-          plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+          plgpu.wgmma(acc_ref, q_op, k_smem.at[slot].transpose((1, 0)))
           take_turn()
           return acc_ref[...]
 
