@@ -20,7 +20,10 @@ the traffic out of L2 (Nsight Compute: L2 at 39% of its peak without it, so L2 w
 held full heads back; the training forward has not run with it natively). The overlap was
 at 0.69-0.70x while it rescaled the accumulator and cast P to bf16 with a product in flight:
 ptxas then serialised every wgmma (warning C7513). It now does both after the PV product's
-wait, as FlashAttention-3 does, and the warning is gone.
+wait, as FlashAttention-3 does, and the warning is gone. `MosaicTiles(q_registers=True)`
+feeds QK^T its Q tile from registers (loaded once per program), so that the tensor cores
+read only K out of shared memory; natively only (interpret mode keeps Q in shared memory),
+and not yet run on a GPU.
 
 The routing is read at run time, one launch for all heads: every program loads its KV head's
 mode from a small int32 array and walks that head's own list of KV tiles,
