@@ -21,7 +21,7 @@ held full heads back; the training forward has not run with it natively). The ov
 at 0.69-0.70x while it rescaled the accumulator and cast P to bf16 with a product in flight:
 ptxas then serialised every wgmma (warning C7513). It now does both after the PV product's
 wait, as FlashAttention-3 does, and the warning is gone. `MosaicTiles(q_registers=True)`
-feeds QK^T its Q tile from registers (loaded once per program), so that the tensor cores
+feeds QK^T its Q tile from registers (loaded once per work item), so that the tensor cores
 read only K out of shared memory; natively only (interpret mode keeps Q in shared memory),
 and not yet run on a GPU.
 
