@@ -96,6 +96,9 @@ def main(argv=None):
   if args.multicast and (args.persistent or args.dry_run):
     p.error("--multicast runs natively only (no --dry-run) and with one program per work item "
             "(no --persistent)")
+  if args.q_registers and args.dry_run:
+    p.error("--q-registers runs natively only (no --dry-run): the interpreter's matrix "
+            "products read Q from shared memory")
   tiles = mosaic_gpu.MosaicTiles(overlap=args.overlap, persistent=args.persistent,
                                  multicast=args.multicast, q_registers=args.q_registers)
   n, kh, d, st, t = 32, 8, 128, Streaming(1, 16, 128), args.length
