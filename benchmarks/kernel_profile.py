@@ -139,9 +139,9 @@ def main(argv=None):
     if args.kernel == "train_forward":
       run, operands = forward_train, (q, k, v)
     else:
-      _, (qp, kp, vp, _, o_fa, o_sa, lse_fa, lse_sa, *lists) = forward_train(q, k, v)
+      _, (qp, kp, vp, _, o_fa, o_gap, lse_fa, lse_sa, *lists) = forward_train(q, k, v)
       d_out = jax.random.normal(keys[4], q.shape, jnp.float32).astype(jnp.bfloat16)
-      d_fa, d_sa, _ = row_deltas(d_out, o_fa, o_sa, gate)
+      d_fa, d_sa, _ = row_deltas(d_out, o_fa, o_gap, gate)
       tp = qp.shape[1]
       rows = lambda x: pad_to(x, 1, tp).transpose(0, 2, 1)
       terms = jnp.stack([lse_fa, lse_sa, rows(d_fa), rows(d_sa)], axis=2)

@@ -66,23 +66,28 @@ def q_tile_range(kv_tile, block_q: int, block_k: int, num_q_tiles, streaming: St
   return lo, jnp.maximum(hi, lo)
 
 
-def row_deltas(d_out, o_fa, o_sa, gate):
+def row_deltas(d_out, o_fa, o_gap, gate):
   """Per-row terms of the backward pass and the gate's gradient.
 
   With O = r * O_FA + (1 - r) * O_SSA: D_FA = rowsum(dO * O_FA) and D_SSA = rowsum(dO * O_SSA),
   float32 [B, T, N]; dL/dr = D_FA - D_SSA summed over the KV head's query heads and, for a
   gate per (batch, KV head) [B, K], over the rows too; for a gate per row [B, T, K] (packed
   rows) it stays per row.
+
+  The kernels' training forwards hand over O_FA and o_gap = O_FA - O_SSA, the difference taken
+  in float32 before it is rounded: dL/dr is rowsum(dO * o_gap), and D_SSA = D_FA minus it.
+  Taken from two rounded outputs instead, the difference keeps only the rounding's noise where
+  the two patterns nearly agree (XA with most blocks kept), and so would the gate's gradient.
   """
   b, t, n, _ = d_out.shape
   kh = gate.shape[-1]
   up = lambda x: x.astype(jnp.float32)
   d_fa = jnp.einsum("btnd,btnd->btn", up(d_out), up(o_fa))
-  d_sa = jnp.einsum("btnd,btnd->btn", up(d_out), up(o_sa))
-  d_gate = (d_fa - d_sa).reshape(b, t, kh, n // kh).sum(axis=3)
+  d_gap = jnp.einsum("btnd,btnd->btn", up(d_out), up(o_gap))
+  d_gate = d_gap.reshape(b, t, kh, n // kh).sum(axis=3)
   if gate.ndim == 2:
     d_gate = d_gate.sum(axis=1)
-  return d_fa, d_sa, d_gate.astype(gate.dtype)
+  return d_fa, d_fa - d_gap, d_gate.astype(gate.dtype)
 
 
 def with_fused_backward(forward: Callable, forward_train: Callable, backward: Callable,

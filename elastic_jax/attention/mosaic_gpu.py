@@ -239,7 +239,7 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
   alone; returns the item's steps)."""
   (qo_smem2, k_smem, v_smem, p_smem2, rows_smem2, lse_smem2), ready, (k_free, v_free), turn = (
       scoped)
-  out_ref, lse_ref = out_refs
+  out_ref, lo_ref, lse_ref = out_refs
   k_ready, v_ready, q_ready, rows_ready = ready
   block_q, block_kv, slots = tiles.block_q, tiles.block_kv, tiles.slots
   pair_heads = groups >= 2
@@ -530,13 +530,19 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
       acc, m_i, l_i = carry
       pl.when(wg == 0)(take_turn)
     acc = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
-    qo_smem[...] = acc.astype(dtype)
+    hi = acc.astype(dtype)
+    qo_smem[...] = hi
     if lse_ref is not None:
       lse_smem2.at[wg][...] = m_i + jnp.log2(l_i)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, pl.ds(row0, block_q), head])
     if lse_ref is not None:
       plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[b, head, pl.ds(row0, block_q)])
+    if lo_ref is not None:   # the rounding remainder, once the first store has read the tile
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      qo_smem[...] = (acc - hi.astype(jnp.float32)).astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(qo_smem, lo_ref.at[b, pl.ds(row0, block_q), head])
     plgpu.wait_smem_to_gmem(0)
 
   def _memory():
@@ -668,8 +674,10 @@ def _call(q, k, v, modes, *, streaming: Streaming, tiles: MosaicTiles, scale, in
   packed rows with every row XA (`packed_xa_walk`): `xa` and xa_lists = (index,); packed rows
   of both patterns (`xa.mixed`): walks' seventh field flags the programs that walk a list,
   and xa_lists = (index, keep int32 [B * K * nb * nb]).
-  lse: also return each row's base-2 log-sum-exp of its scaled scores, float32 [B, N, Tp]
-  (the backward's residual)."""
+  lse (training): return (O, O - O rounded, lse): the output rounded to the inputs' dtype, the
+  rounding's remainder in that dtype (their float32 sum carries ~16 bits, for the gate's
+  gradient, `_training_outputs`), and each row's base-2 log-sum-exp of its scaled scores,
+  float32 [B, N, Tp] (the backward's residual)."""
   b, tp, n, d = q.shape
   kh = k.shape[2]
   groups = n // kh
@@ -685,9 +693,9 @@ def _call(q, k, v, modes, *, streaming: Streaming, tiles: MosaicTiles, scale, in
   def entry(*refs):
     xa_refs = None
     if lse:
-      *refs, out_ref, lse_ref = refs
+      *refs, out_ref, lo_ref, lse_ref = refs
     else:
-      (*refs, out_ref), lse_ref = refs, None
+      (*refs, out_ref), lo_ref, lse_ref = refs, None, None
     if packed:
       *plan_ref, q_ref, k_ref, v_ref, rows_ref = refs
       modes_ref = None
@@ -702,7 +710,7 @@ def _call(q, k, v, modes, *, streaming: Streaming, tiles: MosaicTiles, scale, in
     transforms = (plgpu.TilingTransform((8, 1024 // item_bits)), plgpu.SwizzleTransform(128))
     def program(*scoped):
       kernel = functools.partial(_kernel, modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref,
-                                 rows_ref, (out_ref, lse_ref), scoped, groups=groups,
+                                 rows_ref, (out_ref, lo_ref, lse_ref), scoped, groups=groups,
                                  num_kv_heads=kh, streaming=streaming, tiles=tiles,
                                  scale=scale, num_q_tiles=tp // rows, xa=xa)
       if not tiles.persistent:
@@ -741,7 +749,7 @@ def _call(q, k, v, modes, *, streaming: Streaming, tiles: MosaicTiles, scale, in
               else (modes, *(xa_lists if xa is not None else ()), q, k, v))
   out_type = jax.ShapeDtypeStruct(q.shape, dtype)
   if lse:
-    out_type = (out_type, jax.ShapeDtypeStruct((b, n, tp), jnp.float32))
+    out_type = (out_type, out_type, jax.ShapeDtypeStruct((b, n, tp), jnp.float32))
   grid = dict(grid=(n // heads_per_program, tp // rows, b), grid_names=("hp", "qt", "b"))
   if tiles.multicast:   # clusters of two programs along the head pairs
     grid = dict(grid=(n // heads_per_program // 2, tp // rows, b), grid_names=("hp", "qt", "b"),
@@ -901,9 +909,17 @@ def _after(done, operands):
   return lax.optimization_barrier((done, operands))[1]
 
 
-def _mix(o_fa, o_sa, r, dtype):
-  """r O_FA + (1 - r) O_SSA in float32, cast to `dtype` (r broadcasts against [B, T, N, D])."""
-  return (r * o_fa.astype(jnp.float32) + (1.0 - r) * o_sa.astype(jnp.float32)).astype(dtype)
+def _training_outputs(fa, sa, r, t: int, dtype):
+  """The training forward's output and the gate's residuals from its two launches, each an
+  (O rounded, remainder) pair of `_call(..., lse=True)`: (r O_FA + (1 - r) O_SSA, O_FA rounded,
+  O_FA - O_SSA), the first and the last formed in float32 from the pairs' sums before their one
+  rounding to `dtype`; the first T rows (r broadcasts against [B, T, N, D]). The difference
+  carries the gate's gradient; rounding O_FA and O_SSA first would lose it where XA's kept
+  blocks make the two nearly equal (`common.row_deltas`)."""
+  o_fa, o_sa = ((hi[:, :t].astype(jnp.float32) + lo[:, :t].astype(jnp.float32))
+                for hi, lo, _ in (fa, sa))
+  return ((r * o_fa + (1.0 - r) * o_sa).astype(dtype), fa[0][:, :t],
+          (o_fa - o_sa).astype(dtype))
 
 
 def _row_terms(tp: int, lse_fa, lse_sa, d_fa, d_sa, *more):
@@ -973,11 +989,11 @@ def _forward_train(q, k, v, gate_bk, streaming, tiles, backward_tiles, interpret
                  tiles=tiles, scale=d ** -0.5, interpret=interpret, xa=walk, xa_lists=lists,
                  lse=True)
 
-  o_fa, lse_fa = run(0, MODE_FULL, qp, kp, vp)
-  o_sa, lse_sa = run(1, MODE_SPARSE, *_after(o_fa, (qp, kp, vp)))
-  o_fa, o_sa = o_fa[:, :t], o_sa[:, :t]
+  fa = run(0, MODE_FULL, qp, kp, vp)
+  sa = run(1, MODE_SPARSE, *_after(fa[0], (qp, kp, vp)))
   r = jnp.repeat(gate_bk.astype(jnp.float32), n // kh, axis=1)[:, None, :, None]
-  return _mix(o_fa, o_sa, r, q.dtype), (qp, kp, vp, gate_bk, o_fa, o_sa, lse_fa, lse_sa)
+  o, o_fa, o_gap = _training_outputs(fa, sa, r, t, q.dtype)
+  return o, (qp, kp, vp, gate_bk, o_fa, o_gap, fa[2], sa[2])
 
 
 def backward(residuals, d_out, streaming: Streaming, *,
@@ -990,9 +1006,9 @@ def backward(residuals, d_out, streaming: Streaming, *,
 
 def _backward(residuals, d_out, streaming, backward_tiles, interpret, dq_xa=None, dkv_xa=None):
   """`backward`; under the XAttention settings dq_xa and dkv_xa are the kernels' `xa`."""
-  qp, kp, vp, gate_bk, o_fa, o_sa, lse_fa, lse_sa = residuals
+  qp, kp, vp, gate_bk, o_fa, o_gap, lse_fa, lse_sa = residuals
   t, tp = d_out.shape[1], qp.shape[1]
-  d_fa, d_sa, d_gate = row_deltas(d_out, o_fa, o_sa, gate_bk)
+  d_fa, d_sa, d_gate = row_deltas(d_out, o_fa, o_gap, gate_bk)
   terms = _row_terms(tp, lse_fa, lse_sa, d_fa, d_sa)
   do = pad_to(d_out.astype(qp.dtype), 1, tp)
   gate = gate_bk.astype(jnp.float32).reshape(-1)
@@ -1296,14 +1312,12 @@ def _packed_forward_train(q, k, v, gate_btk, segment_ids, positions, streaming, 
     outs.append(_call(qp, kp, vp, None, streaming=streaming, tiles=tiles, scale=d ** -0.5,
                       interpret=interpret, walks=walks, row_bounds=bounds, lse=True, xa=walk,
                       xa_lists=(lists[0].reshape(-1),) if xa else None))
-  (o_fa, lse_fa), (o_sa, lse_sa) = outs
-  o_fa, o_sa = o_fa[:, :t], o_sa[:, :t]
   r = jnp.repeat(gate_btk.astype(jnp.float32), n // kh, axis=2)[..., None]      # [B, T, N, 1]
-  o = _mix(o_fa, o_sa, r, q.dtype)
+  o, o_fa, o_gap = _training_outputs(*outs, r, t, q.dtype)
   seg, pos = pad_packed(segment_ids, positions, tp)
   gate = pad_to(gate_btk.astype(jnp.float32), 1, tp).transpose(0, 2, 1)        # [B, K, Tp]
   return o, (qp, kp, vp, seg, pos, gate, None if lists is None else lists[2], gate_btk, o_fa,
-             o_sa, lse_fa, lse_sa, segment_ids, positions, xa_keep)
+             o_gap, outs[0][2], outs[1][2], segment_ids, positions, xa_keep)
 
 
 def packed_xa_list_spans(keep, q_plan, k_plan, xa_block: int, backward_tiles: BackwardTiles,
@@ -1347,12 +1361,12 @@ def _packed_backward(residuals, d_out, streaming, backward_tiles, interpret, pai
   """`packed_backward`; under the XAttention settings (the pattern pair and the XA block) the
   kernels also walk the kept-block lists built from the residuals' kept blocks
   (`packed_xa_dq_walk`, `packed_xa_dkv_walk`)."""
-  (qp, kp, vp, seg, pos, gate, keep, gate_btk, o_fa, o_sa, lse_fa, lse_sa, segment_ids,
+  (qp, kp, vp, seg, pos, gate, keep, gate_btk, o_fa, o_gap, lse_fa, lse_sa, segment_ids,
    positions, _) = residuals
   b, t, n = d_out.shape[:3]
   tp, kh = qp.shape[1], kp.shape[2]
   groups = n // kh
-  d_fa, d_sa, d_gate = row_deltas(d_out, o_fa, o_sa, gate_btk)
+  d_fa, d_sa, d_gate = row_deltas(d_out, o_fa, o_gap, gate_btk)
   terms = _row_terms(tp, lse_fa, lse_sa, d_fa, d_sa,
                      jnp.repeat(gate, groups, axis=1))          # each row's gate, [B, N, Tp]
   gate_rows = gate.transpose(0, 2, 1)                                     # [B, Tp, K]

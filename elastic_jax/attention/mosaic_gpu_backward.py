@@ -1,8 +1,9 @@
 """The hybrid FA/SSA backward for Hopper GPUs in Pallas Mosaic GPU (wgmma, TMA): dQ and dK/dV.
 
 The training forward (`mosaic_gpu.forward_train`) leaves, per query row and head, O_FA and
-O_SSA and the base-2 log-sum-exps of both patterns; with D_FA = rowsum(dO * O_FA), D_SSA
-likewise, and a gate r per (batch, KV head), each visited tile gives
+O_FA - O_SSA (`common.row_deltas`) and the base-2 log-sum-exps of both patterns; with
+D_FA = rowsum(dO * O_FA), D_SSA = rowsum(dO * O_SSA), and a gate r per (batch, KV head),
+each visited tile gives
   P_x = exp2(S * c - lse_x)  (x = FA, SSA; c = scale * log2 e; zero where x hides the key),
   dP  = dO V^T,
   dS  = r P_FA (dP - D_FA) + (1 - r) P_SSA (dP - D_SSA),

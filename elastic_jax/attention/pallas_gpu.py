@@ -10,7 +10,8 @@ A sparse head's far-away tiles are never loaded: that is where the speed-up come
 
 Under differentiation (`make_hybrid`, a custom VJP) the training forward computes O_FA and
 O_SSA of every head in one walk over its causal tiles (the gate's gradient, dL/dr = sum dO .
-(O_FA - O_SSA), needs both) and keeps their base-2 log-sum-exps. The backward is two kernels,
+(O_FA - O_SSA), needs both); it keeps O_FA, O_FA - O_SSA (the difference taken in float32,
+`common.row_deltas`) and both base-2 log-sum-exps. The backward is two kernels,
 FlashAttention-2 style, each reading the modes at run time: dQ per (query tile, head) over the
 forward's tile walk, and dK/dV per (key tile, KV head) over the transposed walk
 (`common.q_tile_range`), summing the G query heads of the KV head in the program (GQA). Per
@@ -162,7 +163,7 @@ def _kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, num_kv
 
   # Training: every head computes O_FA and O_SSA in one walk over its causal tiles; the SSA
   # state is updated only on the tiles a streaming head visits (sink, then window).
-  o_ref, o_fa_ref, o_sa_ref, lse_fa_ref, lse_sa_ref = out_refs
+  o_ref, o_fa_ref, o_gap_ref, lse_fa_ref, lse_sa_ref = out_refs
   lo2 = jnp.maximum(win_start, sink_end)
 
   def full_only(j, c):
@@ -179,7 +180,7 @@ def _kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, num_kv
   o_fa, o_sa = finish(full_c), finish(sparse_c)
   o_ref[...] = (r * o_fa + (1.0 - r) * o_sa).astype(o_ref.dtype)
   o_fa_ref[...] = o_fa.astype(o_fa_ref.dtype)
-  o_sa_ref[...] = o_sa.astype(o_sa_ref.dtype)
+  o_gap_ref[...] = (o_fa - o_sa).astype(o_gap_ref.dtype)   # the gate's (`row_deltas`)
   for (_, m, l), ref in ((full_c, lse_fa_ref), (sparse_c, lse_sa_ref)):
     ref[...] = m + jnp.log2(jnp.maximum(l, 1e-30))  # base-2 log-sum-exp of scaled scores
 
@@ -520,12 +521,12 @@ def xa_parts(forward_tiles: Tiles = FORWARD_TILES,
     qp, kp, vp, gate, modes = _pad_inputs(q, k, v, gate_bk, multiple)
     nbp = pl.next_power_of_2(max(xa_keep.shape[-1], -(-qp.shape[1] // xa_block)))
     xa = xa_operands(xa_keep, nbp, gate.shape[0])
-    o, o_fa, o_sa, lse_fa, lse_sa = _forward_call(
+    o, o_fa, o_gap, lse_fa, lse_sa = _forward_call(
         qp, kp, vp, gate, modes, seq_len=t, scale=d ** -0.5, streaming=streaming, tiles=tiles,
         interpret=interpret, train=True, pair=split_patterns(patterns), xa=xa,
         xa_block=xa_block)
     cut = lambda x: x[:, :t, :, :d]
-    return cut(o), (qp, kp, vp, gate, modes, gate_bk, cut(o_fa), cut(o_sa), lse_fa, lse_sa,
+    return cut(o), (qp, kp, vp, gate, modes, gate_bk, cut(o_fa), cut(o_gap), lse_fa, lse_sa,
                     xa[2])
 
   def backward(streaming, patterns, xa_block, interpret, res, d_out):
@@ -542,11 +543,11 @@ def _backward_call(res, d_out, streaming, interpret, dq_t: Tiles, dkv_t: Tiles,
                    pair=("full", "stream"), keep=None, xa_block: int = 0):
   """The dQ and dK/dV kernels on the training forward's residuals: (dq, dk, dv, d_gate).
   keep: the kept-block matrices [slots, nbp, nbp] int32 under the XAttention settings."""
-  qp, kp, vp, gate, modes, gate_bk, o_fa, o_sa, lse_fa, lse_sa = res
+  qp, kp, vp, gate, modes, gate_bk, o_fa, o_gap, lse_fa, lse_sa = res
   b, t, n, d = d_out.shape
   tp, dp, kh = qp.shape[1], qp.shape[3], kp.shape[2]
   groups = n // kh
-  d_fa, d_sa, d_gate = row_deltas(d_out, o_fa, o_sa, gate_bk)
+  d_fa, d_sa, d_gate = row_deltas(d_out, o_fa, o_gap, gate_bk)
   d_fa, d_sa = (pad_to(x, 1, tp).transpose(0, 2, 1) for x in (d_fa, d_sa))  # [B, N, Tp]
   do = pad_to(pad_to(d_out.astype(qp.dtype), 1, tp), 3, dp)
   slots = gate.shape[0]
@@ -623,11 +624,11 @@ def hybrid_parts(forward_tiles: Tiles = FORWARD_TILES,
     t, d = q.shape[1], q.shape[3]
     (tiles, _, _), multiple = fit_all(t)
     qp, kp, vp, gate, modes = _pad_inputs(q, k, v, gate_bk, multiple)
-    o, o_fa, o_sa, lse_fa, lse_sa = _forward_call(
+    o, o_fa, o_gap, lse_fa, lse_sa = _forward_call(
         qp, kp, vp, gate, modes, seq_len=t, scale=d ** -0.5, streaming=streaming, tiles=tiles,
         interpret=interpret, train=True)
     cut = lambda x: x[:, :t, :, :d]
-    return cut(o), (qp, kp, vp, gate, modes, gate_bk, cut(o_fa), cut(o_sa), lse_fa, lse_sa)
+    return cut(o), (qp, kp, vp, gate, modes, gate_bk, cut(o_fa), cut(o_gap), lse_fa, lse_sa)
 
   def backward(streaming, interpret, res, d_out):
     (_, dq_t, dkv_t), _ = fit_all(d_out.shape[1])
@@ -764,14 +765,14 @@ def _packed_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, *refs, scale
     o_ref[...] = lax.switch(mode, [run_sparse, run_full, run_mix]).astype(o_ref.dtype)
     return
 
-  o_ref, o_fa_ref, o_sa_ref, lse_fa_ref, lse_sa_ref = out_refs
+  o_ref, o_fa_ref, o_gap_ref, lse_fa_ref, lse_sa_ref = out_refs
   c = lax.fori_loop(kv_lo, sink_hi, both, (init(), init()))
   c = lax.fori_loop(sink_hi, lo2, full_only, c)
   fa_c, sa_c = lax.fori_loop(lo2, causal_hi, both, c)
   o_fa, o_sa = _online_finish(fa_c), _online_finish(sa_c)
   o_ref[...] = (r[:, None] * o_fa + (1.0 - r[:, None]) * o_sa).astype(o_ref.dtype)
   o_fa_ref[...] = o_fa.astype(o_fa_ref.dtype)
-  o_sa_ref[...] = o_sa.astype(o_sa_ref.dtype)
+  o_gap_ref[...] = (o_fa - o_sa).astype(o_gap_ref.dtype)   # the gate's (`row_deltas`)
   for (_, m, l), ref in ((fa_c, lse_fa_ref), (sa_c, lse_sa_ref)):
     ref[...] = m + jnp.log2(jnp.maximum(l, 1e-30))
 
@@ -931,11 +932,11 @@ def _packed_forward_call(q, k, v, seg, pos, gate, plan, *, scale, streaming, til
 
 def _packed_backward_call(res, d_out, streaming, interpret, dq_t: Tiles, dkv_t: Tiles,
                           xa: PackedXA = PackedXA()):
-  qp, kp, vp, seg, pos, gate, keep, gate_btk, o_fa, o_sa, lse_fa, lse_sa = res
+  qp, kp, vp, seg, pos, gate, keep, gate_btk, o_fa, o_gap, lse_fa, lse_sa = res
   b, t, n, d = d_out.shape
   tp, dp, kh = qp.shape[1], qp.shape[3], kp.shape[2]
   groups = n // kh
-  d_fa, d_sa, d_gate = row_deltas(d_out, o_fa, o_sa, gate_btk)
+  d_fa, d_sa, d_gate = row_deltas(d_out, o_fa, o_gap, gate_btk)
   d_fa, d_sa = (pad_to(x, 1, tp).transpose(0, 2, 1) for x in (d_fa, d_sa))  # [B, N, Tp]
   do = pad_to(pad_to(d_out.astype(qp.dtype), 1, tp), 3, dp)
   scale = d ** -0.5
@@ -1025,10 +1026,10 @@ def packed_parts(forward_tiles: Tiles = FORWARD_TILES,
   def forward_train(q, k, v, gate_btk, seg_ids, positions, *args):
     xa_keep, streaming, setting, interpret = _packed_args(args, xa)
     t, d = q.shape[1], q.shape[3]
-    (o, o_fa, o_sa, lse_fa, lse_sa), inputs = run_forward(
+    (o, o_fa, o_gap, lse_fa, lse_sa), inputs = run_forward(
         q, k, v, gate_btk, seg_ids, positions, xa_keep, streaming, setting, interpret, True)
     cut = lambda x: x[:, :t, :, :d]
-    return cut(o), (*inputs, gate_btk, cut(o_fa), cut(o_sa), lse_fa, lse_sa, seg_ids,
+    return cut(o), (*inputs, gate_btk, cut(o_fa), cut(o_gap), lse_fa, lse_sa, seg_ids,
                     positions, xa_keep)
 
   def backward(*args):

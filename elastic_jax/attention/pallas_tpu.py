@@ -8,8 +8,9 @@ the body skips their compute. The online-softmax state lives in VMEM scratch acr
 steps; a mixed head keeps two (FA and SSA) and writes r * O_FA + (1 - r) * O_SSA.
 
 Training: the forward walks every head's causal tiles and computes both O_FA and O_SSA (the
-gate's gradient needs both), updating the SSA state only on the streaming tiles; it keeps both
-outputs (q's dtype) and their log-sum-exps for the backward, which is two kernels:
+gate's gradient needs both), updating the SSA state only on the streaming tiles; it keeps O_FA
+and O_FA - O_SSA (q's dtype; the difference taken in float32, `common.row_deltas`) and both
+log-sum-exps for the backward, which is two kernels:
   dQ      grid (B, N, query tiles, KV steps), K/V index maps on the forward's schedule;
   dK/dV   grid (B, K, KV tiles, G x query steps), the query-side index maps on the transposed
           schedule (`q_schedule`); the G query heads of a KV head accumulate in VMEM scratch.
@@ -227,9 +228,9 @@ def _state_finish(out_refs, fa_state, sa_state, mode, r_mixed, train: bool):
   o_ref = out_refs[0]
   o_ref[...] = (r * fa + (1.0 - r) * sa).astype(o_ref.dtype)
   if train:
-    o_fa_ref, o_sa_ref, lse_ref = out_refs[1:]
+    o_fa_ref, o_gap_ref, lse_ref = out_refs[1:]
     o_fa_ref[...] = fa.astype(o_fa_ref.dtype)
-    o_sa_ref[...] = sa.astype(o_sa_ref.dtype)
+    o_gap_ref[...] = (fa - sa).astype(o_gap_ref.dtype)   # the gate's (`row_deltas`)
     # Rows with no visible key (padding only) get a huge log-sum-exp: exp(s - lse) = 0.
     for i, (m, l, _) in enumerate((fa_state, sa_state)):
       lse_ref[i] = jnp.where(l[...] == 0.0, -MASK_VALUE, m[...] + jnp.log(l[...]))
@@ -314,7 +315,7 @@ def _forward_call(q, k, v, gate_bk, streaming: Streaming, block_q: int, block_k:
       pair=pair, xa_block=xa_block, num_blocks=num_blocks)
   out_specs = [pl.BlockSpec((None, None, block_q, d), q_map)]
   out_shape = [jax.ShapeDtypeStruct((b, n, tp, d), q.dtype)]
-  if train:  # O_FA, O_SSA, and their log-sum-exps [B, N, 2, Tp, 1]
+  if train:  # O_FA, O_FA - O_SSA, and the log-sum-exps [B, N, 2, Tp, 1]
     out_specs += [pl.BlockSpec((None, None, block_q, d), q_map)] * 2 + [
         pl.BlockSpec((None, None, 2, block_q, 1), lambda bi, hi, qi, j, *m: (bi, hi, 0, qi, 0))]
     out_shape += [jax.ShapeDtypeStruct((b, n, tp, d), q.dtype)] * 2 + [
@@ -376,13 +377,14 @@ def hybrid_forward_train(q, k, v, gate_bk, streaming: Streaming, *, block_q: int
                          block_k: int = 128, interpret: bool = False):
   """`hybrid_forward`'s output and the residuals of `hybrid_backward`.
 
-  Residuals: q, k, v, gate [B, K], O_FA and O_SSA [B, T, N, D] (q's dtype) and their
-  log-sum-exps [B, N, 2, Tp, 1] float32 (Tp: T padded to the tiles).
+  Residuals: q, k, v, gate [B, K], O_FA and O_FA - O_SSA [B, T, N, D] (q's dtype; the
+  difference taken in float32, `common.row_deltas`) and both patterns' log-sum-exps
+  [B, N, 2, Tp, 1] float32 (Tp: T padded to the tiles).
   """
   t = q.shape[1]
-  out, o_fa, o_sa, lse = _forward_call(q, k, v, gate_bk, streaming, block_q, block_k,
+  out, o_fa, o_gap, lse = _forward_call(q, k, v, gate_bk, streaming, block_q, block_k,
                                        interpret, train=True)
-  return _unpad(out, t), (q, k, v, gate_bk, _unpad(o_fa, t), _unpad(o_sa, t), lse)
+  return _unpad(out, t), (q, k, v, gate_bk, _unpad(o_fa, t), _unpad(o_gap, t), lse)
 
 
 def _backward_terms(s, causal, window, dp, stats, r, use_fa: bool, use_sa: bool):
@@ -520,13 +522,13 @@ def hybrid_backward(residuals, d_out, streaming: Streaming, *, block_q: int = 12
   """(dq, dk, dv, d_gate) from `hybrid_forward_train`'s residuals and dO [B, T, N, D]; under
   an XAttention setting (`pair`, xa_keep [B, K, nb, nb]) XA heads visit their kept
   blocks."""
-  q, k, v, gate_bk, o_fa, o_sa, lse = residuals
+  q, k, v, gate_bk, o_fa, o_gap, lse = residuals
   b, t, n, d = q.shape
   kh = k.shape[2]
   groups = n // kh
   block_q, block_k, tp = _tile_sizes(t, block_q, block_k, pair, xa_block)
   nq, nk = tp // block_q, tp // block_k
-  d_fa, d_sa, d_gate = row_deltas(d_out, o_fa, o_sa, gate_bk)
+  d_fa, d_sa, d_gate = row_deltas(d_out, o_fa, o_gap, gate_bk)
   # Padded query rows have dO = 0 and D = 0, so they add nothing to dK and dV.
   deltas = pad_to(jnp.stack([d_fa, d_sa], axis=1), 2, tp).transpose(0, 3, 1, 2)[..., None]
   stats = jnp.concatenate([lse, deltas], axis=2)  # [B, N, 4, Tp, 1]
@@ -636,11 +638,11 @@ def fused_xa_hybrid(block_q: int = 128, block_k: int = 128):
 
   def forward_train(q, k, v, gate_bk, xa_keep, streaming, patterns, xa_block, interpret):
     t = q.shape[1]
-    out, o_fa, o_sa, lse = _forward_call(q, k, v, gate_bk, streaming, block_q, block_k,
+    out, o_fa, o_gap, lse = _forward_call(q, k, v, gate_bk, streaming, block_q, block_k,
                                          interpret, train=True,
                                          pair=split_patterns(patterns), xa_keep=xa_keep,
                                          xa_block=xa_block)
-    return _unpad(out, t), ((q, k, v, gate_bk, _unpad(o_fa, t), _unpad(o_sa, t), lse),
+    return _unpad(out, t), ((q, k, v, gate_bk, _unpad(o_fa, t), _unpad(o_gap, t), lse),
                             xa_keep)
 
   def backward(streaming, patterns, xa_block, interpret, res, d_out):
@@ -929,7 +931,7 @@ def _packed_dkv_kernel(qplan_ref, qmodes_ref, kplan_ref, kmodes_ref, *refs, scal
 
 def _packed_backward(res, d_out, streaming, block_q, block_k, interpret, pair=("full", "stream"),
                      xa_block: int = 0):
-  q, k, v, gate_btk, seg_ids, positions, xa_keep, o_fa, o_sa, lse = res
+  q, k, v, gate_btk, seg_ids, positions, xa_keep, o_fa, o_gap, lse = res
   b, t, n, d = q.shape
   kh = k.shape[2]
   groups = n // kh
@@ -937,7 +939,7 @@ def _packed_backward(res, d_out, streaming, block_q, block_k, interpret, pair=("
       q, k, v, gate_btk, seg_ids, positions, streaming, block_q, block_k, pair, xa_block)
   nq, nk = tp // block_q, tp // block_k
   xa_ops, xa = _packed_xa(xa_keep, pair, xa_block, tp, b * kh)
-  d_fa, d_sa, d_gate = row_deltas(d_out, o_fa, o_sa, gate_btk)
+  d_fa, d_sa, d_gate = row_deltas(d_out, o_fa, o_gap, gate_btk)
   deltas = pad_to(jnp.stack([d_fa, d_sa], axis=1), 2, tp).transpose(0, 3, 1, 2)[..., None]
   stats = jnp.concatenate([lse, deltas], axis=2)                 # [B, N, 4, Tp, 1]
   d_out_t, = _heads_major(tp, d_out.astype(q.dtype))
@@ -1027,12 +1029,12 @@ def fused_packed_hybrid(block_q: int = 128, block_k: int = 128, xa: bool = False
   def forward_train(q, k, v, gate_btk, seg_ids, positions, *args):
     xa_keep, streaming, pair, xa_block, interpret = settings(args)
     t = q.shape[1]
-    out, o_fa, o_sa, lse = _packed_forward_call(q, k, v, gate_btk, seg_ids, positions,
-                                                streaming, block_q, block_k, interpret,
-                                                train=True, pair=pair, xa_keep=xa_keep,
-                                                xa_block=xa_block)
+    out, o_fa, o_gap, lse = _packed_forward_call(q, k, v, gate_btk, seg_ids, positions,
+                                                 streaming, block_q, block_k, interpret,
+                                                 train=True, pair=pair, xa_keep=xa_keep,
+                                                 xa_block=xa_block)
     return _unpad(out, t), (q, k, v, gate_btk, seg_ids, positions, xa_keep, _unpad(o_fa, t),
-                            _unpad(o_sa, t), lse)
+                            _unpad(o_gap, t), lse)
 
   def backward(*args):
     *static, res, d_out = args
