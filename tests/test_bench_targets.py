@@ -1,0 +1,50 @@
+"""benchmarks/attention.py's report of the kernel issue's targets, on rows made up here: the
+ratios, the met flags, and each speed target's value at the matrix-product ceiling worked out
+by hand from the rows' times and work."""
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.join(ROOT, "benchmarks"))   # its `attention_torch` import
+_spec = importlib.util.spec_from_file_location(
+    "bench_attention", os.path.join(ROOT, "benchmarks", "attention.py"))
+bench = sys.modules["bench_attention"] = importlib.util.module_from_spec(_spec)   # dataclasses
+_spec.loader.exec_module(bench)
+
+
+def test_targets_and_their_values_at_the_ceiling():
+  kh, ceiling = 8, 500.0                          # TFLOP/s
+  full_work = 100e12                              # FLOPs of every head full at this length
+  rows = [bench.Row("cuDNN causal", "cudnn_causal", None, full_work, sec=0.25),
+          bench.Row("cuDNN window", "cudnn_window", None, 3e12, sec=0.012),
+          bench.Row("ours", "ours", 0, full_work, sec=0.24),
+          bench.Row("ours", "ours", 6, 28e12, sec=0.07),
+          bench.Row("ours", "ours", 8, 3e12, sec=0.010),
+          bench.Row("Flex hybrid", "flex", 6, 28e12, sec=0.1)]
+  fwd = {131072: bench.annotate(rows, kh, ceiling)}
+  got = {t["target"]: t for t in bench.targets(fwd, {}, kh, ceiling)}
+  full = got["T=131072 MSR 0: ours / cuDNN causal throughput"]
+  assert full["value"] == pytest.approx(0.25 / 0.24) and full["met"] is False
+  assert full["bound"] == pytest.approx(0.25 / 0.2)        # 100 TFLOP at 500 TFLOP/s: 0.2 s
+  share = got["T=131072 MSR 0: ours' TFLOP/s / the matrix-product ceiling"]
+  assert share["value"] == pytest.approx(100 / 0.24 / 500) and share["met"] is True
+  assert share["bound"] is None
+  # MSR 0.75: two full heads at the ceiling (0.25 * 0.2 s) and six streaming ones at the
+  # faster window time (ours' 0.010 s against cuDNN's 0.012), 0.0575 s in all.
+  best = 0.25 * 0.2 + 0.75 * 0.010
+  flex = got["T=131072 MSR 0.75: ours vs Flex hybrid, speed-up"]
+  assert flex["value"] == pytest.approx(0.1 / 0.07) and flex["met"] is False
+  assert flex["bound"] == pytest.approx(0.1 / best)
+  dense = got["T=131072 MSR 0.75: ours vs cuDNN causal, speed-up"]
+  assert dense["value"] == pytest.approx(0.25 / 0.07) and dense["bound"] == pytest.approx(
+      0.25 / best)
+  window = got["T=131072 MSR 1: ours vs cuDNN window, speed-up"]
+  assert window["value"] == pytest.approx(1.2) and window["met"] is True
+  # Without a ceiling (or without our MSR 0 row) there is no bound to give.
+  assert all(t["bound"] is None for t in bench.targets(fwd, {}, kh, None))
+  no_full = {131072: bench.annotate([r for r in rows if r.streams != 0], kh, ceiling)}
+  assert all(t["bound"] is None for t in bench.targets(no_full, {}, kh, ceiling))
