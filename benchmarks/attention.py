@@ -38,8 +38,9 @@ Then the bf16 matrix-product ceiling of the device, measured in the same run (a 
 finishes; each row's TFLOP/s also as a fraction of that ceiling), where the Hopper kernel
 issue's targets stand, and --json. Each forward speed target also shows its value "at the
 ceiling": what a kernel whose full heads ran at that ceiling (and whose streaming heads took
-the fastest window kernel's time) would reach against the same peers, so that a run tells a
-target that this card cannot reach from one that ours misses.
+the fastest window kernel's time) would reach against the same peers: a target past that
+value asks for full heads faster than the run's own matrix product (a measured yardstick,
+not the tensor cores' peak).
 
 Times are medians after two warm-up calls, by one rule for both libraries
 (`attention_torch.timed`): --reps calls at most, fewer (not under 3) once they have taken
@@ -565,8 +566,8 @@ def targets(fwd: dict, train: dict, kh: int, ceiling: float | None = None) -> li
   longest length timed), 128K MSR 0.75 against Flex and cuDNN, training at 64K. Each forward
   speed target also gets its `bound`: the value a kernel would reach with its full heads at
   the matrix-product `ceiling` (TFLOP/s, this run's) and its streaming heads at the fastest
-  window kernel's time, so that a run shows how far a target lies from what this card can
-  do."""
+  window kernel's time: a target past it asks for full heads faster than the run's matrix
+  product."""
   def sec(rows, key, s=None):
     return next((r["sec"] for r in rows if r["key"] == key and r["streams"] == s), None)
 
