@@ -39,8 +39,9 @@ finishes; each row's TFLOP/s also as a fraction of that ceiling), where the Hopp
 issue's targets stand, and --json. Each forward speed target also shows its value "at the
 ceiling": what a kernel whose full heads ran at that ceiling (and whose streaming heads took
 the fastest window kernel's time) would reach against the same peers: a target past that
-value asks for full heads faster than the run's own matrix product (a measured yardstick,
-not the tensor cores' peak).
+value asks for full heads faster than the run's own matrix product. That product is a
+measured yardstick, not a bound: our full heads have outrun it (630 against 556 TFLOP/s on
+an H200, benchmarks/README.md).
 
 Times are medians after two warm-up calls, by one rule for both libraries
 (`attention_torch.timed`): --reps calls at most, fewer (not under 3) once they have taken
