@@ -9,11 +9,14 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.append(os.path.join(ROOT, "benchmarks"))   # its `attention_torch` import
 _spec = importlib.util.spec_from_file_location(
     "bench_attention", os.path.join(ROOT, "benchmarks", "attention.py"))
 bench = sys.modules["bench_attention"] = importlib.util.module_from_spec(_spec)   # dataclasses
-_spec.loader.exec_module(bench)
+sys.path.append(os.path.join(ROOT, "benchmarks"))   # its `attention_torch` import, while loading
+try:
+  _spec.loader.exec_module(bench)
+finally:
+  sys.path.pop()
 
 
 def test_targets_and_their_values_at_the_ceiling():
