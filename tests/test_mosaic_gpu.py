@@ -129,13 +129,20 @@ def test_op_takes_fractional_gates_and_gradients():
     (mosaic_gpu.MosaicTiles(overlap=True, q_registers=True), OVERLAP)], ids=schedule_id)
 def test_operand_sources_are_bit_equal_to_their_schedule(tiles, base):
   """Multicast changes where a program's K/V tiles come from, q_registers where QK^T reads Q
-  from, not the arithmetic: plain rows (T padded, mixed modes), packed rows and XA heads give
-  the same schedule's outputs without them bit for bit."""
+  from, not the arithmetic: plain rows (T padded, mixed modes), packed rows, XA heads and the
+  training forward (its output and every residual) give the same schedule's outputs without
+  them bit for bit."""
   st = Streaming(1, 2, 128)
   q, k, v = qkv(1, 1000, 8, 2, 128, jnp.bfloat16, seed=3)
   gate = jnp.asarray([[1.0, 0.0]], jnp.float32)
-  same = lambda f: bool(jnp.array_equal(f(base), f(tiles)))
+
+  def same(f):
+    want, got = jax.tree.leaves(f(base)), jax.tree.leaves(f(tiles))
+    return len(want) == len(got) and all(bool(jnp.array_equal(w, g)) for w, g in zip(want, got))
+
   assert same(lambda tiles: mosaic_gpu.hybrid_forward_hard(q, k, v, gate, st, tiles=tiles))
+  assert same(lambda tiles: mosaic_gpu.forward_train(q, k, v, jnp.asarray([[0.5, 0.0]]), st,
+                                                     tiles=tiles))
   seg = jnp.asarray([[0] * 300 + [1] * 700], jnp.int32)
   pos = jnp.asarray([list(range(300)) + list(range(700))], jnp.int32)
   rows = jnp.broadcast_to(gate[:, None], (1, 1000, 2))
