@@ -289,9 +289,10 @@ def test_mosaic_training_kernels_on_packed_rows(kernel_calls, strict_reads):
 
 
 @pytest.mark.parametrize("patterns,n,k,rows,xa_block,overlap", [
-    # G = 2, one row: a long mixed segment (dK/dV lists cut at its end), full and XA-only
-    # segments, segments starting inside a block (the dQ lists start past earlier segments').
-    ("fa-xa", 4, 2, [([128, 300, 40, 150], ((0.6, 0.0), (1.0, 0.3), (0.0, 1.0), (0.0, 0.0)))],
+    # G = 2, one row: a long segment mixed on one head (dK/dV lists cut at its end) and XA
+    # on the other (dQ programs whose listed blocks need no mask), full and XA-only segments,
+    # segments starting inside a block (the dQ lists start past earlier segments').
+    ("fa-xa", 4, 2, [([128, 300, 40, 150], ((0.6, 0.0), (0.0, 0.3), (0.0, 1.0), (0.0, 0.0)))],
      128, False),
     # G = 1, two rows, blocks of 256 (two forward tiles, two dK/dV programs a block):
     # XA-only, streaming-only and mixed rows under "xa-ssa" (segments longer than the sink
@@ -390,16 +391,25 @@ def test_packed_xa_walks_cover_the_needed_tiles_and_skip_other_segments(pair, xa
   per = xa_block // tile
   terms_of = {MODE_FULL: (True, False), MODE_SPARSE: (False, True), MODE_MIX: (True, True)}
 
-  def expand(walk, listed):
+  def expand(walk, listed, rows=None):
+    """The walk's tiles and their terms; with rows (a dQ program's), every tile of a range's
+    unmasked part must show all its keys to every real row under each of its terms."""
     ranges, flags = walk
     seen = {}
     for rg in ranges:
-      for x in range(int(rg.lo), int(rg.hi)):
+      lo, hi = int(rg.lo), int(rg.hi)
+      u_lo, u_hi = (lo, lo) if rg.unmasked is None else (int(u) for u in rg.unmasked)
+      for x in range(lo, hi):
         tile_ = int(listed[x // per]) * per + x % per if rg.listed else x
         on = flags(tile_) if rg.flagged else (None, None)
         terms = tuple(bool(w and (f is None or f)) for w, f in zip((rg.fa, rg.sa), on))
         assert tile_ not in seen, tile_
         seen[tile_] = terms
+        if rows is not None and u_lo <= x < u_hi:
+          real = segs[rows] >= 0
+          for pattern, term in zip(pair, (rg.fa, rg.sa)):
+            keys = slice(tile_ * tile, (tile_ + 1) * tile)
+            assert not term or masks[pattern][rows][real][:, keys].all(), (rows, x, pattern)
     return seen
 
   def check(seen, needed, mode, kept_tile, lo, hi, where):
@@ -411,21 +421,30 @@ def test_packed_xa_walks_cover_the_needed_tiles_and_skip_other_segments(pair, xa
       if pair[term] == "xa":   # the XA term only where the block is kept
         assert all(kept_tile(x) for x, terms in seen.items() if terms[term]), (where, mode)
 
-  # The forward's XA launch: programs of 64 rows, KV tiles of 128, every tile masked.
+  # The forward's XA launch: programs of 64 rows, KV tiles of 128; the steps of the listed
+  # piece in [u_lo, u_hi) run unmasked, so each must show every one of its keys to every row.
   f_plan = jnp.broadcast_to(packed_plan(seg, pos, gate, st, 64, 128)["q_plan"][:, None],
                             (1, 1, t // 64, 8))
   steps, lo, n1, second, u_lo, u_hi = (np.asarray(x)[0, 0] for x in mosaic_gpu.packed_xa_walk(
       f_plan, lists, 64, 128, xa_block))
-  assert not (u_lo | u_hi).any()
   fper = xa_block // 128
+  unmasked = 0
   for qt in range(t // 64):
     qb = qt * 64 // xa_block
     got = [int(index[0, qb, (lo[qt] + x) // fper]) * fper + (lo[qt] + x) % fper if x < n1[qt]
            else int(second[qt]) + x - int(n1[qt]) for x in range(int(steps[qt]))]
-    needed = {int(j) // 128 for j in np.nonzero(masks["xa"][qt * 64:(qt + 1) * 64].any(0))[0]}
+    rows = masks["xa"][qt * 64:(qt + 1) * 64]
+    needed = {int(j) // 128 for j in np.nonzero(rows.any(0))[0]}
     kv_lo = int(f_plan[0, 0, qt, 0])
     assert len(set(got)) == len(got) and needed <= set(got), ("forward", qt)
     assert all(keep[0, qb, x // fper] and kv_lo // fper <= x // fper for x in got), ("fwd", qt)
+    assert 0 <= u_lo[qt] <= u_hi[qt] <= n1[qt], ("fwd", qt)
+    real = segs[qt * 64:(qt + 1) * 64] >= 0     # the padding's rows are never read
+    for x in range(int(u_lo[qt]), int(u_hi[qt])):
+      assert rows[real][:, got[x] * 128:(got[x] + 1) * 128].all(), ("fwd unmasked", qt, x)
+    unmasked += int(u_hi[qt] - u_lo[qt])
+  assert unmasked > 0   # the case has interior kept blocks
+  dq_unmasked = 0
   for qt in range(t // 64):
     q_start = qt * 64
     rows = slice(q_start, q_start + 64)
@@ -435,9 +454,13 @@ def test_packed_xa_walks_cover_the_needed_tiles_and_skip_other_segments(pair, xa
     for mode in terms_of:
       walk = mb.packed_xa_dq_walk(plan, mode, q_start, pair, (int(first[0, 0, qt]),
                                   int(count[0, qb]) - 1), xa_block, tile,
-                                  lambda kb, qb=qb: bool(keep[0, qb, kb]))
-      check(expand(walk, index[0, qb]), needed, mode, lambda x, qb=qb: keep[0, qb, x // per],
-            plan[0], plan[3], ("dq", q_start))
+                                  lambda kb, qb=qb: bool(keep[0, qb, kb]),
+                                  lambda p, qb=qb: int(index[0, qb, p // per]) * per + p % per)
+      check(expand(walk, index[0, qb], rows), needed, mode,
+            lambda x, qb=qb: keep[0, qb, x // per], plan[0], plan[3], ("dq", q_start))
+      dq_unmasked += sum(int(rg.unmasked[1]) - int(rg.unmasked[0]) for rg in walk[0]
+                         if rg.listed and rg.unmasked is not None and rg.hi > rg.lo)
+  assert dq_unmasked > 0   # listed dQ steps that run unmasked
   for kt in range(t // 128):
     k_start = kt * 128
     kr = slice(k_start, k_start + 128)

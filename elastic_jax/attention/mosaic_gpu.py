@@ -233,9 +233,10 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
   mask the causal diagonal; packed rows walk their precomputed `packed_walk` (plan_ref: its
   six fields' arrays) and mask every tile outside its unmasked range with per-row bounds
   (rows_ref); with `xa` there (every row XA, `packed_xa_walk`) the walk's first piece reads
-  list positions through the kept-block list, all of it masked; with `xa.mixed`, only the
-  programs flagged by the walk's seventh field do, and XA rows (`_row_bounds`) see the keys
-  of kept blocks (read from the dense keep array, xa_refs' second). A persistent program
+  list positions through the kept-block list, masked outside its unmasked steps; with
+  `xa.mixed`, only the programs flagged by the walk's seventh field do, and XA rows
+  (`_row_bounds`) see the keys of kept blocks (read from the dense keep array, xa_refs'
+  second). A persistent program
   (`_persistent`) runs it per work item: item = its (batch, head pair, query tile), base =
   the ring steps of its earlier items, role = "compute" or "memory" (that warpgroup's part
   alone; returns the item's steps)."""
@@ -270,6 +271,7 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
     at = (b * num_kv_heads + kv_head) * num_q_tiles + qt
     steps, lo, n1, second_start, unmasked_lo, unmasked_hi = (ref[at] for ref in plan_ref[:6])
     tile_of = lambda s: _tile_of(s, lo, n1, second_start)
+    walks_list = None if xa is None else True   # `_step_ranges`' listed
     if xa is not None:   # an XA program (`packed_xa_walk`): steps < n1 read list positions lo..
       index_ref = xa_refs[0]
       list_at = (b * num_kv_heads + kv_head) * xa.num_blocks + q_start // xa.block
@@ -490,7 +492,8 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
 
     step_ranges = lambda: _step_ranges(packed, steps, lo, n1, second_start, q_start, rows,
                                        row0, block_kv,
-                                       *((unmasked_lo, unmasked_hi) if packed else ()))
+                                       *((unmasked_lo, unmasked_hi, walks_list)
+                                         if packed else ()))
     if tiles.overlap:
       acc, m_i, l_i = overlapped(acc, m_i, l_i, step_ranges())
     else:
@@ -649,18 +652,23 @@ def _persistent(kernel, scoped, *, programs: int, num_heads: int, batch: int,
 
 
 def _step_ranges(packed, steps, lo, n1, second_start, q_start, rows, row0, block_kv,
-                 unmasked_lo=None, unmasked_hi=None):
+                 unmasked_lo=None, unmasked_hi=None, listed=None):
   """The walk's steps as (first, end, masked) ranges, run in order. Unpacked: the steps whose
   tile may hold keys after the warpgroup's first row are masked, the last ones (the window
   always reaches the diagonal). Packed: in each of the walk's two pieces, the steps of tiles
-  in [unmasked_lo, unmasked_hi) run unmasked, the others masked."""
+  in [unmasked_lo, unmasked_hi) run unmasked, the others masked; where `listed` (a bool, maybe
+  traced: the program walks a kept-block list, `packed_xa_walk`), the unmasked range counts
+  steps of the first piece instead and the second piece is masked whole."""
   if not packed:
     masked_from = steps - ((q_start + rows + block_kv - 1) // block_kv - row0 // block_kv)
     return [(0, masked_from, False), (masked_from, steps, True)]
   ranges = []
-  for s_lo, s_hi, first_tile in ((0, n1, lo), (n1, steps, second_start)):
+  for piece, (s_lo, s_hi, first_tile) in enumerate(((0, n1, lo), (n1, steps, second_start))):
     a = jnp.clip(unmasked_lo - first_tile + s_lo, s_lo, s_hi)
     z = jnp.clip(unmasked_hi - first_tile + s_lo, a, s_hi)
+    if listed is not None:
+      a = jnp.where(listed, s_hi if piece else jnp.clip(unmasked_lo, 0, n1), a)
+      z = jnp.where(listed, s_hi if piece else jnp.clip(unmasked_hi, a, n1), z)
     ranges += [(s_lo, a, True), (a, z, False), (z, s_hi, True)]
   return ranges
 
@@ -1198,22 +1206,37 @@ def packed_xa_walk(q_plan, xa_lists, rows: int, block_kv: int, xa_block: int):
   """`packed_walk` with every row an XA row: per program (q_plan [B, K, nq, 8] of
   `common.packed_plan`), its query block's kept blocks below the diagonal from the block
   holding kv_lo on (list positions [first, count - 1), read as tiles through the list), then
-  the diagonal block's tiles from kv_lo to the causal end; every tile masked (the rows'
-  segments). Fields as `packed_walk`'s, lo the first list position in tiles."""
+  the diagonal block's tiles from kv_lo to the causal end. Fields as `packed_walk`'s, but lo
+  is the first list position in tiles and the unmasked range counts steps of the listed
+  piece (`_step_ranges`' `listed`): its tiles inside [in_lo, in_hi), wholly inside the rows'
+  segment and before their first row, need no mask (kept by the list), the others (the first
+  block's tiles before the segment start; every tile where the rows span segments) and the
+  diagonal block's are masked."""
   index, count, keep = xa_lists
   b, kh, nq = q_plan.shape[:3]
   nb = keep.shape[-1]
+  keep = keep.reshape(b, kh, nb, nb)
   per_block = xa_block // block_kv
   q_block = jnp.arange(nq, dtype=jnp.int32) * rows // xa_block                 # [nq]
-  kv_lo, causal_hi = q_plan[..., 0], q_plan[..., 3]
-  first = _first_listed(keep.reshape(b, kh, nb, nb), q_block, kv_lo, block_kv, xa_block)
+  kv_lo, causal_hi, in_lo, in_hi = (q_plan[..., x] for x in (0, 3, 4, 5))
+  first_block = kv_lo * block_kv // xa_block
+  first = _listed_before(keep, q_block, first_block)
   below = count.reshape(b, kh, nb)[:, :, q_block] - 1
   n1 = (below - first) * per_block
   second = jnp.maximum(q_block[None, None] * per_block, kv_lo)
-  zero = jnp.zeros_like(n1)
-  # lo is a list position, not a tile: the empty unmasked range keeps `_step_ranges` from
-  # comparing it with tiles (every step masked).
-  return n1 + causal_hi - second, first * per_block, n1, second, zero, zero
+  row_keep = keep[:, :, q_block]                                               # [B, K, nq, nb]
+
+  def steps_before(tile):
+    """How many of the listed piece's steps read a tile before `tile` (the list ascends)."""
+    blk = tile // per_block
+    whole = _listed_before(keep, q_block, jnp.clip(blk, first_block, q_block[None, None]))
+    cut = jnp.take_along_axis(row_keep, jnp.clip(blk, 0, nb - 1)[..., None], axis=-1)[..., 0]
+    part = jnp.where((blk >= first_block) & (blk < q_block[None, None]) & (cut != 0),
+                     tile % per_block, 0)
+    return jnp.clip((whole - first) * per_block + part, 0, n1)
+
+  return (n1 + causal_hi - second, first * per_block, n1, second, steps_before(in_lo),
+          steps_before(jnp.maximum(in_hi, in_lo)))
 
 
 def packed_forward_hard(q, k, v, gate_btk, segment_ids, positions, streaming: Streaming, *,

@@ -35,8 +35,9 @@ block, `xa_column_lists`; whole blocks, no mask) and then the diagonal block. A 
 walks every causal tile with both terms and switches each off per tile where its pattern does
 not attend (flagged ranges): the term's row log-sum-exps are raised by `_OFF` there, so its
 probabilities are exactly zero. Packed rows (`packed_xa_dq_walk`, `packed_xa_dkv_walk`) walk
-only the part of a list that can hold their segment (`mosaic_gpu.packed_xa_list_spans`), every
-tile masked with the per-row bounds, the XA term with FA's mask.
+only the part of a list that can hold their segment (`mosaic_gpu.packed_xa_list_spans`), their
+tiles masked with the per-row bounds (the XA term with FA's mask), except, for dQ, the
+listed tiles wholly inside the rows' segment (as the forward's, `mosaic_gpu.packed_xa_walk`).
 
 Interpret mode (`interpret=True`) runs the kernels on a CPU: there the register operands of
 wgmma take a trip through shared memory and accumulators are added after (no run_state).
@@ -417,22 +418,29 @@ def packed_dkv_walk(plan, mode):
           (*_upto(mix, q_hi_sparse, q_hi_full), True, False)]
 
 
-def packed_xa_dq_walk(plan, mode, q_start, pair, listed, xa_block: int, block_kv: int, kept):
+def packed_xa_dq_walk(plan, mode, q_start, pair, listed, xa_block: int, block_kv: int, kept,
+                      listed_tile):
   """`packed_dq_walk` under the XAttention settings (patterns as `xa_dq_walk`): `Range`s and
   flags. An XA term alone walks positions listed = (first, end) of its query block's kept
   list (the blocks strictly below the diagonal from the one holding the segment start of the
-  program's first row on), then the diagonal block from kv_lo; a MIX program its causal tiles
-  from kv_lo with both terms, the XA term flagged by the tile's kept bit (the per-row masks
-  do the rest: the streaming term's window, every row's segment). Listed tiles are masked
-  (unmasked None), as are the XA term's diagonal tiles."""
+  program's first row on; listed_tile(position) reads one), then the diagonal block from
+  kv_lo; a MIX program its causal tiles from kv_lo with both terms, the XA term flagged by
+  the tile's kept bit (the per-row masks do the rest: the streaming term's window, every
+  row's segment). Listed tiles in [in_lo, in_hi) (wholly inside the rows' segment, before
+  their first row, kept) need no mask: the list ascends, so only the first block's tiles
+  can lie before in_lo, and none at or past in_hi when that range is not empty (all precede
+  the diagonal block). The XA term's diagonal tiles are masked."""
   kv_lo, sink_hi, win_lo, causal_hi, in_lo, in_hi, sparse_in_hi = plan
   per_xa = xa_block // block_kv
   first, end = listed
+  lo, n = first * per_xa, (end - first) * per_xa
+  before = jnp.clip(in_lo - listed_tile(lo), 0, n)        # listed tiles before in_lo
+  inside = jnp.where(in_hi > in_lo, n, before)            # ... and before in_hi
   window = dict(unmasked=(in_lo, sparse_in_hi))
   pieces = {"full": lambda r: [r(kv_lo, causal_hi, unmasked=(in_lo, in_hi))],
             "stream": lambda r: [r(kv_lo, sink_hi, **window),
                                  r(jnp.maximum(win_lo, sink_hi), causal_hi, **window)],
-            "xa": lambda r: [r(first * per_xa, end * per_xa, listed=True),
+            "xa": lambda r: [r(lo, lo + n, listed=True, unmasked=(lo + before, lo + inside)),
                              r(jnp.maximum(q_start // xa_block * per_xa, kv_lo), causal_hi,
                                unmasked=(in_lo, in_lo))]}
   tests = {"full": lambda j: None, "stream": lambda j: None, "xa": lambda j: kept(j // per_xa)}
@@ -512,7 +520,7 @@ def _dq_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwar
   elif packed:
     ranges, flags = packed_xa_dq_walk(
         [ref[at] for ref in plan_refs], modes_ref[at], q_start, xa.pair,
-        (first_ref[0][at], count_ref[list_at] - 1), xa.block, block_kv, kept)
+        (first_ref[0][at], count_ref[list_at] - 1), xa.block, block_kv, kept, listed_tile)
   elif xa is None:
     r = gate_ref[slot_bk]
     ranges = dq_walk(q_start, rows, modes_ref[slot_bk], streaming, block_kv)
