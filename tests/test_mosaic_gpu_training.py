@@ -421,11 +421,12 @@ def test_packed_xa_walks_cover_the_needed_tiles_and_skip_other_segments(pair, xa
       if pair[term] == "xa":   # the XA term only where the block is kept
         assert all(kept_tile(x) for x, terms in seen.items() if terms[term]), (where, mode)
 
-  # The forward's XA launch: programs of 64 rows, KV tiles of 128; the steps of the listed
-  # piece in [u_lo, u_hi) run unmasked, so each must show every one of its keys to every row.
+  # The forward's XA launch: programs of 64 rows, KV tiles of 128; the listed piece's steps
+  # that run unmasked (`listed_unmasked_steps` of the walk's unmasked tile range) must each
+  # show every one of their keys to every row.
   f_plan = jnp.broadcast_to(packed_plan(seg, pos, gate, st, 64, 128)["q_plan"][:, None],
                             (1, 1, t // 64, 8))
-  steps, lo, n1, second, u_lo, u_hi = (np.asarray(x)[0, 0] for x in mosaic_gpu.packed_xa_walk(
+  steps, lo, n1, second, in_lo, in_hi = (np.asarray(x)[0, 0] for x in mosaic_gpu.packed_xa_walk(
       f_plan, lists, 64, 128, xa_block))
   fper = xa_block // 128
   unmasked = 0
@@ -438,11 +439,13 @@ def test_packed_xa_walks_cover_the_needed_tiles_and_skip_other_segments(pair, xa
     kv_lo = int(f_plan[0, 0, qt, 0])
     assert len(set(got)) == len(got) and needed <= set(got), ("forward", qt)
     assert all(keep[0, qb, x // fper] and kv_lo // fper <= x // fper for x in got), ("fwd", qt)
-    assert 0 <= u_lo[qt] <= u_hi[qt] <= n1[qt], ("fwd", qt)
+    u_lo, u_hi = (int(u) for u in mb.listed_unmasked_steps(in_lo[qt], in_hi[qt],
+                                                           got[0] if got else 0, n1[qt]))
+    assert 0 <= u_lo <= u_hi <= n1[qt], ("fwd", qt)
     real = segs[qt * 64:(qt + 1) * 64] >= 0     # the padding's rows are never read
-    for x in range(int(u_lo[qt]), int(u_hi[qt])):
+    for x in range(u_lo, u_hi):
       assert rows[real][:, got[x] * 128:(got[x] + 1) * 128].all(), ("fwd unmasked", qt, x)
-    unmasked += int(u_hi[qt] - u_lo[qt])
+    unmasked += u_hi - u_lo
   assert unmasked > 0   # the case has interior kept blocks
   dq_unmasked = 0
   for qt in range(t // 64):

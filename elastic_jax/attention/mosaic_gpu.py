@@ -490,10 +490,10 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
         pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))
       return acc, m_i, l_i
 
-    step_ranges = lambda: _step_ranges(packed, steps, lo, n1, second_start, q_start, rows,
-                                       row0, block_kv,
-                                       *((unmasked_lo, unmasked_hi, walks_list)
-                                         if packed else ()))
+    step_ranges = lambda: _step_ranges(
+        packed, steps, lo, n1, second_start, q_start, rows, row0, block_kv,
+        *((unmasked_lo, unmasked_hi, None if walks_list is None else (walks_list, listed(0)))
+          if packed else ()))
     if tiles.overlap:
       acc, m_i, l_i = overlapped(acc, m_i, l_i, step_ranges())
     else:
@@ -656,9 +656,10 @@ def _step_ranges(packed, steps, lo, n1, second_start, q_start, rows, row0, block
   """The walk's steps as (first, end, masked) ranges, run in order. Unpacked: the steps whose
   tile may hold keys after the warpgroup's first row are masked, the last ones (the window
   always reaches the diagonal). Packed: in each of the walk's two pieces, the steps of tiles
-  in [unmasked_lo, unmasked_hi) run unmasked, the others masked; where `listed` (a bool, maybe
-  traced: the program walks a kept-block list, `packed_xa_walk`), the unmasked range counts
-  steps of the first piece instead and the second piece is masked whole."""
+  in [unmasked_lo, unmasked_hi) run unmasked, the others masked; where `listed` = (flag, the
+  first piece's first tile), the flag (maybe traced) set, the program walks a kept-block list
+  (`packed_xa_walk`): its first piece's unmasked steps are `listed_unmasked_steps`', and the
+  second piece is masked whole."""
   if not packed:
     masked_from = steps - ((q_start + rows + block_kv - 1) // block_kv - row0 // block_kv)
     return [(0, masked_from, False), (masked_from, steps, True)]
@@ -667,8 +668,10 @@ def _step_ranges(packed, steps, lo, n1, second_start, q_start, rows, row0, block
     a = jnp.clip(unmasked_lo - first_tile + s_lo, s_lo, s_hi)
     z = jnp.clip(unmasked_hi - first_tile + s_lo, a, s_hi)
     if listed is not None:
-      a = jnp.where(listed, s_hi if piece else jnp.clip(unmasked_lo, 0, n1), a)
-      z = jnp.where(listed, s_hi if piece else jnp.clip(unmasked_hi, a, n1), z)
+      flag, first_listed = listed
+      a_list, z_list = ((s_hi, s_hi) if piece else mosaic_gpu_backward.listed_unmasked_steps(
+          unmasked_lo, unmasked_hi, first_listed, n1))
+      a, z = jnp.where(flag, a_list, a), jnp.where(flag, z_list, z)
     ranges += [(s_lo, a, True), (a, z, False), (z, s_hi, True)]
   return ranges
 
@@ -1207,36 +1210,20 @@ def packed_xa_walk(q_plan, xa_lists, rows: int, block_kv: int, xa_block: int):
   `common.packed_plan`), its query block's kept blocks below the diagonal from the block
   holding kv_lo on (list positions [first, count - 1), read as tiles through the list), then
   the diagonal block's tiles from kv_lo to the causal end. Fields as `packed_walk`'s, but lo
-  is the first list position in tiles and the unmasked range counts steps of the listed
-  piece (`_step_ranges`' `listed`): its tiles inside [in_lo, in_hi), wholly inside the rows'
-  segment and before their first row, need no mask (kept by the list), the others (the first
-  block's tiles before the segment start; every tile where the rows span segments) and the
-  diagonal block's are masked."""
+  is the first list position in tiles, and the unmasked range [in_lo, in_hi) holds for the
+  listed piece alone: the kernel turns it into steps (`_step_ranges`' `listed`,
+  `mosaic_gpu_backward.listed_unmasked_steps`) and masks the diagonal block's."""
   index, count, keep = xa_lists
   b, kh, nq = q_plan.shape[:3]
   nb = keep.shape[-1]
-  keep = keep.reshape(b, kh, nb, nb)
   per_block = xa_block // block_kv
   q_block = jnp.arange(nq, dtype=jnp.int32) * rows // xa_block                 # [nq]
   kv_lo, causal_hi, in_lo, in_hi = (q_plan[..., x] for x in (0, 3, 4, 5))
-  first_block = kv_lo * block_kv // xa_block
-  first = _listed_before(keep, q_block, first_block)
+  first = _first_listed(keep.reshape(b, kh, nb, nb), q_block, kv_lo, block_kv, xa_block)
   below = count.reshape(b, kh, nb)[:, :, q_block] - 1
   n1 = (below - first) * per_block
   second = jnp.maximum(q_block[None, None] * per_block, kv_lo)
-  row_keep = keep[:, :, q_block]                                               # [B, K, nq, nb]
-
-  def steps_before(tile):
-    """How many of the listed piece's steps read a tile before `tile` (the list ascends)."""
-    blk = tile // per_block
-    whole = _listed_before(keep, q_block, jnp.clip(blk, first_block, q_block[None, None]))
-    cut = jnp.take_along_axis(row_keep, jnp.clip(blk, 0, nb - 1)[..., None], axis=-1)[..., 0]
-    part = jnp.where((blk >= first_block) & (blk < q_block[None, None]) & (cut != 0),
-                     tile % per_block, 0)
-    return jnp.clip((whole - first) * per_block + part, 0, n1)
-
-  return (n1 + causal_hi - second, first * per_block, n1, second, steps_before(in_lo),
-          steps_before(jnp.maximum(in_hi, in_lo)))
+  return n1 + causal_hi - second, first * per_block, n1, second, in_lo, in_hi
 
 
 def packed_forward_hard(q, k, v, gate_btk, segment_ids, positions, streaming: Streaming, *,

@@ -359,6 +359,17 @@ def kept_list_tile(index_ref, list_at, position, per_block: int, num_blocks: int
   return index_ref[entry] * per_block + lax.rem(position, jnp.int32(per_block))
 
 
+def listed_unmasked_steps(in_lo, in_hi, first_tile, n):
+  """Of a packed program's listed piece (`common.packed_plan`'s [in_lo, in_hi): the tiles
+  wholly inside its rows' segment and before their first row; the piece: n steps reading
+  kept blocks in ascending order, from the block holding the segment start on and all below
+  the program's diagonal block, its first tile first_tile), the steps [a, z) that need no
+  mask (the list chose their blocks). Only the first block's tiles can lie before in_lo, and
+  none at or past in_hi when that range is not empty."""
+  a = jnp.clip(in_lo - first_tile, 0, n)
+  return a, jnp.where(in_hi > in_lo, n, a)
+
+
 def _dscores(probs, dp, d_terms, weights, bcast):
   """(P mixed, dS) of one tile: r P_FA + (1 - r) P_SSA and r P_FA (dP - D_FA) + (1 - r) P_SSA
   (dP - D_SSA), over the terms present in `probs`; weights (r, 1 - r), scalars or per row."""
@@ -427,15 +438,13 @@ def packed_xa_dq_walk(plan, mode, q_start, pair, listed, xa_block: int, block_kv
   kv_lo; a MIX program its causal tiles from kv_lo with both terms, the XA term flagged by
   the tile's kept bit (the per-row masks do the rest: the streaming term's window, every
   row's segment). Listed tiles in [in_lo, in_hi) (wholly inside the rows' segment, before
-  their first row, kept) need no mask: the list ascends, so only the first block's tiles
-  can lie before in_lo, and none at or past in_hi when that range is not empty (all precede
-  the diagonal block). The XA term's diagonal tiles are masked."""
+  their first row, kept) need no mask (`listed_unmasked_steps`); the XA term's diagonal
+  tiles are masked."""
   kv_lo, sink_hi, win_lo, causal_hi, in_lo, in_hi, sparse_in_hi = plan
   per_xa = xa_block // block_kv
   first, end = listed
   lo, n = first * per_xa, (end - first) * per_xa
-  before = jnp.clip(in_lo - listed_tile(lo), 0, n)        # listed tiles before in_lo
-  inside = jnp.where(in_hi > in_lo, n, before)            # ... and before in_hi
+  before, inside = listed_unmasked_steps(in_lo, in_hi, listed_tile(lo), n)
   window = dict(unmasked=(in_lo, sparse_in_hi))
   pieces = {"full": lambda r: [r(kv_lo, causal_hi, unmasked=(in_lo, in_hi))],
             "stream": lambda r: [r(kv_lo, sink_hi, **window),
