@@ -236,10 +236,9 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
   list positions through the kept-block list, masked outside its unmasked steps; with
   `xa.mixed`, only the programs flagged by the walk's seventh field do, and XA rows
   (`_row_bounds`) see the keys of kept blocks (read from the dense keep array, xa_refs'
-  second). A persistent program
-  (`_persistent`) runs it per work item: item = its (batch, head pair, query tile), base =
-  the ring steps of its earlier items, role = "compute" or "memory" (that warpgroup's part
-  alone; returns the item's steps)."""
+  second). A persistent program (`_persistent`) runs it per work item: item = its (batch,
+  head pair, query tile), base = the ring steps of its earlier items, role = "compute" or
+  "memory" (that warpgroup's part alone; returns the item's steps)."""
   (qo_smem2, k_smem, v_smem, p_smem2, rows_smem2, lse_smem2), ready, (k_free, v_free), turn = (
       scoped)
   out_ref, lo_ref, lse_ref = out_refs
