@@ -737,9 +737,9 @@ def _dkv_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwa
       load_terms = lambda which: [plgpu.load(rows_smem.at[slot, t], layout=column)
                                   for t in which]
       plgpu.barrier_wait(q_ready.at[slot])
+      x = _product(k_smem, q_smem.at[slot].transpose((1, 0)), shape) * c
       if packed:   # every step's bounds are loaded, masked or not
         plgpu.barrier_wait(bounds_ready.at[slot])
-      x = _product(k_smem, q_smem.at[slot].transpose((1, 0)), shape) * c
       oks = (None, None)
       if masked:   # rows are keys, columns queries
         key = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + key0
