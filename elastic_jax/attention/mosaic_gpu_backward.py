@@ -779,12 +779,14 @@ def _dkv_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwa
         # Unpacked: the query tiles that straddle the diagonal (listed blocks all lie past
         # it). Packed rows: every visited tile masked (segments end anywhere), but those of
         # a range's unmasked part (inside the keys' segment) that lie past the diagonal.
-        split = rg.lo if rg.listed else jnp.clip(masked_hi, rg.lo, rg.hi)
-        pieces = ((rg.lo, split, True), (split, rg.hi, False))
-        if packed:
-          pieces = ([(rg.lo, rg.hi, True)] if rg.unmasked is None else
-                    _split(rg.lo, rg.hi, jnp.maximum(rg.unmasked[0], masked_hi),
-                           rg.unmasked[1]))
+        if not packed:
+          split = rg.lo if rg.listed else jnp.clip(masked_hi, rg.lo, rg.hi)
+          pieces = ((rg.lo, split, True), (split, rg.hi, False))
+        elif rg.unmasked is None:
+          pieces = ((rg.lo, rg.hi, True),)
+        else:
+          pieces = _split(rg.lo, rg.hi, jnp.maximum(rg.unmasked[0], masked_hi),
+                          rg.unmasked[1])
         for a, z, masked in pieces:
           carry = lax.fori_loop(a, z, functools.partial(
               step, first=g * per_head + first - rg.lo, fa=rg.fa, sa=rg.sa, masked=masked,
