@@ -212,10 +212,7 @@ def packed_plan(segment_ids_bt, positions_bt, gate_btk, streaming: Streaming, bl
       is 0.
     k_plan [B, nk, 4]: per key tile, the query tiles that see it (the transpose, for dK/dV):
       [q_lo, q_hi_full) full heads, [q_lo, q_hi_sparse) streaming ones (a sink key is seen
-      to its segment's end, another one as far as the window reaches); then q_in_hi: the
-      query tiles before it lie wholly inside the segment of the tile's first key, so those
-      whose rows all follow some of the tile's keys see all of those keys under a full head
-      (the segment runs from the first key past the rows) and need no mask for them.
+      to its segment's end, another one as far as the window reaches); the last entry is 0.
     q_modes [B, K, nq], k_modes [B, K, nk]: each tile's run-time mode from the gates of the
       query rows it serves (MODE_MIX when they differ).
   Streaming ranges assume positions that count 0, 1, ... from each segment's start; a tile
@@ -281,8 +278,8 @@ def packed_plan(segment_ids_bt, positions_bt, gate_btk, streaming: Streaming, bl
   q_hi_sparse = jnp.clip(-(-tile_max(reach_sparse) // block_q), q_lo, q_hi_full)
   if pair[1] == "xa":
     q_hi_sparse = q_hi_full
-  q_in_hi = end[:, key_first] // block_q     # query tiles wholly inside the first key's segment
-  k_plan = jnp.stack([q_lo, q_hi_full, q_hi_sparse, q_in_hi], axis=-1).astype(jnp.int32)
+  k_plan = jnp.stack([q_lo, q_hi_full, q_hi_sparse, jnp.zeros_like(q_lo)], axis=-1).astype(
+      jnp.int32)
 
   # Modes from the gates of the rows each tile serves.
   g = gate_btk.astype(jnp.float32).transpose(0, 2, 1)                    # [B, K, T]

@@ -1404,7 +1404,7 @@ def _packed_backward(residuals, d_out, streaming, backward_tiles, interpret, pai
   qp, kp, vp, do, terms = _after(dq, (qp, kp, vp, do, terms))
   dk, dv = mosaic_gpu_backward.dkv_call(
       qp, kp, vp, do, terms, flat(k_sched["k_modes"]), None,
-      plan=[flat(k_sched["k_plan"][..., x]) for x in range(4)], xa=dkv_xa, **kw)
+      plan=[flat(k_sched["k_plan"][..., x]) for x in range(3)], xa=dkv_xa, **kw)
   zero_int = lambda x: np.zeros(x.shape, jax.dtypes.float0)
   return (dq[:, :t], dk[:, :t], dv[:, :t], d_gate, zero_int(segment_ids), zero_int(positions))
 

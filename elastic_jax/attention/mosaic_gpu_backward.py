@@ -419,16 +419,14 @@ def packed_dq_walk(plan, mode):
 
 def packed_dkv_walk(plan, mode):
   """The query tiles of a dK/dV program over packed rows (per query head), from its key
-  tile's `common.packed_plan` entries (q_lo, q_hi_full, q_hi_sparse, q_in_hi) and its
-  run-time mode: ranges (lo, hi, fa, sa[, unmasked_lo, unmasked_hi]). The ranges of the FA
-  term alone may leave tiles before q_in_hi unmasked (the kernel keeps those that hold a
-  row before a key masked); the others are masked whole."""
-  q_lo, q_hi_full, q_hi_sparse, q_in_hi = plan
+  tile's `common.packed_plan` entries (q_lo, q_hi_full, q_hi_sparse) and its run-time mode:
+  ranges (lo, hi, fa, sa), every tile masked."""
+  q_lo, q_hi_full, q_hi_sparse = plan
   full, sparse, mix = mode == MODE_FULL, mode == MODE_SPARSE, mode == MODE_MIX
-  return [(*_upto(full, q_lo, q_hi_full), True, False, q_lo, q_in_hi),
+  return [(*_upto(full, q_lo, q_hi_full), True, False),
           (*_upto(sparse, q_lo, q_hi_sparse), False, True),
           (*_upto(mix, q_lo, q_hi_sparse), True, True),
-          (*_upto(mix, q_hi_sparse, q_hi_full), True, False, q_lo, q_in_hi)]
+          (*_upto(mix, q_hi_sparse, q_hi_full), True, False)]
 
 
 def packed_xa_dq_walk(plan, mode, q_start, pair, listed, xa_block: int, block_kv: int, kept,
@@ -460,17 +458,15 @@ def packed_xa_dq_walk(plan, mode, q_start, pair, listed, xa_block: int, block_kv
 
 
 def packed_xa_dkv_walk(plan, mode, k_start, pair, above, xa_block: int, block_q: int, kept):
-  """`packed_dkv_walk` under the XAttention settings: `Range`s and flags, every tile masked
-  but a full term's as `packed_dkv_walk`'s. An XA term alone walks the first `above` entries
-  of its key block's column list (the later query blocks that kept it, those before its
-  segment's end), then the key block's own query tiles up to the segment's end; a MIX program
-  its query tiles [q_lo, q_hi_full) with both terms, the XA term flagged by the query block's
-  kept bit."""
-  q_lo, q_hi_full, q_hi_sparse, q_in_hi = plan
+  """`packed_dkv_walk` under the XAttention settings: `Range`s and flags, every tile masked.
+  An XA term alone walks the first `above` entries of its key block's column list (the later
+  query blocks that kept it, those before its segment's end), then the key block's own query
+  tiles up to the segment's end; a MIX program its query tiles [q_lo, q_hi_full) with both
+  terms, the XA term flagged by the query block's kept bit."""
+  q_lo, q_hi_full, q_hi_sparse = plan
   per_xa = xa_block // block_q
   diagonal_end = jnp.maximum(jnp.minimum((k_start // xa_block + 1) * per_xa, q_hi_full), q_lo)
-  pieces = {"full": lambda r: [r(q_lo, q_hi_full, unmasked=(q_lo, q_in_hi))],
-            "stream": lambda r: [r(q_lo, q_hi_sparse)],
+  pieces = {"full": lambda r: [r(q_lo, q_hi_full)], "stream": lambda r: [r(q_lo, q_hi_sparse)],
             "xa": lambda r: [r(0, above * per_xa, listed=True), r(q_lo, diagonal_end)]}
   tests = {"full": lambda i: None, "stream": lambda i: None, "xa": lambda i: kept(i // per_xa)}
   return _xa_terms_walk(mode, pair, pieces, (q_lo, q_hi_full, {}), tests)
@@ -658,13 +654,13 @@ def _dkv_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwa
   Unpacked rows: refs (modes [B*K], gates [B*K], q, k, v, dO, row terms, dk, dv, scratch),
   under the XAttention settings (`xa`) with the column lists (`xa_column_lists`: index,
   count) and `common.xa_operands`'s keep (flattened) after the gates; packed: (modes
-  [B*K*nk], the key plan's four fields [B*nk] each, q, k, v, dO, row terms with the per-row
+  [B*K*nk], the key plan's three fields [B*nk] each, q, k, v, dO, row terms with the per-row
   gate as a fifth, bounds [B, 3, Tp], dk, dv, scratch), under the XAttention settings with
   (index of the column lists, each program's listed count [B*K*nk], keep) after the plan."""
   xa_refs = None
   if packed:
-    modes_ref, *plan_refs = refs[:5]
-    rest = refs[5:]
+    modes_ref, *plan_refs = refs[:4]
+    rest = refs[4:]
     if xa is not None:
       xa_refs, rest = rest[:3], rest[3:]
     q_ref, k_ref, v_ref, do_ref, rows_ref, bounds_ref, dk_ref, dv_ref, scoped = rest
@@ -738,14 +734,13 @@ def _dkv_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwa
                                   for t in which]
       plgpu.barrier_wait(q_ready.at[slot])
       x = _product(k_smem, q_smem.at[slot].transpose((1, 0)), shape) * c
-      if packed:   # every step's bounds are loaded, masked or not
-        plgpu.barrier_wait(bounds_ready.at[slot])
       oks = (None, None)
       if masked:   # rows are keys, columns queries
         key = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + key0
         query = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + (
             (listed_tile(i) if listed else i) * block_q)
         if packed:
+          plgpu.barrier_wait(bounds_ready.at[slot])
           # The sink and window bounds only where a streaming term runs (registers).
           window = sa and (xa is None or xa.pair[1] == "stream")
           bounds = [bcast(plgpu.load(bounds_smem.at[slot, x], layout=column))
@@ -776,18 +771,10 @@ def _dkv_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwa
 
     def one_head(g, carry):
       for rg, first in zip(ranges, firsts):
-        # Unpacked: the query tiles that straddle the diagonal (listed blocks all lie past
-        # it). Packed rows: every visited tile masked (segments end anywhere), but those of
-        # a range's unmasked part (inside the keys' segment) that lie past the diagonal.
-        if not packed:
-          split = rg.lo if rg.listed else jnp.clip(masked_hi, rg.lo, rg.hi)
-          pieces = ((rg.lo, split, True), (split, rg.hi, False))
-        elif rg.unmasked is None:
-          pieces = ((rg.lo, rg.hi, True),)
-        else:
-          pieces = _split(rg.lo, rg.hi, jnp.maximum(rg.unmasked[0], masked_hi),
-                          rg.unmasked[1])
-        for a, z, masked in pieces:
+        # Packed rows: every visited tile masked (segments end anywhere); unpacked: the
+        # query tiles that straddle the diagonal (listed blocks all lie past it).
+        split = rg.hi if packed else rg.lo if rg.listed else jnp.clip(masked_hi, rg.lo, rg.hi)
+        for a, z, masked in ((rg.lo, split, True), (split, rg.hi, False)):
           carry = lax.fori_loop(a, z, functools.partial(
               step, first=g * per_head + first - rg.lo, fa=rg.fa, sa=rg.sa, masked=masked,
               flagged=rg.flagged, listed=rg.listed), carry)
@@ -874,8 +861,8 @@ def dq_call(q, k, v, do, row_terms, modes, gate, *, streaming: Streaming,
 def dkv_call(q, k, v, do, row_terms, modes, gate, *, streaming: Streaming,
              tiles: BackwardTiles, interpret: bool, plan=None, bounds=None, xa=None):
   """(dK, dV) [B, Tp, K, D], the G query heads of each KV head summed; operands as `dq_call`,
-  packed rows' `plan` the four k_plan fields (q_lo, q_hi_full, q_hi_sparse, q_in_hi) over key
-  tiles of 2 x dkv_block_k and query tiles of dkv_block_q (int32 [B * nk] each), `modes` its
+  packed rows' `plan` the three k_plan fields (q_lo, q_hi_full, q_hi_sparse) over key tiles
+  of 2 x dkv_block_k and query tiles of dkv_block_q (int32 [B * nk] each), `modes` its
   k_modes [B * K * nk]. XAttention settings: xa = (`XATerms`, (index, count) of
   `xa_column_lists`, keep of `common.xa_operands`; packed rows: count per program [B * K *
   nk], the column entries before its segment's end, `packed_xa_dkv_walk`)."""
