@@ -46,6 +46,24 @@ run() {   # run NAME SECONDS COMMAND...: log to OUT/NAME.log, note the exit stat
   echo "$name: rc $rc, $((SECONDS - start)) s" | tee -a "$out/summary.txt"
 }
 
+profile_with_report() {   # NAME SECONDS KERNEL-ARGS...: kernel_profile.py, plus OUT/NAME.ptxas.txt
+  # The compiler's dumps (a dozen files per kernel) go to a scratch folder; only ptxas's
+  # register and spill report of each kernel is kept.
+  local name=$1 limit=$2
+  shift 2
+  local dump
+  dump=$(mktemp -d)
+  MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$dump" \
+    run "$name" "$limit" "$py" benchmarks/kernel_profile.py --kernel "$@"
+  local f
+  for f in "$dump"/*.ptxas; do   # one per kernel compiled, in order (entry_0, entry_1, ...)
+    [ -e "$f" ] || continue
+    echo "== $(basename "$f")"
+    grep -a -E "^ptxas|spill" "$f"
+  done > "$out/$name.ptxas.txt"
+  rm -rf "$dump"
+}
+
 for stage in "${stages[@]}"; do
   case $stage in
     tests)
@@ -61,10 +79,7 @@ for stage in "${stages[@]}"; do
                   "forward --overlap --persistent 132" "forward --multicast" \
                   "forward --q-registers" "xa" "xa --overlap" "train_forward" \
                   "train_forward --overlap"; do
-        name=schedule_profile_$(echo "$args" | tr -d ' -')
-        mkdir -p "$out/ptxas_$name"
-        MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$out/ptxas_$name" \
-          run "$name" 40 "$py" benchmarks/kernel_profile.py --kernel $args
+        profile_with_report schedule_profile_$(echo "$args" | tr -d ' -') 40 $args
       done ;;
     schedules-attention)
       run schedules-attention 560 "$py" benchmarks/attention.py --lengths 32768 131072 \
@@ -75,10 +90,7 @@ for stage in "${stages[@]}"; do
     profile)
       for args in "forward" "xa" "train_forward" "dq" "dkv" "dq --mixed" "dkv --mixed" \
                   "train_forward --xa" "dq --xa" "dkv --xa" "dq --xa --mixed" "dkv --xa --mixed"; do
-        name=profile_$(echo "$args" | tr -d ' -')
-        mkdir -p "$out/ptxas_$name"   # without it, the compiler's dumps go to the log
-        MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$out/ptxas_$name" \
-          run "$name" 45 "$py" benchmarks/kernel_profile.py --kernel $args
+        profile_with_report profile_$(echo "$args" | tr -d ' -') 45 $args
       done ;;
     attention)
       run attention 560 "$py" benchmarks/attention.py --lengths 32768 131072 --msr 0.75 \
