@@ -696,6 +696,21 @@ def _kept_at(keep_ref, first: int, xa_block: int):
   return None if keep_ref is None else keep_ref[first // xa_block]
 
 
+def _kept_tiles_only(body, keep_ref, tile: int, xa_block: int):
+  """A loop body over tiles of `tile` tokens that runs `body` only on the tiles of kept XA
+  blocks. For an XA term alone the other tiles' masks are empty, so they would leave the
+  carry as it is: they are skipped, products and loads included."""
+  def run(j, c):
+    return lax.cond(_kept_at(keep_ref, j * tile, xa_block) != 0, lambda: body(j, c),
+                    lambda: c)
+  return run
+
+
+def _xa_alone(pair, fa: bool, sa: bool) -> bool:
+  """Whether a walk that runs only the term(s) flagged runs an XA term alone."""
+  return fa != sa and pair[0 if fa else 1] == "xa"
+
+
 def _packed_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, *refs, scale, block_q,
                    block_k, streaming: Streaming, train: bool, pair=("full", "stream"),
                    xa_block: int = 0):
@@ -724,6 +739,8 @@ def _packed_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, *refs, scale
     def body(j, c):
       s, full, ssa, v = tile(j)
       return _online_update(c, s, ssa if use_ssa else full, v)
+    if _xa_alone(pair, not use_ssa, use_ssa):
+      return _kept_tiles_only(body, keep_ref, block_k, xa_block)
     return body
 
   def plain(j, c):                       # a tile wholly visible to every row: no mask
@@ -805,6 +822,8 @@ def _packed_dq_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, *refs, sc
                                 _kept_at(keep_ref, j * block_k, xa_block))
       ds = _dscores(s, dp, r, full, ssa, lse_fa, lse_sa, d_fa, d_sa, fa, sa)[0]
       return acc + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+    if _xa_alone(pair, fa, sa):
+      body = _kept_tiles_only(body, keep_ref, block_k, xa_block)
     return lax.fori_loop(lo, hi, body, acc)
 
   lo2 = jnp.maximum(win_lo, sink_hi)
@@ -851,6 +870,8 @@ def _packed_dkv_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, *refs, s
         dv = dv + jnp.dot(p_t.astype(do.dtype), do, preferred_element_type=jnp.float32)
         dk = dk + jnp.dot(ds_t.astype(q.dtype), q, preferred_element_type=jnp.float32)
         return dk, dv
+      if _xa_alone(pair, fa, sa):
+        body = _kept_tiles_only(body, keep_ref, block_q, xa_block)
       c = lax.fori_loop(lo, hi, body, c)
     return c
 
