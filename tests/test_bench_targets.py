@@ -51,3 +51,16 @@ def test_targets_and_their_values_at_the_ceiling():
   assert all(t["bound"] is None for t in bench.targets(fwd, {}, kh, None))
   no_full = {131072: bench.annotate([r for r in rows if r.streams != 0], kh, ceiling)}
   assert all(t["bound"] is None for t in bench.targets(no_full, {}, kh, ceiling))
+
+
+def test_the_ceiling_is_the_fastest_of_the_runs_measurements():
+  """The product measured before and after the rows: the yardstick is the faster (a card's
+  clock only lowers what a product reaches), with both kept and their spread."""
+  before = {"size": 8192, "tflops": 550.0, "ms": 2.0, "forms": {"bf16 out": {}}}
+  after = {"size": 8192, "tflops": 587.0, "ms": 1.87, "forms": {"bf16 out": {}}}
+  got = bench.combined_ceiling({"before the rows": before, "after the rows": after})
+  assert got["tflops"] == 587.0 and got["ms"] == 1.87
+  assert got["spread"] == pytest.approx(587 / 550)
+  assert got["runs"] == {"before the rows": before, "after the rows": after}
+  assert bench.combined_ceiling({"before the rows": after, "after the rows": before})[
+      "tflops"] == 587.0
