@@ -1096,8 +1096,9 @@ def make_packed_xa_hybrid(forward_tiles: Tiles = FORWARD_TILES,
                           dq_tiles: Tiles = DQ_TILES, dkv_tiles: Tiles = DKV_TILES):
   """Packed rows under the XAttention settings: `fn(q, k, v, gate_btk, segment_ids, positions,
   xa_keep, streaming, patterns, xa_block, interpret)`, xa_keep [B, K, nb, nb] bool the kept
-  blocks of `xa_block` tokens (`xattention.select` with the segment ids). An XA head visits
-  the full head's tiles of its segment and masks in the kept blocks."""
+  blocks of `xa_block` tokens (`xattention.select` with the segment ids). An XA head walks
+  the full head's tiles of its segment and masks in the kept blocks; where its XA term runs
+  alone it skips the tiles of the blocks it did not keep (`_kept_tiles_only`)."""
   return with_fused_backward(*packed_parts(forward_tiles, train_forward_tiles, dq_tiles,
                                            dkv_tiles, xa=True), num_arrays=7, num_static=4)
 
