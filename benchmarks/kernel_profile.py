@@ -9,6 +9,8 @@ and its time and TFLOP/s beside the device's bf16 matrix-product rate.
         --kernel forward                                 # registers, spills, shared memory
     ncu --clock-control none --section SpeedOfLight --kernel-name regex:sdpa --launch-skip 2 \
         --launch-count 1 python benchmarks/kernel_profile.py --kernel cudnn --reps 1  # the peer
+    python benchmarks/kernel_profile.py --kernel dkv --slots 2 3 4 --registers 232 240
+                                     # the backward's tiles: each variant, timed interleaved
     python benchmarks/kernel_profile.py --dry-run        # CPU, interpret mode, tiny shapes
 
 Kernels (elastic_jax/attention/mosaic_gpu.py, mosaic_gpu_backward.py):
@@ -25,6 +27,9 @@ intra-warpgroup overlap (`mosaic_gpu.MosaicTiles(overlap=True)`); --multicast wi
 tile multicast to a cluster of two programs (`MosaicTiles.multicast`); --q-registers with
 QK^T reading Q from registers (`MosaicTiles.q_registers`); --persistent P with P persistent
 programs (`MosaicTiles.persistent`, e.g. the SM count).
+--slots and --registers set the backward kernels' ring slots and the compute warpgroups'
+registers a thread (`mosaic_gpu_backward.BackwardTiles`; the memory warpgroup keeps the rest);
+given several values, every combination is built and timed in rounds that launch each once.
 --xa runs the training kernels under "fa-xa" (`xa_forward_train`, the backward kernels with
 the kept-block lists): the streaming heads become XA heads on random kept blocks of --density.
 Shape: B = 1, 32 query / 8 KV heads, head_dim 128, bf16; SSA sink 1 + local 16 blocks of 128.
@@ -37,6 +42,7 @@ dK/dV (S, dP, dV, dK); full and mixed heads visit the causal pairs, streaming on
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -74,6 +80,10 @@ def main(argv=None):
                  help="forward kernels: QK^T reads Q from registers (MosaicTiles.q_registers)")
   p.add_argument("--persistent", type=int, default=0,
                  help="forward kernels: this many persistent programs (MosaicTiles.persistent)")
+  p.add_argument("--slots", type=int, nargs="+", default=[2],
+                 help="dq, dkv: slots of the kernel's ring (several: each timed, interleaved)")
+  p.add_argument("--registers", type=int, nargs="+", default=[232],
+                 help="dq, dkv: registers a thread of each compute warpgroup (232 or 240)")
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--dry-run", action="store_true")
   args = p.parse_args(argv)
@@ -87,6 +97,15 @@ def main(argv=None):
       "dq", "dkv"):
     p.error("--overlap, --multicast, --q-registers and --persistent are schedules of the "
             "forward kernels (forward, xa, train_forward)")
+  variants = [mosaic_gpu_backward.BackwardTiles(slots=sl, registers=r)
+               for sl in args.slots for r in args.registers]
+  backward = args.kernel in ("dq", "dkv")
+  if (args.slots != [2] or args.registers != [232]) and not backward:
+    p.error("--slots and --registers are tiles of the backward kernels (dq, dkv)")
+  bad = [t for t in variants if not mosaic_gpu_backward.applies(4, Streaming(1, 16, 128), t)]
+  if bad:
+    p.error(f"--slots {bad[0].slots} --registers {bad[0].registers}: the backward kernels "
+            "take 2 to 4 slots and 168 to 240 registers in steps of 8")
   if args.persistent < 0:
     p.error("--persistent must be a count of programs (0: one per work item)")
   if args.kernel == "cudnn" and (args.dry_run or args.mixed or args.xa or args.overlap
@@ -153,18 +172,29 @@ def main(argv=None):
         terms_xa = mosaic_gpu_backward.XATerms(("full", "xa"), 128, kept.shape[-1])
         xa = (terms_xa, (index, count, kept) if args.kernel == "dq" else
               (*mosaic_gpu_backward.xa_column_lists(kept), kept))
-      run = jit(lambda *x: call(*x, streaming=st, tiles=mosaic_gpu_backward.BackwardTiles(),
-                                interpret=interpret, xa=xa))
+      runs = [jit(functools.partial(call, streaming=st, tiles=bt, interpret=interpret, xa=xa))
+              for bt in variants]
       operands = (qp, kp, vp, pad_to(d_out, 1, tp), terms, modes_from_gate(flat), flat)
 
-  for _ in range(2):
-    jax.block_until_ready(run(*operands))
-  times = []
-  for _ in range(args.reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(run(*operands))
-    times.append(time.perf_counter() - t0)
-  sec = statistics.median(times)
+  if not backward:
+    runs = [run]
+  first = None
+  for run, bt in zip(runs, variants):
+    for _ in range(2):
+      out = jax.block_until_ready(run(*operands))
+    if first is None:
+      first = out
+    else:   # the same products in the same order: the same gradients, bit for bit
+      same = all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(out),
+                                                               jax.tree.leaves(first)))
+      print(f"{bt.slots} slots, {bt.registers} registers: "
+            + ("bit-equal to the first variant" if same else "DIFFERS from the first variant"))
+  times = [[] for _ in runs]
+  for _ in range(args.reps):   # rounds that launch each variant once: the same clocks for all
+    for run, spent in zip(runs, times):
+      t0 = time.perf_counter()
+      jax.block_until_ready(run(*operands))
+      spent.append(time.perf_counter() - t0)
   causal = t * (t + 1) / 2
   kept = float(streaming_kept_fraction(jnp.asarray(t), st)) * causal
   xa_pairs = args.density * causal        # about: random blocks, and the diagonal's
@@ -175,16 +205,19 @@ def main(argv=None):
   if args.kernel == "train_forward":   # every head full, then every head sparse
     visited = kh * (causal + sparse_pairs)
   flops = FLOPS_PER_PAIR[args.kernel] * d * (n // kh) * visited
-  print(f"{jax.devices()[0].device_kind}: {args.kernel} T={t} "
-        + ("gates 0.5" if args.mixed else "causal" if args.kernel == "cudnn"
-           else f"MSR {streams / kh:g}")
-        + (f", fa-xa at density {args.density:g}" if args.xa else "")
-        + (", overlapped" if args.overlap else "")
-        + (", multicast" if args.multicast else "")
-        + (", Q in registers" if args.q_registers else "")
-        + (f", {args.persistent} persistent programs" if args.persistent else "")
-        + f": {sec * 1e3:.3f} ms (median of {args.reps}), {flops / sec / 1e12:.1f} TFLOP/s"
-        + (" (dry run: interpret mode, times mean nothing)" if args.dry_run else ""))
+  for bt, spent in zip(variants if backward else [None], times):
+    sec = statistics.median(spent)
+    print(f"{jax.devices()[0].device_kind}: {args.kernel} T={t} "
+          + ("gates 0.5" if args.mixed else "causal" if args.kernel == "cudnn"
+             else f"MSR {streams / kh:g}")
+          + (f", fa-xa at density {args.density:g}" if args.xa else "")
+          + (", overlapped" if args.overlap else "")
+          + (", multicast" if args.multicast else "")
+          + (", Q in registers" if args.q_registers else "")
+          + (f", {args.persistent} persistent programs" if args.persistent else "")
+          + (f", {bt.slots} slots, {bt.registers} registers" if bt is not None else "")
+          + f": {sec * 1e3:.3f} ms (median of {args.reps}), {flops / sec / 1e12:.1f} TFLOP/s"
+          + (" (dry run: interpret mode, times mean nothing)" if args.dry_run else ""))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import pytest
 from mosaic_tools import INTERPRET, TOL, kept_blocks, packed_row, qkv, schedule_id
 
 from elastic_jax import hybrid_attention
-from elastic_jax.attention import Streaming, mosaic_gpu
+from elastic_jax.attention import Streaming, mosaic_gpu, mosaic_gpu_backward
 from elastic_jax.attention.common import MODE_FULL, MODE_MIX, MODE_SPARSE
 from elastic_jax.attention.reference import dense_hybrid_attention
 
@@ -69,15 +69,16 @@ def test_training_default_is_mosaic_natively_and_triton_in_interpret_mode(kernel
     assert (sorted(kernel_calls) == ["dkv_call", "dq_call"]) == mosaic, (training, interpret)
 
 
-@pytest.mark.parametrize("b,t,n,k,d,gates,st,overlap", [
+@pytest.mark.parametrize("b,t,n,k,d,gates,st,overlap,slots", [
     # G = 2: a mixed and a streaming head; the forward's overlapped schedule.
-    (1, 300, 4, 2, 64, [[0.3, 0.0]], Streaming(1, 1, 128), True),
+    (1, 300, 4, 2, 64, [[0.3, 0.0]], Streaming(1, 1, 128), True, 2),
     # G = 1 (two row tiles a dQ program), head_dim 128, a sink of two blocks: a full and a
-    # mixed head.
-    (1, 400, 2, 2, 128, [[1.0, 0.6]], Streaming(2, 1, 128), False),
+    # mixed head; the backward kernels' rings of three slots (FlashAttention-3's register
+    # split too, natively).
+    (1, 400, 2, 2, 128, [[1.0, 0.6]], Streaming(2, 1, 128), False, 3),
 ], ids=schedule_id)
 def test_mosaic_training_kernels_match_reference_gradients(kernel_calls, strict_reads, b, t, n,
-                                                           k, d, gates, st, overlap):
+                                                           k, d, gates, st, overlap, slots):
   """make_hybrid(training="mosaic"): the training forward (every head's O_FA and O_SSA with
   their log-sum-exps) and the dQ and dK/dV kernels against the float32 reference's output and
   gradients, gate included (relative error of each; the gate's where O_FA and O_XA nearly
@@ -87,7 +88,9 @@ def test_mosaic_training_kernels_match_reference_gradients(kernel_calls, strict_
   q, kk, v = qkv(b, t, n, k, d, jnp.bfloat16, seed=t)
   gate = jnp.asarray(gates, jnp.float32)
   d_out = jax.random.normal(jax.random.key(t + 1), q.shape, jnp.float32).astype(jnp.bfloat16)
-  fn = mosaic_gpu.make_hybrid(mosaic_gpu.MosaicTiles(overlap=overlap), training="mosaic")
+  backward = mosaic_gpu_backward.BackwardTiles(slots=slots, registers=232 if slots == 2 else 240)
+  fn = mosaic_gpu.make_hybrid(mosaic_gpu.MosaicTiles(overlap=overlap), training="mosaic",
+                              backward_tiles=backward)
   with jax.disable_jit():
     out, vjp = jax.vjp(lambda *x: fn(*x, st, INTERPRET), q, kk, v, gate)
     grads = vjp(d_out)
@@ -106,6 +109,21 @@ def test_mosaic_training_kernels_match_reference_gradients(kernel_calls, strict_
   # The native path traces under jit (kernels for the GPU, not run here).
   loss = lambda *x: jnp.sum(fn(*x, st, False).astype(jnp.float32))
   jax.make_jaxpr(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))))(q, kk, v, gate)
+
+
+def test_backward_tiles_past_the_kernels_limits_are_refused():
+  """`applies` takes rings of 2 to 4 slots (shared memory: 133 KiB, 34 more a slot, against
+  227) and compute warpgroups of 168 to 240 registers in steps of 8 (the memory warpgroup
+  keeps 504 minus twice that, at least 24)."""
+  tiles = mosaic_gpu_backward.BackwardTiles
+  st = Streaming(1, 16, 128)
+  ok = [(2, 232), (4, 240), (3, 168)]
+  refused = [(5, 232), (1, 232), (2, 248), (2, 236), (2, 160)]
+  for slots, registers in ok + refused:
+    got = mosaic_gpu_backward.applies(4, st, tiles(slots=slots, registers=registers))
+    assert got == ((slots, registers) in ok), (slots, registers)
+  assert mosaic_gpu_backward.memory_registers(tiles(registers=240)) == 24
+  assert mosaic_gpu_backward.memory_registers(tiles()) == 40
 
 
 @pytest.mark.parametrize("st", [Streaming(1, 1, 128), Streaming(2, 3, 128), Streaming(1, 2, 256)])

@@ -77,12 +77,38 @@ class BackwardTiles:
   warpgroup and rows per Q/dO tile of the dK/dV kernel; slots of each kernel's ring.
   Register budget per compute warpgroup (128 threads, head_dim 128, float32): dQ's
   accumulator [64, 128] takes 64 registers a thread, S and dP [64, 64] 32 each; dK/dV's two
-  accumulators 128, S^T and dP^T 32 each. Tiles of 128 keys in dQ would add 64 more."""
+  accumulators 128, S^T and dP^T 32 each. Tiles of 128 keys in dQ would add 64 more.
+  `registers`: what each compute warpgroup's threads may use of the 168 a thread the kernels
+  launch with; the memory warpgroup keeps the rest (`memory_registers`: 40 at 232, 24 at 240,
+  FlashAttention-3's split)."""
   dq_block_q: int = 64
   dq_block_kv: int = 64
   dkv_block_k: int = 64
   dkv_block_q: int = 64
   slots: int = 2
+  registers: int = 232
+
+
+# Registers a thread the kernels launch with: the register file (65536) over the three
+# warpgroups' 384 threads, rounded down to 8.
+_LAUNCH_REGISTERS = 168
+
+
+def shared_bytes(tiles: BackwardTiles, head_dim: int) -> int:
+  """Shared memory of the larger of the two kernels (bf16 tiles, float32 row terms with the
+  packed rows' gate, int32 packed bounds, 1 KiB for the barriers), against the 227 KiB a
+  Hopper block may have: at head_dim 128 the default tiles take 133 KiB, each slot more 34."""
+  terms = _ROW_TERMS + 1
+  dq = (_COMPUTE_WGS * tiles.dq_block_q * (2 * head_dim * 2 + (terms + 3) * 4)
+        + tiles.slots * 2 * tiles.dq_block_kv * head_dim * 2)
+  dkv = (_COMPUTE_WGS * 2 * tiles.dkv_block_k * head_dim * 2
+         + tiles.slots * tiles.dkv_block_q * (2 * head_dim * 2 + (terms + 3) * 4))
+  return max(dq, dkv) + 1024
+
+
+def memory_registers(tiles: BackwardTiles) -> int:
+  """The memory warpgroup's registers a thread, once the compute warpgroups took theirs."""
+  return (_COMPUTE_WGS + 1) * _LAUNCH_REGISTERS - _COMPUTE_WGS * tiles.registers
 
 
 DEFAULT_BACKWARD_TILES = BackwardTiles()
@@ -96,6 +122,8 @@ def applies(groups: int, streaming: Streaming, tiles: BackwardTiles = DEFAULT_BA
   tiles of 256 would overflow shared memory)."""
   sizes = program_sizes(groups, tiles)
   return ((groups == 1 or groups % 2 == 0) and tiles.slots >= 2
+          and tiles.registers % 8 == 0 and _LAUNCH_REGISTERS <= tiles.registers
+          and memory_registers(tiles) >= 24 and shared_bytes(tiles, head_dim) <= 227 * 1024
           and head_dim % 64 == 0 and head_dim <= 128
           and tiles.dq_block_q % 64 == 0 and tiles.dkv_block_k % 64 == 0   # wgmma: M of 64
           and all(x % 64 == 0 and streaming.block % x == 0 for x in sizes))
@@ -542,7 +570,7 @@ def _dq_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwar
 
   @pl.when(wg < _COMPUTE_WGS)
   def _compute():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(tiles.registers, action="increase")
     q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
     head = hp * heads_per_program + (wg if pair_heads else 0)
     row0 = q_start + (0 if pair_heads else wg * block_q)
@@ -607,7 +635,7 @@ def _dq_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwar
 
   @pl.when(wg == _COMPUTE_WGS)
   def _memory():
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(memory_registers(tiles), action="decrease")
 
     def load(s, slot):
       keys = pl.ds(_ranges_tile(s, ranges, listed_tile) * block_kv, block_kv)
@@ -712,7 +740,7 @@ def _dkv_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwa
 
   @pl.when(wg < _COMPUTE_WGS)
   def _compute():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(tiles.registers, action="increase")
     k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
     key0 = k_start + wg * block_k
     mine = pl.ds(key0, block_k)
@@ -786,7 +814,7 @@ def _dkv_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwa
 
   @pl.when(wg == _COMPUTE_WGS)
   def _memory():
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(memory_registers(tiles), action="decrease")
 
     def load(s, slot):
       g = lax.div(s, jnp.maximum(per_head, 1))
