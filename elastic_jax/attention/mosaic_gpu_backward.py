@@ -919,6 +919,10 @@ def dkv_call(q, k, v, do, row_terms, modes, gate, *, streaming: Streaming,
   operands = ((modes, *plan, *lists, q, k, v, do, row_terms, bounds) if packed else
               (modes, gate, *lists, q, k, v, do, row_terms))
   kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
+  # The first grid axis changes slowest as programs start: each key tile of every KV head
+  # before the next key tile, so the programs with the most query tiles start first across
+  # all heads (a streaming head's sink keys are seen by every later row: key tile 0 of the
+  # last head, started last, would end long after the others).
   return _launch(kernel, scratch, operands, out_type=(kv_type, kv_type),
-                 grid=(kh, tp // (_COMPUTE_WGS * bk), b),
-                 grid_names=("kvh", "kt", "b"), interpret=interpret)
+                 grid=(tp // (_COMPUTE_WGS * bk), kh, b),
+                 grid_names=("kt", "kvh", "b"), interpret=interpret)
