@@ -264,7 +264,7 @@ def _dkv_kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, nu
     keep_ref, *refs = refs
   (q_ref, k_ref, v_ref, do_ref, lse_fa_ref, lse_sa_ref, d_fa_ref, d_sa_ref, dk_ref,
    dv_ref) = refs
-  kj, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  h, b, kj = pl.program_id(0), pl.program_id(1), pl.program_id(2)   # `_key_tiles_slowest`
   slot = b * num_kv_heads + h
   mode = modes_ref[slot]
   r = gate_ref[slot]
@@ -584,10 +584,10 @@ def _backward_call(res, d_out, streaming, interpret, dq_t: Tiles, dkv_t: Tiles,
     keep_spec = [pl.BlockSpec((None,) + keep.shape[1:], lambda i, j, h: (j * kh + h, 0, 0))]
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, block_q=bq, block_k=bk, num_q_tiles=tp // bq, **common),
-      grid=(tp // bk, b, kh),
-      in_specs=[scalar, scalar, *keep_spec, q_group, kv_tile, kv_tile, q_group]
-      + [rows_group] * 4,
-      out_specs=[kv_tile, kv_tile],
+      grid=(kh, b, tp // bk),
+      in_specs=_key_tiles_slowest([scalar, scalar, *keep_spec, q_group, kv_tile, kv_tile,
+                                   q_group] + [rows_group] * 4),
+      out_specs=_key_tiles_slowest([kv_tile, kv_tile]),
       out_shape=[jax.ShapeDtypeStruct(kp.shape, kp.dtype)] * 2,
       compiler_params=dkv_t.params(dp),
       interpret=interpret,
@@ -683,6 +683,15 @@ def _packed_masks(seg_q, pos_q, q_idx, seg_k, pos_k, k_idx, streaming: Streaming
     return full, ssa
   xa = full & (kept != 0)
   return (xa if pair[0] == "xa" else full), (xa if pair[1] == "xa" else ssa)
+
+
+def _key_tiles_slowest(specs):
+  """BlockSpecs written for a grid (key tile, batch, KV head), for the dK/dV kernels' grid
+  (KV head, batch, key tile): programs start in the order of the grid's first axis fastest,
+  so every head's first key tiles, the ones most query tiles see (a streaming head's sink
+  keys: every later row), start before any head's later ones."""
+  return [dataclasses.replace(x, index_map=lambda h, j, i, f=x.index_map: f(i, j, h))
+          for x in specs]
 
 
 def _split_keep(refs, pair):
@@ -843,7 +852,7 @@ def _packed_dkv_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, *refs, s
   query tiles of the plan's transposed ranges (keep_ref: the kept column of this key tile)."""
   keep_ref, (q_ref, k_ref, v_ref, do_ref, lse_fa_ref, lse_sa_ref, d_fa_ref, d_sa_ref, dk_ref,
              dv_ref) = _split_keep(refs, pair)
-  kj = pl.program_id(0)
+  kj = pl.program_id(2)   # `_key_tiles_slowest`
   q_lo, q_hi_full, q_hi_sparse = (plan_ref[x] for x in range(3))
   mode = modes_ref[0]
   k, v = k_ref[...], v_ref[...]
@@ -993,12 +1002,12 @@ def _packed_backward_call(res, d_out, streaming, interpret, dq_t: Tiles, dkv_t: 
   dk, dv = pl.pallas_call(
       functools.partial(_packed_dkv_kernel, scale=scale, block_q=bq, block_k=bk,
                         groups=groups, streaming=streaming, pair=xa.pair, xa_block=xa.block),
-      grid=(tp // bk, b, kh),
-      in_specs=[pl.BlockSpec((None, None, 4), lambda i, j, h: (j, i, 0)),
-                pl.BlockSpec((None, None, 1), lambda i, j, h: (j, h, i)),
-                *_packed_specs(tp, groups, True), *keep_specs,
-                q_group, kv_tile, kv_tile, q_group] + [rows_group] * 4,
-      out_specs=[kv_tile, kv_tile], out_shape=[jax.ShapeDtypeStruct(kp.shape, kp.dtype)] * 2,
+      grid=(kh, b, tp // bk),
+      in_specs=_key_tiles_slowest([pl.BlockSpec((None, None, 4), lambda i, j, h: (j, i, 0)),
+                                   pl.BlockSpec((None, None, 1), lambda i, j, h: (j, h, i)),
+                                   *_packed_specs(tp, groups, True), *keep_specs,
+                                   q_group, kv_tile, kv_tile, q_group] + [rows_group] * 4),
+      out_specs=_key_tiles_slowest([kv_tile, kv_tile]), out_shape=[jax.ShapeDtypeStruct(kp.shape, kp.dtype)] * 2,
       compiler_params=dkv_t.params(dp), interpret=interpret, name="elastic_packed_dkv",
   )(plan["k_plan"], plan["k_modes"], seg, pos, gate, *keep_ops, qp, kp, vp, do, lse_fa,
     lse_sa, d_fa, d_sa)
