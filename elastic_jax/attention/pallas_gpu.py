@@ -687,9 +687,9 @@ def _packed_masks(seg_q, pos_q, q_idx, seg_k, pos_k, k_idx, streaming: Streaming
 
 def _key_tiles_slowest(specs):
   """BlockSpecs written for a grid (key tile, batch, KV head), for the dK/dV kernels' grid
-  (KV head, batch, key tile): programs start in the order of the grid's first axis fastest,
-  so every head's first key tiles, the ones most query tiles see (a streaming head's sink
-  keys: every later row), start before any head's later ones."""
+  (KV head, batch, key tile). Programs start with the grid's first axis changing fastest, so
+  every head's first key tiles, those the most query tiles see (a streaming head's sink keys:
+  every later row), start before any head's later ones."""
   return [dataclasses.replace(x, index_map=lambda h, j, i, f=x.index_map: f(i, j, h))
           for x in specs]
 
@@ -1007,7 +1007,8 @@ def _packed_backward_call(res, d_out, streaming, interpret, dq_t: Tiles, dkv_t: 
                                    pl.BlockSpec((None, None, 1), lambda i, j, h: (j, h, i)),
                                    *_packed_specs(tp, groups, True), *keep_specs,
                                    q_group, kv_tile, kv_tile, q_group] + [rows_group] * 4),
-      out_specs=_key_tiles_slowest([kv_tile, kv_tile]), out_shape=[jax.ShapeDtypeStruct(kp.shape, kp.dtype)] * 2,
+      out_specs=_key_tiles_slowest([kv_tile, kv_tile]),
+      out_shape=[jax.ShapeDtypeStruct(kp.shape, kp.dtype)] * 2,
       compiler_params=dkv_t.params(dp), interpret=interpret, name="elastic_packed_dkv",
   )(plan["k_plan"], plan["k_modes"], seg, pos, gate, *keep_ops, qp, kp, vp, do, lse_fa,
     lse_sa, d_fa, d_sa)
