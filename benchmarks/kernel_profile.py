@@ -105,7 +105,7 @@ def main(argv=None):
   bad = [t for t in variants if not mosaic_gpu_backward.applies(4, Streaming(1, 16, 128), t)]
   if bad:
     p.error(f"--slots {bad[0].slots} --registers {bad[0].registers}: the backward kernels "
-            "take 2 to 4 slots and 168 to 240 registers in steps of 8")
+            "take 2 to 4 slots and 176 to 240 registers in steps of 8")
   if args.persistent < 0:
     p.error("--persistent must be a count of programs (0: one per work item)")
   if args.kernel == "cudnn" and (args.dry_run or args.mixed or args.xa or args.overlap

@@ -122,7 +122,7 @@ def applies(groups: int, streaming: Streaming, tiles: BackwardTiles = DEFAULT_BA
   tiles of 256 would overflow shared memory)."""
   sizes = program_sizes(groups, tiles)
   return ((groups == 1 or groups % 2 == 0) and tiles.slots >= 2
-          and tiles.registers % 8 == 0 and _LAUNCH_REGISTERS <= tiles.registers
+          and tiles.registers % 8 == 0 and _LAUNCH_REGISTERS < tiles.registers
           and memory_registers(tiles) >= 24 and shared_bytes(tiles, head_dim) <= 227 * 1024
           and head_dim % 64 == 0 and head_dim <= 128
           and tiles.dq_block_q % 64 == 0 and tiles.dkv_block_k % 64 == 0   # wgmma: M of 64
