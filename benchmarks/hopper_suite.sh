@@ -17,6 +17,9 @@
 #              default, overlapped, persistent, multicast and Q-in-registers rows side by side
 #   profile    benchmarks/kernel_profile.py per Mosaic kernel at 32K (MSR 0.75, gates 0.5,
 #              fa-xa at density 0.5), with the compiler's register and spill report
+#   backward   kernel_profile.py of the dQ and dK/dV kernels at 32K, MSR 0, 0.75 and 1 and
+#              gates 0.5, each with 2 and 3 ring slots and 232 and 240 registers (checked
+#              bit-equal to the default, timed interleaved)
 #   attention  benchmarks/attention.py at 32K and 128K (MSR 0.75), training at 64K, with the
 #              Triton training rows beside, JSON beside the log
 #   xattention benchmarks/xattention.py (forward at 32K and 128K with the scoring at tiles of
@@ -29,7 +32,7 @@ out=${1:?usage: hopper_suite.sh OUT [STAGE ...]}
 shift
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(tests tests-triton schedules schedules-attention profile
-                                    attention xattention packed)
+                                    backward attention xattention packed)
 mkdir -p "$out"
 # The GPU first (the default device); the CPU beside it for the tests that run Pallas TPU
 # interpret mode, whose callbacks need a CPU device.
@@ -92,6 +95,14 @@ for stage in "${stages[@]}"; do
                   "train_forward --xa" "dq --xa" "dkv --xa" "dq --xa --mixed" "dkv --xa --mixed"; do
         profile_with_report profile_$(echo "$args" | tr -d ' -') 45 $args
       done ;;
+    backward)
+      for kernel in dkv dq; do
+        for args in "--msr 0" "--msr 0.75" "--msr 1" "--mixed"; do
+          run backward_${kernel}_$(echo "$args" | tr -d ' -.') 70 "$py" \
+            benchmarks/kernel_profile.py --kernel $kernel $args --slots 2 3 \
+            --registers 232 240 --reps 9
+        done
+      done ;;
     attention)
       run attention 560 "$py" benchmarks/attention.py --lengths 32768 131072 --msr 0.75 \
         --train-lengths 65536 --train-msr 0.75 --triton-training --seconds 1 --reps 5 \
@@ -105,7 +116,7 @@ for stage in "${stages[@]}"; do
         --seconds 1 ;;
     *)
       echo "unknown stage '$stage' (tests, tests-triton, schedules, schedules-attention," \
-        "profile, attention, xattention, packed)" >&2
+        "profile, backward, attention, xattention, packed)" >&2
       exit 2 ;;
   esac
 done
