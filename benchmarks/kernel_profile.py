@@ -1,5 +1,5 @@
-"""One Mosaic GPU kernel alone, warmed up then launched a few times: for a profiler to look at,
-and its time and TFLOP/s beside the device's bf16 matrix-product rate.
+"""One attention kernel alone (Mosaic GPU; with --triton a Triton training kernel), warmed up
+then launched a few times: for a profiler to look at, and its time and TFLOP/s.
 
     python benchmarks/kernel_profile.py --kernel dq [--length 32768] [--msr 0.75 | --mixed]
         [--xa --density 0.5] [--overlap] [--multicast] [--q-registers] [--persistent 132]
@@ -11,6 +11,7 @@ and its time and TFLOP/s beside the device's bf16 matrix-product rate.
         --launch-count 1 python benchmarks/kernel_profile.py --kernel cudnn --reps 1  # the peer
     python benchmarks/kernel_profile.py --kernel dkv --slots 2 3 4 --registers 232 240
                                      # the backward's tiles: each variant, timed interleaved
+    python benchmarks/kernel_profile.py --kernel dkv --triton   # the Triton kernel instead
     python benchmarks/kernel_profile.py --dry-run        # CPU, interpret mode, tiny shapes
 
 Kernels (elastic_jax/attention/mosaic_gpu.py, mosaic_gpu_backward.py):
@@ -30,6 +31,10 @@ programs (`MosaicTiles.persistent`, e.g. the SM count).
 --slots and --registers set the backward kernels' ring slots and the compute warpgroups'
 registers a thread (`mosaic_gpu_backward.BackwardTiles`; the memory warpgroup keeps the rest);
 given several values, every combination is built and timed in rounds that launch each once.
+--triton runs the training kernels' Triton versions instead (elastic_jax/attention/
+pallas_gpu.py: `hybrid_parts`'s training forward, one launch computing both outputs of every
+head, and the dQ or dK/dV kernel of `_backward_call` alone, at their default tiles); the
+FLOPs are counted as for the Mosaic kernels, so the two rates compare.
 --xa runs the training kernels under "fa-xa" (`xa_forward_train`, the backward kernels with
 the kept-block lists): the streaming heads become XA heads on random kept blocks of --density.
 Shape: B = 1, 32 query / 8 KV heads, head_dim 128, bf16; SSA sink 1 + local 16 blocks of 128.
@@ -52,7 +57,8 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from elastic_jax.attention import Streaming, mosaic_gpu, mosaic_gpu_backward  # noqa: E402
+from elastic_jax.attention import (Streaming, mosaic_gpu, mosaic_gpu_backward,  # noqa: E402
+                                   pallas_gpu)
 from elastic_jax.attention.common import modes_from_gate, pad_to, row_deltas  # noqa: E402
 from elastic_jax.router import streaming_kept_fraction  # noqa: E402
 
@@ -84,6 +90,8 @@ def main(argv=None):
                  help="dq, dkv: slots of the kernel's ring (several: each timed, interleaved)")
   p.add_argument("--registers", type=int, nargs="+", default=[232],
                  help="dq, dkv: registers a thread of each compute warpgroup (232 or 240)")
+  p.add_argument("--triton", action="store_true",
+                 help="train_forward, dq, dkv: the Triton kernels (pallas_gpu) instead")
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--dry-run", action="store_true")
   args = p.parse_args(argv)
@@ -100,8 +108,13 @@ def main(argv=None):
   variants = [mosaic_gpu_backward.BackwardTiles(slots=sl, registers=r)
                for sl in args.slots for r in args.registers]
   backward = args.kernel in ("dq", "dkv")
-  if (args.slots != [2] or args.registers != [232]) and not backward:
-    p.error("--slots and --registers are tiles of the backward kernels (dq, dkv)")
+  if (args.slots != [2] or args.registers != [232]) and not (backward and not args.triton):
+    p.error("--slots and --registers are tiles of the Mosaic GPU backward kernels (dq, dkv)")
+  if args.triton and (args.kernel not in ("train_forward", "dq", "dkv") or args.xa
+                      or args.overlap or args.multicast or args.q_registers or args.persistent):
+    p.error("--triton times the Triton training kernels (train_forward, dq, dkv) with neither "
+            "--xa nor a Mosaic GPU schedule (--overlap, --multicast, --q-registers, "
+            "--persistent)")
   bad = [t for t in variants if not mosaic_gpu_backward.applies(4, Streaming(1, 16, 128), t)]
   if bad:
     p.error(f"--slots {bad[0].slots} --registers {bad[0].registers}: the backward kernels "
@@ -147,6 +160,19 @@ def main(argv=None):
     run, operands = jit(lambda q, k, v: mosaic_gpu.xa_forward_hard(
         q, k, v, gate, keep, st, patterns="fa-xa", xa_block=128, tiles=tiles,
         interpret=interpret)), (q, k, v)
+  elif args.triton:
+    forward_train = jit(lambda q, k, v: pallas_gpu.hybrid_parts()[1](q, k, v, gate, st,
+                                                                     interpret))
+    if args.kernel == "train_forward":
+      run, operands = forward_train, (q, k, v)
+    else:
+      _, res = forward_train(q, k, v)
+      d_out = jax.random.normal(keys[4], q.shape, jnp.float32).astype(jnp.bfloat16)
+      dq_t, dkv_t = pallas_gpu.DQ_TILES.fit(t), pallas_gpu.DKV_TILES.fit(t)
+      runs = [jit(lambda res, d_out: pallas_gpu._backward_call(
+          res, d_out, st, interpret, dq_t, dkv_t, kernels=(args.kernel,)))]
+      operands = (res, d_out)
+      variants = [None]
   else:
     if args.xa:
       forward_train = jit(lambda q, k, v: mosaic_gpu.xa_forward_train(
@@ -215,6 +241,7 @@ def main(argv=None):
           + (", multicast" if args.multicast else "")
           + (", Q in registers" if args.q_registers else "")
           + (f", {args.persistent} persistent programs" if args.persistent else "")
+          + (", Triton" if args.triton else "")
           + (f", {bt.slots} slots, {bt.registers} registers" if bt is not None else "")
           + f": {sec * 1e3:.3f} ms (median of {args.reps}), {flops / sec / 1e12:.1f} TFLOP/s"
           + (" (dry run: interpret mode, times mean nothing)" if args.dry_run else ""))

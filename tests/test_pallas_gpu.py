@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from elastic_jax import hybrid_attention
-from elastic_jax.attention import Streaming
+from elastic_jax.attention import Streaming, pallas_gpu
 from elastic_jax.attention.common import modes_from_gate, q_tile_range, tile_ranges
 from elastic_jax.attention.pallas_gpu import Tiles, make_hybrid
 from elastic_jax.attention.reference import dense_hybrid_attention
@@ -128,6 +128,27 @@ def test_forward_training_forward_and_gradients_match_reference(b, t, n, k, d, b
     err = float(jnp.abs(up(a) - r).max())
     bound = GRAD_TOL[dtype] * max(1.0, float(jnp.abs(r).max()))
     assert err <= bound, (name, err, bound)
+
+
+def test_backward_kernels_launch_alone():
+  """`_backward_call(kernels=...)` (what benchmarks/kernel_profile.py times): the dQ or dK/dV
+  kernel alone gives the gradients the two together give, bit for bit, and None for the
+  kernel left out."""
+  st = Streaming(1, 2, 16)
+  q, kk, v = _inputs(1, 70, 4, 2, 64, jnp.float32, seed=3)
+  gate = jnp.asarray([[0.0, 0.4]], jnp.float32)
+  _, forward_train, _ = pallas_gpu.hybrid_parts(**{k: x for k, x in SMALL.items()
+                                                   if k != "forward_tiles"})
+  _, res = forward_train(q, kk, v, gate, st, INTERPRET)
+  d_out = jax.random.normal(jax.random.key(5), q.shape)
+  call = lambda kernels: pallas_gpu._backward_call(res, d_out, st, INTERPRET, SMALL["dq_tiles"],
+                                                   SMALL["dkv_tiles"], kernels=kernels)
+  both, dq_alone, dkv_alone = call(("dq", "dkv")), call(("dq",)), call(("dkv",))
+  assert dq_alone[1] is None and dq_alone[2] is None and dkv_alone[0] is None
+  for name, x, y in (("dq", both[0], dq_alone[0]), ("dk", both[1], dkv_alone[1]),
+                     ("dv", both[2], dkv_alone[2]), ("d_gate", both[3], dkv_alone[3])):
+    assert bool(jnp.array_equal(x, y)), name
+  assert float(jnp.abs(both[1]).max()) > 0
 
 
 def test_op_routes_to_the_kernel_unpacked_and_packed():

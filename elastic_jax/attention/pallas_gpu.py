@@ -540,9 +540,12 @@ def xa_parts(forward_tiles: Tiles = FORWARD_TILES,
 
 
 def _backward_call(res, d_out, streaming, interpret, dq_t: Tiles, dkv_t: Tiles,
-                   pair=("full", "stream"), keep=None, xa_block: int = 0):
+                   pair=("full", "stream"), keep=None, xa_block: int = 0,
+                   kernels=("dq", "dkv")):
   """The dQ and dK/dV kernels on the training forward's residuals: (dq, dk, dv, d_gate).
-  keep: the kept-block matrices [slots, nbp, nbp] int32 under the XAttention settings."""
+  keep: the kept-block matrices [slots, nbp, nbp] int32 under the XAttention settings.
+  kernels: those to launch ("dq", "dkv"); a kernel left out gives None for its gradients
+  (benchmarks/kernel_profile.py times each alone)."""
   qp, kp, vp, gate, modes, gate_bk, o_fa, o_gap, lse_fa, lse_sa = res
   b, t, n, d = d_out.shape
   tp, dp, kh = qp.shape[1], qp.shape[3], kp.shape[2]
@@ -557,43 +560,48 @@ def _backward_call(res, d_out, streaming, interpret, dq_t: Tiles, dkv_t: Tiles,
   operands = (modes, gate) + ((keep,) if keep is not None else ()) + (
       qp, kp, vp, do, lse_fa, lse_sa, d_fa, d_sa)
 
-  bq, bk = dq_t.block_q, dq_t.block_k
-  q_tile = pl.BlockSpec((None, bq, None, dp), lambda i, j, h: (j, i, h, 0))
-  kv_all = pl.BlockSpec((None, tp, None, dp), lambda i, j, h: (j, 0, h // groups, 0))
-  row_tile = pl.BlockSpec((None, None, bq), lambda i, j, h: (j, h, i))
-  keep_spec = []
-  if keep is not None:   # the kept row of the query tile's block
-    keep_spec = [pl.BlockSpec((None, None, keep.shape[2]), lambda i, j, h: (
-        j * kh + h // groups, (i * bq) // xa_block, 0))]
-  dq = pl.pallas_call(
-      functools.partial(_dq_kernel, block_q=bq, block_k=bk, **common),
-      grid=(tp // bq, b, n),
-      in_specs=[scalar, scalar, *keep_spec, q_tile, kv_all, kv_all, q_tile] + [row_tile] * 4,
-      out_specs=q_tile,
-      out_shape=jax.ShapeDtypeStruct(qp.shape, qp.dtype),
-      compiler_params=dq_t.params(dp),
-      interpret=interpret,
-      name="elastic_hybrid_dq",
-  )(*operands)
+  dq = dk = dv = None
+  if "dq" in kernels:
+    bq, bk = dq_t.block_q, dq_t.block_k
+    q_tile = pl.BlockSpec((None, bq, None, dp), lambda i, j, h: (j, i, h, 0))
+    kv_all = pl.BlockSpec((None, tp, None, dp), lambda i, j, h: (j, 0, h // groups, 0))
+    row_tile = pl.BlockSpec((None, None, bq), lambda i, j, h: (j, h, i))
+    keep_spec = []
+    if keep is not None:   # the kept row of the query tile's block
+      keep_spec = [pl.BlockSpec((None, None, keep.shape[2]), lambda i, j, h: (
+          j * kh + h // groups, (i * bq) // xa_block, 0))]
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, block_q=bq, block_k=bk, **common),
+        grid=(tp // bq, b, n),
+        in_specs=[scalar, scalar, *keep_spec, q_tile, kv_all, kv_all, q_tile] + [row_tile] * 4,
+        out_specs=q_tile,
+        out_shape=jax.ShapeDtypeStruct(qp.shape, qp.dtype),
+        compiler_params=dq_t.params(dp),
+        interpret=interpret,
+        name="elastic_hybrid_dq",
+    )(*operands)
 
-  bq, bk = dkv_t.block_q, dkv_t.block_k
-  q_group = pl.BlockSpec((None, tp, groups, dp), lambda i, j, h: (j, 0, h, 0))
-  kv_tile = pl.BlockSpec((None, bk, None, dp), lambda i, j, h: (j, i, h, 0))
-  rows_group = pl.BlockSpec((None, groups, tp), lambda i, j, h: (j, h, 0))
-  if keep is not None:   # the slot's whole kept-block matrix (read one entry at a time)
-    keep_spec = [pl.BlockSpec((None,) + keep.shape[1:], lambda i, j, h: (j * kh + h, 0, 0))]
-  dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, block_q=bq, block_k=bk, num_q_tiles=tp // bq, **common),
-      grid=(kh, b, tp // bk),
-      in_specs=_key_tiles_slowest([scalar, scalar, *keep_spec, q_group, kv_tile, kv_tile,
-                                   q_group] + [rows_group] * 4),
-      out_specs=_key_tiles_slowest([kv_tile, kv_tile]),
-      out_shape=[jax.ShapeDtypeStruct(kp.shape, kp.dtype)] * 2,
-      compiler_params=dkv_t.params(dp),
-      interpret=interpret,
-      name="elastic_hybrid_dkv",
-  )(*operands)
-  cut = lambda x: x[:, :t, :, :d]
+  if "dkv" in kernels:
+    bq, bk = dkv_t.block_q, dkv_t.block_k
+    q_group = pl.BlockSpec((None, tp, groups, dp), lambda i, j, h: (j, 0, h, 0))
+    kv_tile = pl.BlockSpec((None, bk, None, dp), lambda i, j, h: (j, i, h, 0))
+    rows_group = pl.BlockSpec((None, groups, tp), lambda i, j, h: (j, h, 0))
+    keep_spec = []
+    if keep is not None:   # the slot's whole kept-block matrix (read one entry at a time)
+      keep_spec = [pl.BlockSpec((None,) + keep.shape[1:], lambda i, j, h: (j * kh + h, 0, 0))]
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, block_q=bq, block_k=bk, num_q_tiles=tp // bq,
+                          **common),
+        grid=(kh, b, tp // bk),
+        in_specs=_key_tiles_slowest([scalar, scalar, *keep_spec, q_group, kv_tile, kv_tile,
+                                     q_group] + [rows_group] * 4),
+        out_specs=_key_tiles_slowest([kv_tile, kv_tile]),
+        out_shape=[jax.ShapeDtypeStruct(kp.shape, kp.dtype)] * 2,
+        compiler_params=dkv_t.params(dp),
+        interpret=interpret,
+        name="elastic_hybrid_dkv",
+    )(*operands)
+  cut = lambda x: None if x is None else x[:, :t, :, :d]
   return cut(dq), cut(dk), cut(dv), d_gate
 
 
