@@ -17,9 +17,9 @@ forward's tile walk, and dK/dV per (key tile, KV head) over the transposed walk
 (`common.q_tile_range`), summing the G query heads of the KV head in the program (GQA). Per
 tile, dS = r P_FA (dP - D_FA) + (1 - r) P_SSA (dP - D_SSA), with the FA term skipped when r = 0
 and the SSA term when r = 1; nothing of size T x T is ever stored. Packed rows (segment ids
-and positions) run on `make_packed_hybrid`'s kernels (end of this file). Pallas's Triton backend is deprecated since jax 0.11 (Mosaic
-GPU is the path to full Hopper speed); these kernels are the portable version and the
-interpret-mode test subject.
+and positions) run on `make_packed_hybrid`'s kernels (end of this file). Pallas's Triton
+backend is deprecated since jax 0.11 (Mosaic GPU is the path to full Hopper speed); these
+kernels are the portable version and the interpret-mode test subject.
 
 Shape letters: B batch, T tokens, N query heads, K KV heads, G = N / K, D head dim.
 """
