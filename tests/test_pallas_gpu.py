@@ -15,7 +15,8 @@ import pytest
 
 from elastic_jax import hybrid_attention
 from elastic_jax.attention import Streaming, pallas_gpu
-from elastic_jax.attention.common import modes_from_gate, q_tile_range, tile_ranges
+from elastic_jax.attention.common import (dkv_program, modes_from_gate, q_tile_range,
+                                          tile_ranges)
 from elastic_jax.attention.pallas_gpu import Tiles, make_hybrid
 from elastic_jax.attention.reference import dense_hybrid_attention
 
@@ -60,6 +61,23 @@ def test_tile_ranges_cover_exactly_the_needed_tiles(block_q, block_k, st):
     visited = set(range(sink_end)) | set(range(max(win_start, sink_end), causal_end))
     assert needed <= visited, (q_start, needed - visited)
     assert visited - needed == set(), (q_start, visited - needed)
+
+
+@pytest.mark.parametrize("kh,nt,keys,st", [(8, 256, 128, Streaming(1, 16, 128)),
+                                           (3, 7, 32, Streaming(3, 2, 16)),
+                                           (2, 5, 64, Streaming(0, 2, 64)),
+                                           (4, 2, 16, Streaming(4, 1, 16))])
+def test_dkv_program_order(kh, nt, keys, st):
+  """`common.dkv_program`, the dK/dV kernels' start order: every (key tile, KV head) once;
+  first the tiles holding sink keys (at least one) of every head, then head by head the rest
+  in key order (the heaviest first)."""
+  tile, head = (np.asarray(x) for x in dkv_program(jnp.arange(kh * nt, dtype=jnp.int32), kh,
+                                                   nt, keys, st))
+  order = list(zip(tile.tolist(), head.tolist()))
+  assert sorted(order) == [(i, h) for i in range(nt) for h in range(kh)]
+  first = min(nt, max(1, -(-st.sink_blocks * st.block // keys)))
+  assert order[:kh * first] == [(i, h) for i in range(first) for h in range(kh)]
+  assert order[kh * first:] == [(i, h) for h in range(kh) for i in range(first, nt)]
 
 
 @pytest.mark.parametrize("block_q,block_k", [(16, 16), (16, 32), (32, 16), (64, 128)])

@@ -57,7 +57,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from elastic_jax.attention.common import MODE_FULL, MODE_MIX, MODE_SPARSE
+from elastic_jax.attention.common import MODE_FULL, MODE_MIX, MODE_SPARSE, dkv_program
 from elastic_jax.attention.reference import Streaming
 from elastic_jax.attention.xattention import block_lists
 
@@ -705,13 +705,12 @@ def _dkv_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwa
   dtype = k_ref.dtype
 
   b = lax.axis_index("b")
-  kv_head = lax.axis_index("kvh")
-  kt = lax.axis_index("kt")
-  k_start = kt * keys                               # first tiles first: the most query tiles
+  num_k_tiles = k_ref.shape[1] // keys
+  kt, kv_head = dkv_program(lax.axis_index("p"), num_kv_heads, num_k_tiles, keys, streaming)
+  k_start = kt * keys
   wg = lax.axis_index("wg")
   slot_bk = b * num_kv_heads + kv_head
   listed_tile = flags = None
-  num_k_tiles = k_ref.shape[1] // keys
   at = slot_bk * num_k_tiles + kt
   if xa is not None:   # the program's keys lie in key block k_start // xa.block: its column
     index_ref, count_ref, keep_ref = xa_refs
@@ -919,10 +918,8 @@ def dkv_call(q, k, v, do, row_terms, modes, gate, *, streaming: Streaming,
   operands = ((modes, *plan, *lists, q, k, v, do, row_terms, bounds) if packed else
               (modes, gate, *lists, q, k, v, do, row_terms))
   kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
-  # The first grid axis changes slowest as programs start: each key tile of every KV head
-  # before the next key tile, so the programs with the most query tiles start first across
-  # all heads (a streaming head's sink keys are seen by every later row: key tile 0 of the
-  # last head, started last, would end long after the others).
+  # The first grid axis changes slowest as programs start: the programs (key tile, KV head)
+  # in `common.dkv_program`'s order, every head's sink tiles first.
   return _launch(kernel, scratch, operands, out_type=(kv_type, kv_type),
-                 grid=(tp // (_COMPUTE_WGS * bk), kh, b),
-                 grid_names=("kt", "kvh", "b"), interpret=interpret)
+                 grid=(kh * (tp // (_COMPUTE_WGS * bk)), b),
+                 grid_names=("p", "b"), interpret=interpret)

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from elastic_jax.attention.common import (MODE_FULL, MODE_MIX, MODE_SPARSE,
+from elastic_jax.attention.common import (MODE_FULL, MODE_MIX, MODE_SPARSE, dkv_program,
                                           kernel_or_reference, modes_from_gate, pad_to,
                                           packed_plan, pad_packed, q_tile_range, row_deltas,
                                           tile_ranges,
@@ -264,7 +264,9 @@ def _dkv_kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, nu
     keep_ref, *refs = refs
   (q_ref, k_ref, v_ref, do_ref, lse_fa_ref, lse_sa_ref, d_fa_ref, d_sa_ref, dk_ref,
    dv_ref) = refs
-  h, b, kj = pl.program_id(0), pl.program_id(1), pl.program_id(2)   # `_key_tiles_slowest`
+  b = pl.program_id(1)
+  kj, h = dkv_program(pl.program_id(0), num_kv_heads, num_q_tiles * block_q // block_k,
+                      block_k, streaming)   # `_dkv_order`
   slot = b * num_kv_heads + h
   mode = modes_ref[slot]
   r = gate_ref[slot]
@@ -592,10 +594,10 @@ def _backward_call(res, d_out, streaming, interpret, dq_t: Tiles, dkv_t: Tiles,
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, block_q=bq, block_k=bk, num_q_tiles=tp // bq,
                           **common),
-        grid=(kh, b, tp // bk),
-        in_specs=_key_tiles_slowest([scalar, scalar, *keep_spec, q_group, kv_tile, kv_tile,
-                                     q_group] + [rows_group] * 4),
-        out_specs=_key_tiles_slowest([kv_tile, kv_tile]),
+        grid=(kh * (tp // bk), b),
+        in_specs=_dkv_order([scalar, scalar, *keep_spec, q_group, kv_tile, kv_tile,
+                             q_group] + [rows_group] * 4, kh, tp // bk, bk, streaming),
+        out_specs=_dkv_order([kv_tile, kv_tile], kh, tp // bk, bk, streaming),
         out_shape=[jax.ShapeDtypeStruct(kp.shape, kp.dtype)] * 2,
         compiler_params=dkv_t.params(dp),
         interpret=interpret,
@@ -693,13 +695,15 @@ def _packed_masks(seg_q, pos_q, q_idx, seg_k, pos_k, k_idx, streaming: Streaming
   return (xa if pair[0] == "xa" else full), (xa if pair[1] == "xa" else ssa)
 
 
-def _key_tiles_slowest(specs):
+def _dkv_order(specs, num_kv_heads: int, num_tiles: int, keys: int, streaming: Streaming):
   """BlockSpecs written for a grid (key tile, batch, KV head), for the dK/dV kernels' grid
-  (KV head, batch, key tile). Programs start with the grid's first axis changing fastest, so
-  every head's first key tiles, those the most query tiles see (a streaming head's sink keys:
-  every later row), start before any head's later ones."""
-  return [dataclasses.replace(x, index_map=lambda h, j, i, f=x.index_map: f(i, j, h))
-          for x in specs]
+  (program, batch), programs in `common.dkv_program`'s order (Triton starts programs with the
+  grid's first axis changing fastest)."""
+  def index_map(f):
+    return lambda p, j: (lambda tile, head: f(tile, j, head))(
+        *dkv_program(p, num_kv_heads, num_tiles, keys, streaming))
+
+  return [dataclasses.replace(x, index_map=index_map(x.index_map)) for x in specs]
 
 
 def _split_keep(refs, pair):
@@ -854,13 +858,14 @@ def _packed_dq_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, *refs, sc
 
 
 def _packed_dkv_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, *refs, scale, block_q,
-                       block_k, groups, streaming: Streaming, pair=("full", "stream"),
-                       xa_block: int = 0):
+                       block_k, groups, num_kv_heads, num_tiles, streaming: Streaming,
+                       pair=("full", "stream"), xa_block: int = 0):
   """dK and dV of one (key tile, batch, KV head) of packed rows, over the G query heads: the
   query tiles of the plan's transposed ranges (keep_ref: the kept column of this key tile)."""
   keep_ref, (q_ref, k_ref, v_ref, do_ref, lse_fa_ref, lse_sa_ref, d_fa_ref, d_sa_ref, dk_ref,
              dv_ref) = _split_keep(refs, pair)
-  kj = pl.program_id(2)   # `_key_tiles_slowest`
+  kj, _ = dkv_program(pl.program_id(0), num_kv_heads, num_tiles, block_k,
+                      streaming)   # `_dkv_order`
   q_lo, q_hi_full, q_hi_sparse = (plan_ref[x] for x in range(3))
   mode = modes_ref[0]
   k, v = k_ref[...], v_ref[...]
@@ -1009,13 +1014,15 @@ def _packed_backward_call(res, d_out, streaming, interpret, dq_t: Tiles, dkv_t: 
   rows_group = pl.BlockSpec((None, groups, tp), lambda i, j, h: (j, h, 0))
   dk, dv = pl.pallas_call(
       functools.partial(_packed_dkv_kernel, scale=scale, block_q=bq, block_k=bk,
-                        groups=groups, streaming=streaming, pair=xa.pair, xa_block=xa.block),
-      grid=(kh, b, tp // bk),
-      in_specs=_key_tiles_slowest([pl.BlockSpec((None, None, 4), lambda i, j, h: (j, i, 0)),
-                                   pl.BlockSpec((None, None, 1), lambda i, j, h: (j, h, i)),
-                                   *_packed_specs(tp, groups, True), *keep_specs,
-                                   q_group, kv_tile, kv_tile, q_group] + [rows_group] * 4),
-      out_specs=_key_tiles_slowest([kv_tile, kv_tile]),
+                        groups=groups, num_kv_heads=kh, num_tiles=tp // bk,
+                        streaming=streaming, pair=xa.pair, xa_block=xa.block),
+      grid=(kh * (tp // bk), b),
+      in_specs=_dkv_order([pl.BlockSpec((None, None, 4), lambda i, j, h: (j, i, 0)),
+                           pl.BlockSpec((None, None, 1), lambda i, j, h: (j, h, i)),
+                           *_packed_specs(tp, groups, True), *keep_specs,
+                           q_group, kv_tile, kv_tile, q_group] + [rows_group] * 4,
+                          kh, tp // bk, bk, streaming),
+      out_specs=_dkv_order([kv_tile, kv_tile], kh, tp // bk, bk, streaming),
       out_shape=[jax.ShapeDtypeStruct(kp.shape, kp.dtype)] * 2,
       compiler_params=dkv_t.params(dp), interpret=interpret, name="elastic_packed_dkv",
   )(plan["k_plan"], plan["k_modes"], seg, pos, gate, *keep_ops, qp, kp, vp, do, lse_fa,
