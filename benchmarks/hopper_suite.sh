@@ -20,6 +20,8 @@
 #   backward   kernel_profile.py of the dQ and dK/dV kernels at 32K, MSR 0, 0.75 and 1 and
 #              gates 0.5, each with 2 and 3 ring slots and 232 and 240 registers (checked
 #              bit-equal to the default, timed interleaved)
+#   backward-triton  kernel_profile.py --triton: the Triton training forward, dQ and dK/dV
+#              kernels alone at 32K, MSR 0, 0.75 and 1 and gates 0.5
 #   attention  benchmarks/attention.py at 32K and 128K (MSR 0.75), training at 64K, with the
 #              Triton training rows beside, JSON beside the log
 #   xattention benchmarks/xattention.py (forward at 32K and 128K with the scoring at tiles of
@@ -32,7 +34,7 @@ out=${1:?usage: hopper_suite.sh OUT [STAGE ...]}
 shift
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(tests tests-triton schedules schedules-attention profile
-                                    backward attention xattention packed)
+                                    backward backward-triton attention xattention packed)
 mkdir -p "$out"
 # The GPU first (the default device); the CPU beside it for the tests that run Pallas TPU
 # interpret mode, whose callbacks need a CPU device.
@@ -103,6 +105,13 @@ for stage in "${stages[@]}"; do
             --registers 232 240 --reps 9
         done
       done ;;
+    backward-triton)
+      for kernel in train_forward dq dkv; do
+        for args in "--msr 0" "--msr 0.75" "--msr 1" "--mixed"; do
+          run backward_triton_${kernel}_$(echo "$args" | tr -d ' -.') 60 "$py" \
+            benchmarks/kernel_profile.py --kernel $kernel $args --triton --reps 9
+        done
+      done ;;
     attention)
       run attention 560 "$py" benchmarks/attention.py --lengths 32768 131072 --msr 0.75 \
         --train-lengths 65536 --train-msr 0.75 --triton-training --seconds 1 --reps 5 \
@@ -116,7 +125,7 @@ for stage in "${stages[@]}"; do
         --seconds 1 ;;
     *)
       echo "unknown stage '$stage' (tests, tests-triton, schedules, schedules-attention," \
-        "profile, backward, attention, xattention, packed)" >&2
+        "profile, backward, backward-triton, attention, xattention, packed)" >&2
       exit 2 ;;
   esac
 done
