@@ -256,7 +256,9 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
     if tiles.multicast:   # a cluster: the two head pairs of one KV head
       hp = hp * 2 + lax.axis_index("pair")
     # Heavy first: programs launch in grid order, and the last query tiles have the most
-    # causal tiles to visit, so they start first and the short ones fill the tail.
+    # causal tiles to visit, so they start first and the short ones fill the tail. Light first
+    # measured 0.5-3% slower on full heads (benchmarks/README.md, 2026-12-06), though the
+    # Triton kernels want light first.
     qt = num_q_tiles - 1 - lax.axis_index("qt")
   else:
     b, hp, qt = item

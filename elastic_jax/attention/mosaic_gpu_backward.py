@@ -538,7 +538,7 @@ def _dq_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwar
 
   b = lax.axis_index("b")
   hp = lax.axis_index("hp")
-  qt = num_q_tiles - 1 - lax.axis_index("qt")        # heavy first, as the forward
+  qt = num_q_tiles - 1 - lax.axis_index("qt")        # heavy first (light: 3-4% slower)
   wg = lax.axis_index("wg")
   heads_per_program = _COMPUTE_WGS if pair_heads else 1
   kv_head = lax.div(hp * heads_per_program, jnp.int32(groups))
