@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/hopper_suite.sh OUT [STAGE ...]      (default: every stage, in order)
 #
-# Stages, each bounded by its own timeout so that one fits a 10-minute call on a lent machine
+# Stages, each bounded by its own timeout so that one fits in 10 minutes
 # (a failed stage is logged and the next one runs):
 #   tests      the Mosaic GPU kernel tests natively (forward, XAttention, training kernels,
 #              packed rows) against the float32 reference

@@ -22,7 +22,7 @@ Packed rows (segment ids, positions, a gate per row): `fused_packed_hybrid`, the
 kernels driven by `common.packed_plan`'s tile ranges, scalar-prefetched, with every visited
 tile masked by segment, causality and position blocks.
 
-No TPU is lent to this project: the kernels are tested in Pallas TPU interpret mode on CPU
+These kernels have not run on a TPU: they are tested in Pallas TPU interpret mode on CPU
 (`interpret=True`), where they must match the reference, and their lowering to Mosaic is
 checked (Mosaic's own compiler needs a TPU). Row statistics are [..., T, 1] columns (blocks of
 (tile, 1)), so tiles of any multiple of 8 rows are legal. The lane-dense layout splash
