@@ -301,7 +301,15 @@ def test_python_api_bad_input(world):
        "xa_keep is"),
       ((q, k, k, jax.numpy.ones((1, 1))), dict(patterns="xx"), "patterns 'xx' is unknown"),
       ((q, k, k, jax.numpy.ones((1, 1))), dict(segment_ids=jax.numpy.ones((1, 7), int)),
-       "segment_ids must be integers [B, T]")):
+       "segment_ids must be integers [B, T]"),
+      ((q, k.astype(jax.numpy.bfloat16), k.astype(jax.numpy.bfloat16), jax.numpy.ones((1, 1))),
+       {}, "q, k and v must share a dtype, got float32, bfloat16 and bfloat16"),
+      ((q[:, :0], k[:, :0], k[:, :0], jax.numpy.ones((1, 1))), {}, "q has an empty dimension"),
+      ((q, k, k, jax.numpy.ones((1, 1))),
+       dict(patterns="fa-xa", xa_block=0, xa_keep=jax.numpy.ones((1, 1, 1, 1), bool)),
+       "xa_block must be a positive number of tokens, got 0"),
+      ((q, k, k, jax.numpy.ones((1, 8, 1)).at[0, 5].set(0.0)), {},
+       "gate, row 0: more than one gate per KV head along a row without segment_ids")):
     with pytest.raises(ej.ElasticJaxError) as err:
       hybrid_attention(*args, block=4, local_blocks=1, **kw)
     assert words in str(err.value)

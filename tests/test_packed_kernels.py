@@ -207,6 +207,45 @@ def test_packed_rows_break_the_rules_in_one_sentence():
       hybrid_attention(q, kk, kk, g, segment_ids=seg, positions=pos, **st)
 
 
+def test_rule_breaking_rows_under_jit_agree_across_implementations():
+  """Under jit the values go unchecked; the operator then still computes one thing for every
+  implementation: an id used by two runs makes two segments, and a segment (without
+  segment_ids, a row) is routed by its first token's gate. The kernel against the reference,
+  each through the public operator, on such rows; and a well-formed per-token gate keeps its
+  per-token gradient."""
+  from elastic_jax import hybrid_attention
+  st = dict(sink_blocks=1, local_blocks=1, block=16)
+  t, k = 96, 2
+  keys = jax.random.split(jax.random.key(7), 4)
+  q, kk, v = (jax.random.normal(key, (1, t, h, 32), jnp.float32)
+              for key, h in zip(keys, (2 * k, k, k)))
+  split = jnp.asarray([[1] * 32 + [2] * 32 + [1] * 32])
+  varying = jax.random.uniform(keys[3], (1, t, k))
+  kernel = dict(attn_impl="pallas_gpu", interpret=INTERPRET)
+  for seg, gate in ((split, jnp.tile(jnp.asarray([[[1.0, 0.0]]]), (1, t, 1))),
+                    (None, varying), (split, varying)):
+    run = lambda impl, seg=seg: jax.jit(lambda g, s: hybrid_attention(
+        q, kk, v, g, segment_ids=s, **st, **impl))(gate, seg)
+    out, want = run(kernel), run(dict(attn_impl="reference"))
+    assert float(jnp.abs(out - want).max()) <= F32_TOL
+  # What the rule means, on the reference: the split row is three segments.
+  runs = jnp.asarray([[1] * 32 + [2] * 32 + [3] * 32])
+  g2 = jnp.ones((1, k))
+  a = hybrid_attention(q, kk, v, g2, segment_ids=runs, **st)
+  b = jax.jit(lambda s: hybrid_attention(q, kk, v, g2, segment_ids=s, **st))(split)
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+  # A well-formed per-token gate: its gradient is the reference's, token by token.
+  seg, _ = _row([40, 56])
+  gate = jnp.where(jnp.asarray(seg)[None, :, None] == 1, 0.3, 0.8) * jnp.ones((1, t, k))
+  cot = jax.random.normal(keys[0], q.shape)
+  loss = lambda g: jnp.sum(hybrid_attention(q, kk, v, g, segment_ids=jnp.asarray(seg[None]),
+                                            **st) * cot)
+  raw = lambda g: jnp.sum(reference(q, kk, v, g, Streaming(1, 1, 16), jnp.asarray(seg[None]),
+                                    None) * cot)
+  np.testing.assert_allclose(np.asarray(jax.grad(loss)(gate)), np.asarray(jax.grad(raw)(gate)),
+                             atol=1e-5)
+
+
 @pytest.mark.parametrize("g", [1, 4])
 def test_packed_forward_on_tile_aligned_segments_matches_the_reference(g):
   """Segments that start on tile boundaries (the unmasked interior tiles run), gates per

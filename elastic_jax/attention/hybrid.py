@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from elastic_jax.attention import HYBRID_IMPLS, Streaming
+from elastic_jax.attention.common import segment_bounds
 from elastic_jax.attention.reference import PATTERN_PAIRS
 from elastic_jax.errors import ElasticJaxError
 
@@ -22,6 +23,11 @@ def _check_inputs(q, k, v, gate, segment_ids, positions) -> None:
                             f"{list(getattr(x, 'shape', ()))}")
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise ElasticJaxError(f"{name} must be a floating-point array, got {x.dtype}")
+    if 0 in x.shape:
+      raise ElasticJaxError(f"{name} has an empty dimension: shape {list(x.shape)}")
+  if not q.dtype == k.dtype == v.dtype:
+    raise ElasticJaxError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype} and "
+                          f"{v.dtype}")
   if k.shape != v.shape:
     raise ElasticJaxError(f"k and v differ in shape: {list(k.shape)} and {list(v.shape)}")
   b, t, hq, d = q.shape
@@ -34,8 +40,8 @@ def _check_inputs(q, k, v, gate, segment_ids, positions) -> None:
           or gate.dtype == jnp.bool_):
     raise ElasticJaxError(f"gate must be numeric, got {gate.dtype}")
   if _concrete(gate):
-    g = jnp.asarray(gate)
-    if bool(jnp.any((g < 0) | (g > 1) | jnp.isnan(g.astype(jnp.float32)))):
+    g = np.asarray(gate, np.float32)   # numpy: also for a constant inside a jit trace
+    if bool(np.any((g < 0) | (g > 1) | np.isnan(g))):
       raise ElasticJaxError("gate values must lie in [0, 1] (1 = full attention)")
   for name, x in (("segment_ids", segment_ids), ("positions", positions)):
     if x is None:
@@ -46,6 +52,12 @@ def _check_inputs(q, k, v, gate, segment_ids, positions) -> None:
   if segment_ids is not None and all(_concrete(x) for x in (segment_ids, positions, gate)):
     _check_segments(np.asarray(segment_ids), None if positions is None else
                     np.asarray(positions), np.asarray(gate, np.float32))
+  elif segment_ids is None and gate.ndim == 3 and gate.shape[1] > 1 and _concrete(gate):
+    g = np.asarray(gate, np.float32)
+    rows = np.flatnonzero((g != g[:, :1]).any(axis=(1, 2)))
+    if rows.size:
+      raise ElasticJaxError(f"gate, row {int(rows[0])}: more than one gate per KV head along "
+                            "a row without segment_ids, which is one segment, routed once")
 
 
 def _check_segments(seg, pos, gate) -> None:
@@ -100,8 +112,10 @@ def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, gate: jax.Array, 
   packed segment one contiguous run of its row, with positions 0, 1, ... from its start and
   one gate per KV head; segment id 0 is padding, free of these rules) are checked when they
   are concrete, i.e. not under `jax.jit`, where only shapes and dtypes are known: inside jit
-  the caller vouches for them. Broken, they do not make the kernels wrong, only slower:
-  every tile the kernels visit is masked by segment, causality and position.
+  the caller vouches for them, and what the operator computes stays the same for every
+  implementation: each contiguous run of equal segment ids is a segment of its own (an id
+  used by two runs, padding included, makes two segments), and each segment (without
+  segment_ids, each row) is routed by its first token's gate.
   """
   if attn_impl not in HYBRID_IMPLS:
     raise ElasticJaxError(f"hybrid attention implementation '{attn_impl}' is unknown (known: "
@@ -114,9 +128,26 @@ def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, gate: jax.Array, 
   elif gate.shape != (b, t, hkv):
     raise ElasticJaxError(f"gate has shape {list(gate.shape)}; expected [B, Hkv] = "
                           f"{[b, hkv]} or [B, T, Hkv] = {[b, t, hkv]}")
+  # What the implementations are given: segments as the kernels read them (runs, renumbered
+  # along the row) and one gate value per segment (its first token's; each token keeps its
+  # own gradient). Rows that pass the checks above are unchanged by this, bit for bit, but
+  # for their padding runs (id 0), each now a segment of its own; rows under jit, which the
+  # checks cannot see, then mean the same to every implementation.
+  if not jnp.issubdtype(gate.dtype, jnp.floating):
+    gate = gate.astype(jnp.float32)
+  if segment_ids is not None:
+    segment_ids = jnp.cumsum(jnp.concatenate(
+        [jnp.zeros((b, 1), jnp.int32),
+         (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(jnp.int32)], axis=1), axis=1)
+    first = jnp.take_along_axis(gate, segment_bounds(segment_ids)[0][:, :, None], axis=1)
+  else:
+    first = jnp.broadcast_to(gate[:, :1], gate.shape)
+  gate = gate + jax.lax.stop_gradient(first - gate)
   if patterns not in PATTERN_PAIRS:
     raise ElasticJaxError(f"patterns '{patterns}' is unknown (known: {', '.join(PATTERN_PAIRS)})")
   if patterns != "fa-ssa":
+    if not isinstance(xa_block, int) or xa_block < 1:
+      raise ElasticJaxError(f"xa_block must be a positive number of tokens, got {xa_block!r}")
     if xa_keep is None:
       raise ElasticJaxError(f"patterns '{patterns}' needs the kept XAttention blocks (xa_keep)")
     nb = -(-t // xa_block)
