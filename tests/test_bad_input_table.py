@@ -322,6 +322,28 @@ def test_python_api_bad_input(world):
       make(training="cuda")
   q64, k64 = jax.numpy.ones((1, 128, 2, 64), jax.numpy.bfloat16), jax.numpy.ones(
       (1, 128, 2, 64), jax.numpy.bfloat16)
+  # Every builder's function checks that its arrays fit together before any kernel runs.
+  from elastic_jax.attention import pallas_gpu, pallas_tpu
+  st, g2, ids = Streaming(1, 1, 128), jax.numpy.ones((1, 2)), jax.numpy.ones((1, 128), int)
+  for fn, args, words in (
+      (mosaic_gpu.make_hybrid(), (q64, k64[:, :64], k64[:, :64], g2, st, True),
+       "do not fit: q is [B, T, N, D] and k, v [B, T, K, D]"),
+      (pallas_gpu.make_hybrid(), (q64[:, :, :1], k64, k64, g2, st, True), "do not fit"),
+      (pallas_tpu.fused_hybrid(), (q64, k64.astype(jax.numpy.float32), k64, g2, st, True),
+       "must share one floating dtype, got bfloat16, float32 and bfloat16"),
+      (mosaic_gpu.make_hybrid(), (q64, k64, k64, jax.numpy.ones((1, 4)), st, True),
+       "the gate has shape [1, 4]; [1, 2] expected"),
+      (mosaic_gpu.make_packed_hybrid(), (q64, k64, k64, g2, ids, ids, st, True),
+       "the gate has shape [1, 2]; [1, 128, 2] expected"),
+      (pallas_gpu.make_packed_hybrid(),
+       (q64, k64, k64, jax.numpy.ones((1, 128, 2)), ids.astype(float), ids, st, True),
+       "the segment ids are float"),
+      (pallas_gpu.make_xa_hybrid(), (q64, k64, k64, g2, jax.numpy.ones((1, 2, 1, 1), bool), st,
+                                     "fa-xa", 64, True),
+       "xa_keep has shape [1, 2, 1, 1]; [1, 2, 2, 2] expected for 128 tokens in blocks of 64")):
+    with pytest.raises(ValueError) as err:
+      fn(*args)
+    assert words in str(err.value), str(err.value)
   with pytest.raises(ValueError, match="runs the XAttention settings, not 'fa-ssa'"):
     mosaic_gpu.xa_forward_hard(q64, k64, k64, jax.numpy.ones((1, 2)),
                                jax.numpy.ones((1, 2, 1, 1), bool), Streaming(1, 1, 128),
