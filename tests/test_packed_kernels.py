@@ -31,6 +31,8 @@ def _on_cpu():
   """Where the TPU kernels' cases run, kernel and reference alike: the CPU device, also on a
   GPU host (whose float32 products would leave the tight tolerances of these cases)."""
   return jax.default_device(jax.devices("cpu")[0])
+
+
 _jit = functools.partial(
     jax.jit, compiler_options={"xla_backend_optimization_level": 0} if INTERPRET else None)
 
