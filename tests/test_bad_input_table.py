@@ -344,6 +344,19 @@ def test_python_api_bad_input(world):
     with pytest.raises(ValueError) as err:
       fn(*args)
     assert words in str(err.value), str(err.value)
+  # The plain reference too: its gathers would clamp a misshapen xa_keep silently.
+  from elastic_jax.attention import hybrid_attention as reference
+  q16, k16 = jax.numpy.ones((1, 64, 4, 16)), jax.numpy.ones((1, 64, 2, 16))
+  g16 = jax.numpy.ones((1, 64, 2))
+  for args, kw, words in (
+      ((q16, k16, k16, g16), dict(patterns="fa-xa", xa_block=16,
+                                  xa_keep=jax.numpy.ones((1, 2, 2, 2), bool)),
+       "xa_keep has shape [1, 2, 2, 2]; [1, 2, 4, 4] expected for 64 tokens in blocks of 16"),
+      ((q16, k16[:, :32], k16[:, :32], g16), {}, "do not fit: q is [B, T, N, D]"),
+      ((q16, k16, k16, g16[:, 0]), {}, "the gate has shape [1, 2]; [1, 64, 2] expected")):
+    with pytest.raises(ValueError) as err:
+      reference(*args, Streaming(1, 1, 16), **kw)
+    assert words in str(err.value), str(err.value)
   with pytest.raises(ValueError, match="runs the XAttention settings, not 'fa-ssa'"):
     mosaic_gpu.xa_forward_hard(q64, k64, k64, jax.numpy.ones((1, 2)),
                                jax.numpy.ones((1, 2, 1, 1), bool), Streaming(1, 1, 128),

@@ -69,6 +69,26 @@ def split_patterns(patterns: str) -> tuple[str, str]:
   return {"fa": "full", "xa": "xa"}[hi], {"ssa": "stream", "xa": "xa"}[lo]
 
 
+def _check_shapes(q, k, v, gate, segment_ids, positions, xa_keep, xa_block) -> None:
+  """One ValueError sentence where the arrays do not fit together (shapes only, so that it
+  holds under jit too): gathers would otherwise clamp and return a wrong result."""
+  b, t, _, h = q.shape
+  kh = k.shape[2]
+  if k.shape != v.shape or k.shape[:2] != (b, t) or k.shape[3] != h:
+    raise ValueError(f"q {list(q.shape)} and k, v {list(k.shape)}, {list(v.shape)} do not fit: "
+                     "q is [B, T, N, D] and k, v [B, T, K, D]")
+  if gate is not None and tuple(gate.shape) != (b, t, kh):
+    raise ValueError(f"the gate has shape {list(gate.shape)}; {[b, t, kh]} expected")
+  for name, x in (("segment ids", segment_ids), ("positions", positions)):
+    if x is not None and tuple(x.shape) != (b, t):
+      raise ValueError(f"the {name} have shape {list(x.shape)}; {[b, t]} expected")
+  if xa_keep is not None:
+    nb = -(-t // xa_block) if xa_block > 0 else 0
+    if xa_block < 1 or tuple(xa_keep.shape) != (b, kh, nb, nb):
+      raise ValueError(f"xa_keep has shape {list(xa_keep.shape)}; {[b, kh, nb, nb]} expected "
+                       f"for {t} tokens in blocks of {xa_block}")
+
+
 def _attend(q_btnh, k_btkh, v_btkh, segment_ids_bt, positions_bt, streaming: Streaming | None,
             gate_btk, scale, q_chunk, kv_chunk, patterns="fa-ssa", xa_keep=None, xa_block=128):
   """[B, T, N, H] in q's dtype: O_FA (streaming None), the r = 0 pattern alone (gate None), or
@@ -83,6 +103,8 @@ def _attend(q_btnh, k_btkh, v_btkh, segment_ids_bt, positions_bt, streaming: Str
   k = k_btkh.shape[2]
   if n % k:
     raise ValueError(f"{n} query heads are not a multiple of {k} key/value heads")
+  _check_shapes(q_btnh, k_btkh, v_btkh, gate_btk, segment_ids_bt, positions_bt,
+                xa_keep if "xa" in (hi, lo) and streaming is not None else None, xa_block)
   g = n // k
   scale = h ** -0.5 if scale is None else scale
   if segment_ids_bt is None:
