@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from elastic_jax.attention.reference import Streaming, hybrid_attention as reference_hybrid
+from elastic_jax.attention.reference import (Streaming, check_shapes,
+                                             hybrid_attention as reference_hybrid)
 from elastic_jax.attention.xattention import block_lists
 
 MODE_SPARSE, MODE_FULL, MODE_MIX = 0, 1, 2
@@ -140,45 +141,22 @@ def with_fused_backward(forward: Callable, forward_train: Callable, backward: Ca
 
 
 def check_kernel_call(args, num_arrays: int) -> None:
-  """One ValueError sentence for a kernel call whose arrays do not fit together (the kernels
-  would read past them or return a wrong result): q [B, T, N, D] and k, v [B, T, K, D] of one
-  floating dtype with N a multiple of K; the gate [B, K] (unpacked rows) or [B, T, K] (packed:
-  6 or 7 arrays, segment ids and positions int [B, T]); kept XA blocks [B, K, nb, nb] (5 or 7
-  arrays; the XA block is the static argument after the patterns)."""
+  """One ValueError sentence for a kernel call whose arrays do not fit together: the shapes as
+  `reference.check_shapes` asks them (the gate [B, K] on unpacked rows, [B, T, K] on packed
+  ones: 6 or 7 arrays, with segment ids and positions; kept XA blocks with 5 or 7 arrays, the
+  XA block the static argument after the patterns), q, k and v of one floating dtype, integer
+  segment ids and positions."""
   q, k, v, gate = args[:4]
-  if any(getattr(x, "ndim", None) != 4 for x in (q, k, v)):
-    raise ValueError(f"q, k and v must be [B, T, heads, D], got shapes {_shape(q)}, "
-                     f"{_shape(k)} and {_shape(v)}")
-  b, t, n, d = q.shape
-  kh = k.shape[2]
-  if (k.shape != v.shape or k.shape[:2] != (b, t) or k.shape[3] != d or kh == 0 or n % kh
-          or 0 in q.shape):
-    raise ValueError(f"q {_shape(q)} and k, v {_shape(k)}, {_shape(v)} do not fit: q is [B, T, "
-                     "N, D] and k, v [B, T, K, D] with N a multiple of K")
+  packed, xa = num_arrays >= 6, num_arrays in (5, 7)
+  seg, pos = args[4:6] if packed else (None, None)
+  check_shapes(q, k, v, gate, seg, pos, args[num_arrays - 1] if xa else None,
+               args[num_arrays + 2] if xa else 128, gate_per_token=packed)
   if not (q.dtype == k.dtype == v.dtype and jnp.issubdtype(q.dtype, jnp.floating)):
     raise ValueError(f"q, k and v must share one floating dtype, got {q.dtype}, {k.dtype} "
                      f"and {v.dtype}")
-  packed = num_arrays >= 6
-  want = (b, t, kh) if packed else (b, kh)
-  if tuple(getattr(gate, "shape", ())) != want:
-    raise ValueError(f"the gate has shape {_shape(gate)}; {list(want)} expected")
-  if packed:
-    for name, x in zip(("segment ids", "positions"), args[4:6]):
-      if tuple(getattr(x, "shape", ())) != (b, t) or not jnp.issubdtype(x.dtype, jnp.integer):
-        raise ValueError(f"the {name} are {getattr(x, 'dtype', type(x).__name__)}"
-                         f"{_shape(x)}; integers {[b, t]} expected")
-  if num_arrays in (5, 7):
-    keep, xa_block = args[num_arrays - 1], args[num_arrays + 2]
-    if not isinstance(xa_block, int) or xa_block < 1:
-      raise ValueError(f"the XA block must be a positive number of tokens, got {xa_block!r}")
-    nb = -(-t // xa_block)
-    if tuple(getattr(keep, "shape", ())) != (b, kh, nb, nb):
-      raise ValueError(f"xa_keep has shape {_shape(keep)}; {[b, kh, nb, nb]} expected for {t} "
-                       f"tokens in blocks of {xa_block}")
-
-
-def _shape(x) -> list:
-  return list(getattr(x, "shape", ()))
+  for name, x in (("segment ids", seg), ("positions", pos)):
+    if x is not None and not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f"the {name} are {x.dtype}; integers expected")
 
 
 def xa_operands(xa_keep, num_blocks: int, slots: int):

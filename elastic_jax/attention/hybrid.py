@@ -128,18 +128,16 @@ def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, gate: jax.Array, 
   elif gate.shape != (b, t, hkv):
     raise ElasticJaxError(f"gate has shape {list(gate.shape)}; expected [B, Hkv] = "
                           f"{[b, hkv]} or [B, T, Hkv] = {[b, t, hkv]}")
-  # What the implementations are given: segments as the kernels read them (runs, renumbered
-  # along the row) and one gate value per segment (its first token's; each token keeps its
+  # What the implementations are given: segments as the kernels read them (runs, each named
+  # by its first index) and one gate value per segment (its first token's; each token keeps its
   # own gradient). Rows that pass the checks above are unchanged by this, bit for bit, but
   # for their padding runs (id 0), each now a segment of its own; rows under jit, which the
   # checks cannot see, then mean the same to every implementation.
   if not jnp.issubdtype(gate.dtype, jnp.floating):
     gate = gate.astype(jnp.float32)
-  if segment_ids is not None:
-    segment_ids = jnp.cumsum(jnp.concatenate(
-        [jnp.zeros((b, 1), jnp.int32),
-         (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(jnp.int32)], axis=1), axis=1)
-    first = jnp.take_along_axis(gate, segment_bounds(segment_ids)[0][:, :, None], axis=1)
+  if segment_ids is not None:   # a run's first index names it
+    segment_ids = segment_bounds(segment_ids)[0]
+    first = jnp.take_along_axis(gate, segment_ids[:, :, None], axis=1)
   else:
     first = jnp.broadcast_to(gate[:, :1], gate.shape)
   gate = gate + jax.lax.stop_gradient(first - gate)

@@ -69,24 +69,37 @@ def split_patterns(patterns: str) -> tuple[str, str]:
   return {"fa": "full", "xa": "xa"}[hi], {"ssa": "stream", "xa": "xa"}[lo]
 
 
-def _check_shapes(q, k, v, gate, segment_ids, positions, xa_keep, xa_block) -> None:
-  """One ValueError sentence where the arrays do not fit together (shapes only, so that it
-  holds under jit too): gathers would otherwise clamp and return a wrong result."""
-  b, t, _, h = q.shape
+def check_shapes(q, k, v, gate, segment_ids=None, positions=None, xa_keep=None,
+                 xa_block: int = 128, *, gate_per_token: bool = True) -> None:
+  """One ValueError sentence where the arrays do not fit together, from shapes only (so that it
+  holds under jit too; the reference's gathers would clamp, the kernels read past them): q
+  [B, T, N, D] and k, v [B, T, K, D] with N a multiple of K; the gate [B, T, K] ([B, K] with
+  gate_per_token False; None: no gate); segment ids and positions [B, T]; kept XA blocks
+  [B, K, nb, nb] in blocks of xa_block >= 1 tokens. The kernel builders' check adds dtypes
+  (`common.check_kernel_call`)."""
+  shape = lambda x: list(getattr(x, "shape", ()))
+  if any(getattr(x, "ndim", None) != 4 for x in (q, k, v)):
+    raise ValueError(f"q, k and v must be [B, T, heads, D], got shapes {shape(q)}, {shape(k)} "
+                     f"and {shape(v)}")
+  b, t, n, h = q.shape
   kh = k.shape[2]
-  if k.shape != v.shape or k.shape[:2] != (b, t) or k.shape[3] != h:
-    raise ValueError(f"q {list(q.shape)} and k, v {list(k.shape)}, {list(v.shape)} do not fit: "
-                     "q is [B, T, N, D] and k, v [B, T, K, D]")
-  if gate is not None and tuple(gate.shape) != (b, t, kh):
-    raise ValueError(f"the gate has shape {list(gate.shape)}; {[b, t, kh]} expected")
+  if (k.shape != v.shape or k.shape[:2] != (b, t) or k.shape[3] != h or kh == 0 or n % kh
+          or 0 in q.shape):
+    raise ValueError(f"q {shape(q)} and k, v {shape(k)}, {shape(v)} do not fit: q is [B, T, N, "
+                     "D] and k, v [B, T, K, D] with N a multiple of K")
+  want = (b, t, kh) if gate_per_token else (b, kh)
+  if gate is not None and tuple(getattr(gate, "shape", ())) != want:
+    raise ValueError(f"the gate has shape {shape(gate)}; {list(want)} expected")
   for name, x in (("segment ids", segment_ids), ("positions", positions)):
-    if x is not None and tuple(x.shape) != (b, t):
-      raise ValueError(f"the {name} have shape {list(x.shape)}; {[b, t]} expected")
+    if x is not None and tuple(getattr(x, "shape", ())) != (b, t):
+      raise ValueError(f"the {name} have shape {shape(x)}; {[b, t]} expected")
   if xa_keep is not None:
-    nb = -(-t // xa_block) if xa_block > 0 else 0
-    if xa_block < 1 or tuple(xa_keep.shape) != (b, kh, nb, nb):
-      raise ValueError(f"xa_keep has shape {list(xa_keep.shape)}; {[b, kh, nb, nb]} expected "
-                       f"for {t} tokens in blocks of {xa_block}")
+    if not isinstance(xa_block, int) or xa_block < 1:
+      raise ValueError(f"the XA block must be a positive number of tokens, got {xa_block!r}")
+    nb = -(-t // xa_block)
+    if tuple(getattr(xa_keep, "shape", ())) != (b, kh, nb, nb):
+      raise ValueError(f"xa_keep has shape {shape(xa_keep)}; {[b, kh, nb, nb]} expected for {t} "
+                       f"tokens in blocks of {xa_block}")
 
 
 def _attend(q_btnh, k_btkh, v_btkh, segment_ids_bt, positions_bt, streaming: Streaming | None,
@@ -101,10 +114,8 @@ def _attend(q_btnh, k_btkh, v_btkh, segment_ids_bt, positions_bt, streaming: Str
     raise ValueError(f"patterns '{patterns}' needs the kept XAttention blocks (xa_keep)")
   b, t, n, h = q_btnh.shape
   k = k_btkh.shape[2]
-  if n % k:
-    raise ValueError(f"{n} query heads are not a multiple of {k} key/value heads")
-  _check_shapes(q_btnh, k_btkh, v_btkh, gate_btk, segment_ids_bt, positions_bt,
-                xa_keep if "xa" in (hi, lo) and streaming is not None else None, xa_block)
+  check_shapes(q_btnh, k_btkh, v_btkh, gate_btk, segment_ids_bt, positions_bt,
+               xa_keep if "xa" in (hi, lo) and streaming is not None else None, xa_block)
   g = n // k
   scale = h ** -0.5 if scale is None else scale
   if segment_ids_bt is None:
