@@ -200,13 +200,15 @@ def main(argv=None):
   mosaic_xa = mosaic and mosaic_gpu.xa_applies((1, 1, n, d), (1, 1, kh, d), dtype, st, xa.block)
   cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, is_causal=True, implementation="xla" if args.dry_run else "cudnn"))
+  # The gates are arguments of the jitted calls, as in a model, not constants the compiler
+  # could plan the heads' walks on.
   if mosaic:
-    forward = lambda gate: jax.jit(lambda q, k, v: mosaic_gpu.hybrid_forward_hard(
+    forward = jax.jit(lambda q, k, v, gate: mosaic_gpu.hybrid_forward_hard(
         q, k, v, gate, st, interpret=interpret))
   else:
-    forward = lambda gate: jax.jit(lambda q, k, v: hybrid_forward(q, k, v, gate, st,
-                                                                  interpret=interpret))
-  full, ssa = forward(ones), forward(zeros)
+    forward = jax.jit(lambda q, k, v, gate: hybrid_forward(q, k, v, gate, st,
+                                                           interpret=interpret))
+  full, ssa = (functools.partial(forward, gate=g) for g in (ones, zeros))
   score_triton = jax.jit(lambda q, k: select(q, k, xa, attn_impl="pallas_gpu"))
   score_jnp = jax.jit(lambda q, k: select(q, k, xa, attn_impl="reference"))
   mosaic_scoring = mosaic_gpu_scoring.applies((1, 1, n, d), (1, 1, kh, d), dtype, xa) and (
@@ -230,10 +232,12 @@ def main(argv=None):
       f"{c}-block chunks": dataclasses.replace(xa, chunk_blocks=c) for c in args.chunk_blocks}
   score_forms = {name: jax.jit(lambda q, k, x=x: select(q, k, x, attn_impl="reference"))
                  for name, x in score_forms.items()}
-  xa_triton = jax.jit(lambda q, k, v, keep: xa_hybrid_forward(
-      q, k, v, zeros, keep, st, patterns="fa-xa", xa_block=xa.block, interpret=interpret))
-  xa_mosaic = jax.jit(lambda q, k, v, keep: mosaic_gpu.xa_forward_hard(
-      q, k, v, zeros, keep, st, patterns="fa-xa", xa_block=xa.block, interpret=interpret))
+  xa_triton = functools.partial(jax.jit(lambda q, k, v, keep, gate: xa_hybrid_forward(
+      q, k, v, gate, keep, st, patterns="fa-xa", xa_block=xa.block, interpret=interpret)),
+      gate=zeros)
+  xa_mosaic = functools.partial(jax.jit(lambda q, k, v, keep, gate: mosaic_gpu.xa_forward_hard(
+      q, k, v, gate, keep, st, patterns="fa-xa", xa_block=xa.block, interpret=interpret)),
+      gate=zeros)
   checked = False
   verdicts = []
   if args.scoring_only:   # no attention, no check: the scoring forms against ours full
