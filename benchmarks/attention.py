@@ -22,7 +22,10 @@ last ones) to SSA and the others to full causal attention. In order:
    with the reason.
 3. Forward at --lengths: cuDNN causal (`jax.nn.dot_product_attention(implementation="cudnn",
    is_causal=True)`); cuDNN sliding window of sink + local tokens (no sink: the window-only
-   cost of an all-streaming model); ours (`hybrid_attention(attn_impl=--attn-impl)`, auto: on a
+   cost of an all-streaming model); on a Hopper GPU, JAX's own Mosaic GPU flash attention,
+   causal (`jax.experimental.pallas.ops.gpu.attention_mgpu`, FlashAttention-3's structure;
+   its output is compared with cuDNN's, and ours at MSR 0 against it is printed after the
+   targets); ours (`hybrid_attention(attn_impl=--attn-impl)`, auto: on a
    Hopper GPU the Mosaic GPU forward) at each MSR and at 0 and 1, and any --also impls and
    --tiles / --mosaic-tiles kernel variants beside it; Flex hybrid; the ideal composition
    min(cuDNN causal, ours MSR 0) * (1 - MSR) + min(cuDNN window, ours MSR 1) * MSR.
@@ -110,6 +113,7 @@ class Bench:
   also: tuple = ()         # other impls timed beside it (forward)
   mosaic_tiles: tuple = ()  # Mosaic GPU kernel variants, "BQxBKVxSLOTS[+overlap][+pP]" each
   triton_training: bool = False  # on Hopper, also train through the Triton training kernels
+  jax_mosaic: bool = False  # on Hopper, also time JAX's own Mosaic GPU flash attention
 
   @property
   def window(self) -> int:
@@ -155,6 +159,16 @@ class Bench:
     return hybrid_attention(q, k, v, gate, sink_blocks=self.st.sink_blocks,
                             local_blocks=self.st.local_blocks, block=self.st.block,
                             attn_impl=attn_impl, **extra)
+
+  def jax_mosaic_causal(self, q, k, v):
+    """JAX's own Mosaic GPU flash attention (`jax.experimental.pallas.ops.gpu.
+    attention_mgpu`, FlashAttention-3's warp-specialised structure), causal, at the tiles of
+    its own example: 64-row query blocks per warpgroup, 128-key tiles, 2 slots. It applies no
+    softmax scale, so its q comes scaled (outside the timed call)."""
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+    config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
+                                         causal=True)
+    return attention_mgpu.attention(q, k, v, config)
 
   def tiled(self, tiles):
     bq, bk, stages, *warps = tiles
@@ -433,6 +447,11 @@ def forward_rows(b: Bench, t: int, streams, flex: Flex) -> list[Row]:
             jax.jit(b.cudnn), (q, k, v)),
            (Row(f"{b.peer} window {b.window}", "cudnn_window", None, 4 * b.d * b.n * window),
             jax.jit(functools.partial(b.cudnn, window=True)), (q, k, v))]
+  if b.jax_mosaic:
+    q_scaled = (q.astype(jnp.float32) * b.d ** -0.5).astype(q.dtype)
+    cases.append((Row("JAX Mosaic GPU causal", "jax_mosaic_causal", None, b.hybrid_work(t, 0)),
+                  jax.jit(b.jax_mosaic_causal), (q_scaled, k, v)))
+  peers = len(cases)
   ours = jax.jit(b.ours)
   variants = b.variants()  # jitted once per length: each compiles once, not once per MSR
   for s in streams:
@@ -441,7 +460,12 @@ def forward_rows(b: Bench, t: int, streams, flex: Flex) -> list[Row]:
     cases += [(Row(name, key, s, work), fn, (q, k, v, gate))
               for name, (key, fn) in variants.items()]
   timed_rows = measure_together(b, label, cases)
-  rows = timed_rows[:2]
+  rows = timed_rows[:peers]
+  if b.jax_mosaic and rows[-1].sec is not None:   # the same function as cuDNN's?
+    got, want = (jax.jit(fn)(*a).astype(jnp.float32) for _, fn, a in (cases[peers - 1], cases[0]))
+    err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+    rows[-1].note = f"output against cuDNN causal's: relative difference {err:.2e}"
+    log(f"{label}: JAX Mosaic GPU causal: {rows[-1].note}")
   for s in streams:
     work = b.hybrid_work(t, s)
     rows += [r for r in timed_rows[2:] if r.streams == s]
@@ -738,6 +762,8 @@ def main(argv=None):
   hopper = str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
   mosaic_trains = (hopper and not args.dry_run and b.impl in ("auto", "mosaic_gpu")
                    and mosaic_gpu.trains(*shapes))
+  if hopper and not args.dry_run:
+    b = dataclasses.replace(b, jax_mosaic=True)
   if args.triton_training and mosaic_trains:
     b = dataclasses.replace(b, triton_training=True)
   elif args.triton_training:
@@ -817,6 +843,14 @@ def main(argv=None):
     bound = "" if tg["bound"] is None else f"  (at the ceiling: {tg['bound']:.2f})"
     print(f"  {tg['target']:<{width}} {v:>6}  target {tg['goal']:<7} {state:<7}{bound}"
           .rstrip())
+  # Full heads against the other FlashAttention-3-class kernel of the run (no target).
+  report["full_heads_vs_jax_mosaic"] = {}
+  for t, rows in fwd.items():
+    sec = {r["key"]: r["sec"] for r in rows if r["streams"] in (None, 0) and r["sec"]}
+    if "jax_mosaic_causal" in sec and "ours" in sec:
+      x = sec["jax_mosaic_causal"] / sec["ours"]
+      report["full_heads_vs_jax_mosaic"][t] = x
+      print(f"  T={t} MSR 0: ours / JAX Mosaic GPU causal throughput {x:.2f} (no target)")
   log("done")
   finish(0)
 

@@ -23,6 +23,9 @@ Kernels (elastic_jax/attention/mosaic_gpu.py, mosaic_gpu_backward.py):
   dq, dkv        the backward kernels on `forward_train`'s residuals
   cudnn          the peer beside them: cuDNN's causal forward on the same shape, every head
                  full (`jax.nn.dot_product_attention(implementation="cudnn")`; a GPU only)
+  jax_mosaic     the other peer: JAX's own Mosaic GPU flash attention, causal, on the same
+                 shape (`jax.experimental.pallas.ops.gpu.attention_mgpu`, 64-row query
+                 blocks, 128-key tiles, 2 slots; a Hopper GPU only)
 --overlap runs the forward kernels (forward, xa, train_forward) with FlashAttention-3's
 intra-warpgroup overlap (`mosaic_gpu.MosaicTiles(overlap=True)`); --multicast with each K/V
 tile multicast to a cluster of two programs (`MosaicTiles.multicast`); --q-registers with
@@ -62,8 +65,9 @@ from elastic_jax.attention import (Streaming, mosaic_gpu, mosaic_gpu_backward,  
 from elastic_jax.attention.common import modes_from_gate, pad_to, row_deltas  # noqa: E402
 from elastic_jax.router import streaming_kept_fraction  # noqa: E402
 
-KERNELS = ("forward", "xa", "train_forward", "dq", "dkv", "cudnn")
-FLOPS_PER_PAIR = {"forward": 4, "xa": 4, "train_forward": 4, "dq": 6, "dkv": 8, "cudnn": 4}
+KERNELS = ("forward", "xa", "train_forward", "dq", "dkv", "cudnn", "jax_mosaic")
+FLOPS_PER_PAIR = {"forward": 4, "xa": 4, "train_forward": 4, "dq": 6, "dkv": 8, "cudnn": 4,
+                  "jax_mosaic": 4}
 
 
 def main(argv=None):
@@ -121,10 +125,11 @@ def main(argv=None):
             "take 2 to 4 slots and 176 to 240 registers in steps of 8")
   if args.persistent < 0:
     p.error("--persistent must be a count of programs (0: one per work item)")
-  if args.kernel == "cudnn" and (args.dry_run or args.mixed or args.xa or args.overlap
-                                 or args.persistent or args.multicast or args.q_registers):
-    p.error("--kernel cudnn is cuDNN's causal forward on a GPU: no --dry-run, and none of "
-            "--mixed, --xa, --overlap, --persistent, --multicast, --q-registers")
+  peer = args.kernel in ("cudnn", "jax_mosaic")
+  if peer and (args.dry_run or args.mixed or args.xa or args.overlap or args.persistent
+               or args.multicast or args.q_registers):
+    p.error(f"--kernel {args.kernel} is a peer's causal forward on a GPU: no --dry-run, and "
+            "none of --mixed, --xa, --overlap, --persistent, --multicast, --q-registers")
   if args.multicast and (args.persistent or args.dry_run):
     p.error("--multicast runs natively only (no --dry-run) and with one program per work item "
             "(no --persistent)")
@@ -153,6 +158,12 @@ def main(argv=None):
   if args.kernel == "cudnn":
     run, operands = jit(lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=True, implementation="cudnn")), (q, k, v)
+  elif args.kernel == "jax_mosaic":   # it applies no softmax scale: q comes scaled
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+    config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
+                                         causal=True)
+    run = jit(lambda q, k, v: attention_mgpu.attention(q, k, v, config))
+    operands = ((q.astype(jnp.float32) * d ** -0.5).astype(q.dtype), k, v)
   elif args.kernel == "forward":
     run, operands = jit(lambda q, k, v: mosaic_gpu.hybrid_forward_hard(
         q, k, v, gate, st, tiles=tiles, interpret=interpret)), (q, k, v)
@@ -226,7 +237,7 @@ def main(argv=None):
   xa_pairs = args.density * causal        # about: random blocks, and the diagonal's
   sparse_pairs = xa_pairs if args.kernel == "xa" or args.xa else kept
   visited = (kh - streams) * causal + streams * sparse_pairs
-  if args.mixed or args.kernel == "cudnn":
+  if args.mixed or peer:
     visited = kh * causal
   if args.kernel == "train_forward":   # every head full, then every head sparse
     visited = kh * (causal + sparse_pairs)
@@ -234,8 +245,7 @@ def main(argv=None):
   for bt, spent in zip(variants if backward else [None], times):
     sec = statistics.median(spent)
     print(f"{jax.devices()[0].device_kind}: {args.kernel} T={t} "
-          + ("gates 0.5" if args.mixed else "causal" if args.kernel == "cudnn"
-             else f"MSR {streams / kh:g}")
+          + ("gates 0.5" if args.mixed else "causal" if peer else f"MSR {streams / kh:g}")
           + (f", fa-xa at density {args.density:g}" if args.xa else "")
           + (", overlapped" if args.overlap else "")
           + (", multicast" if args.multicast else "")
