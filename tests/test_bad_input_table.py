@@ -186,7 +186,7 @@ CASES = {
                                                    "--multicast runs natively only"),
     "kernel profile cudnn in interpret mode": ("benchmarks/kernel_profile",
                                                ["--dry-run", "--kernel", "cudnn"], 2,
-                                               "--kernel cudnn is cuDNN's causal forward on a GPU"),
+                                               "--kernel cudnn is a peer's causal forward on a GPU"),
     "kernel profile q-registers in interpret mode": ("benchmarks/kernel_profile",
                                                      ["--dry-run", "--q-registers"], 2,
                                                      "--q-registers runs natively only"),
