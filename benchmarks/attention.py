@@ -24,8 +24,9 @@ last ones) to SSA and the others to full causal attention. In order:
    is_causal=True)`); cuDNN sliding window of sink + local tokens (no sink: the window-only
    cost of an all-streaming model); on a Hopper GPU, JAX's own Mosaic GPU flash attention,
    causal (`jax.experimental.pallas.ops.gpu.attention_mgpu`, FlashAttention-3's structure;
-   its output is compared with cuDNN's, and ours at MSR 0 against it is printed after the
-   targets); ours (`hybrid_attention(attn_impl=--attn-impl)`, auto: on a
+   it takes float16 only, so it gets the same inputs in float16, whose products run at bf16's
+   rate; its output is compared with cuDNN's, and ours at MSR 0 against it is printed after
+   the targets); ours (`hybrid_attention(attn_impl=--attn-impl)`, auto: on a
    Hopper GPU the Mosaic GPU forward) at each MSR and at 0 and 1, and any --also impls and
    --tiles / --mosaic-tiles kernel variants beside it; Flex hybrid; the ideal composition
    min(cuDNN causal, ours MSR 0) * (1 - MSR) + min(cuDNN window, ours MSR 1) * MSR.
@@ -163,8 +164,9 @@ class Bench:
   def jax_mosaic_causal(self, q, k, v):
     """JAX's own Mosaic GPU flash attention (`jax.experimental.pallas.ops.gpu.
     attention_mgpu`, FlashAttention-3's warp-specialised structure), causal, at the tiles of
-    its own example: 64-row query blocks per warpgroup, 128-key tiles, 2 slots. It applies no
-    softmax scale, so its q comes scaled (outside the timed call)."""
+    its own example: 64-row query blocks per warpgroup, 128-key tiles, 2 slots. It takes
+    float16 only and applies no softmax scale, so its inputs come in float16 and its q scaled
+    (outside the timed call)."""
     from jax.experimental.pallas.ops.gpu import attention_mgpu
     config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
                                          causal=True)
@@ -448,9 +450,9 @@ def forward_rows(b: Bench, t: int, streams, flex: Flex) -> list[Row]:
            (Row(f"{b.peer} window {b.window}", "cudnn_window", None, 4 * b.d * b.n * window),
             jax.jit(functools.partial(b.cudnn, window=True)), (q, k, v))]
   if b.jax_mosaic:
-    q_scaled = (q.astype(jnp.float32) * b.d ** -0.5).astype(q.dtype)
+    f16 = [x.astype(jnp.float16) for x in (q.astype(jnp.float32) * b.d ** -0.5, k, v)]
     cases.append((Row("JAX Mosaic GPU causal", "jax_mosaic_causal", None, b.hybrid_work(t, 0)),
-                  jax.jit(b.jax_mosaic_causal), (q_scaled, k, v)))
+                  jax.jit(b.jax_mosaic_causal), f16))
   peers = len(cases)
   ours = jax.jit(b.ours)
   variants = b.variants()  # jitted once per length: each compiles once, not once per MSR

@@ -24,8 +24,9 @@ Kernels (elastic_jax/attention/mosaic_gpu.py, mosaic_gpu_backward.py):
   cudnn          the peer beside them: cuDNN's causal forward on the same shape, every head
                  full (`jax.nn.dot_product_attention(implementation="cudnn")`; a GPU only)
   jax_mosaic     the other peer: JAX's own Mosaic GPU flash attention, causal, on the same
-                 shape (`jax.experimental.pallas.ops.gpu.attention_mgpu`, 64-row query
-                 blocks, 128-key tiles, 2 slots; a Hopper GPU only)
+                 shape in float16, the one dtype it takes
+                 (`jax.experimental.pallas.ops.gpu.attention_mgpu`, 64-row query blocks,
+                 128-key tiles, 2 slots; a Hopper GPU only)
 --overlap runs the forward kernels (forward, xa, train_forward) with FlashAttention-3's
 intra-warpgroup overlap (`mosaic_gpu.MosaicTiles(overlap=True)`); --multicast with each K/V
 tile multicast to a cluster of two programs (`MosaicTiles.multicast`); --q-registers with
@@ -158,12 +159,12 @@ def main(argv=None):
   if args.kernel == "cudnn":
     run, operands = jit(lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=True, implementation="cudnn")), (q, k, v)
-  elif args.kernel == "jax_mosaic":   # it applies no softmax scale: q comes scaled
+  elif args.kernel == "jax_mosaic":   # float16 only, no softmax scale: q comes scaled
     from jax.experimental.pallas.ops.gpu import attention_mgpu
     config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
                                          causal=True)
     run = jit(lambda q, k, v: attention_mgpu.attention(q, k, v, config))
-    operands = ((q.astype(jnp.float32) * d ** -0.5).astype(q.dtype), k, v)
+    operands = tuple(x.astype(jnp.float16) for x in (q.astype(jnp.float32) * d ** -0.5, k, v))
   elif args.kernel == "forward":
     run, operands = jit(lambda q, k, v: mosaic_gpu.hybrid_forward_hard(
         q, k, v, gate, st, tiles=tiles, interpret=interpret)), (q, k, v)
