@@ -470,7 +470,7 @@ def forward_rows(b: Bench, t: int, streams, flex: Flex) -> list[Row]:
     log(f"{label}: JAX Mosaic GPU causal: {rows[-1].note}")
   for s in streams:
     work = b.hybrid_work(t, s)
-    rows += [r for r in timed_rows[2:] if r.streams == s]
+    rows += [r for r in timed_rows[peers:] if r.streams == s]
     rows.append(flex.row("forward", t, s, work))
     rec = flex.results.get(("forward", t, s), {})
     if "pairs" in rec:
