@@ -12,6 +12,8 @@ then launched a few times: for a profiler to look at, and its time and TFLOP/s.
     python benchmarks/kernel_profile.py --kernel dkv --slots 2 3 4 --registers 232 240
                                      # the backward's tiles: each variant, timed interleaved
     python benchmarks/kernel_profile.py --kernel dkv --triton   # the Triton kernel instead
+    python benchmarks/kernel_profile.py --kernel forward --msr 0 --length 8192 --reps 1 \
+        --trace trace_dir     # each warpgroup's regions, in-kernel clocks (MosaicTiles.trace)
     python benchmarks/kernel_profile.py --dry-run        # CPU, interpret mode, tiny shapes
 
 Kernels (elastic_jax/attention/mosaic_gpu.py, mosaic_gpu_backward.py):
@@ -52,10 +54,12 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -97,6 +101,10 @@ def main(argv=None):
                  help="dq, dkv: registers a thread of each compute warpgroup (232 or 240)")
   p.add_argument("--triton", action="store_true",
                  help="train_forward, dq, dkv: the Triton kernels (pallas_gpu) instead")
+  p.add_argument("--trace", metavar="DIR",
+                 help="forward: record each warpgroup's regions of the schedule "
+                      "(MosaicTiles.trace) into DIR and summarise them; natively, walks up "
+                      "to about 24K tokens, neither --overlap nor --persistent")
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--dry-run", action="store_true")
   args = p.parse_args(argv)
@@ -137,8 +145,15 @@ def main(argv=None):
   if args.q_registers and args.dry_run:
     p.error("--q-registers runs natively only (no --dry-run): the interpreter's matrix "
             "products read Q from shared memory")
+  if args.trace and (args.kernel != "forward" or args.overlap or args.persistent
+                     or args.dry_run):
+    p.error("--trace records the forward kernel's schedule without overlap (--kernel "
+            "forward, neither --overlap nor --persistent), natively (no --dry-run)")
   tiles = mosaic_gpu.MosaicTiles(overlap=args.overlap, persistent=args.persistent,
-                                 multicast=args.multicast, q_registers=args.q_registers)
+                                 multicast=args.multicast, q_registers=args.q_registers,
+                                 trace=str(Path(args.trace).resolve()) if args.trace else "")
+  if args.trace:
+    Path(args.trace).mkdir(parents=True, exist_ok=True)
   n, kh, d, st, t = 32, 8, 128, Streaming(1, 16, 128), args.length
   interpret = args.dry_run
   if args.dry_run:
@@ -256,6 +271,38 @@ def main(argv=None):
           + (f", {bt.slots} slots, {bt.registers} registers" if bt is not None else "")
           + f": {sec * 1e3:.3f} ms (median of {args.reps}), {flops / sec / 1e12:.1f} TFLOP/s"
           + (" (dry run: interpret mode, times mean nothing)" if args.dry_run else ""))
+  if args.trace:
+    summarise_trace(Path(args.trace))
+
+
+def summarise_trace(folder: Path):
+  """Prints, from the newest trace in folder (Perfetto JSON of the Mosaic GPU profiler), each
+  region of `mosaic_gpu.TRACE_REGIONS`: how often the compute warpgroups entered it, its
+  median length, and its share of those warpgroups' traced time."""
+  files = sorted(folder.glob("*-trace.json"))
+  if not files:
+    print(f"trace: no trace was written to {folder}")
+    return
+  events = json.loads(files[-1].read_text())["traceEvents"]
+  spans, open_at, bounds = {}, {}, {}
+  for e in events:   # begin/end pairs per (SM, warpgroup trace), nested as a stack
+    key = (e["pid"], e["tid"])
+    lo, hi = bounds.get(key, (e["ts"], e["ts"]))
+    bounds[key] = (min(lo, e["ts"]), max(hi, e["ts"]))
+    if e["ph"] == "B":
+      open_at.setdefault(key, []).append((e["name"], e["ts"]))
+    elif open_at.get(key):
+      name, start = open_at[key].pop()
+      spans.setdefault(name, []).append(e["ts"] - start)
+  traced = [bounds[k] for k in bounds if k in open_at]   # the warpgroups with regions
+  total = sum(hi - lo for lo, hi in traced)
+  print(f"trace {files[-1].name}: {len(traced)} warpgroups, {total / 1e3:.1f} ms of their time")
+  print(f"  {'region':<10} {'count':>9} {'median us':>10} {'share':>7}")
+  for name in mosaic_gpu.TRACE_REGIONS:
+    d = spans.get(name, [])
+    share = sum(d) / total if total else 0.0
+    med = statistics.median(d) if d else 0.0
+    print(f"  {name:<10} {len(d):>9} {med:>10.3f} {share:>7.1%}")
 
 
 if __name__ == "__main__":

@@ -179,6 +179,11 @@ def test_applies_only_where_its_layout_holds():
                                 MULTICAST)
   assert not mosaic_gpu.applies((1, 1000, 32, 128), (1, 1000, 8, 128), jnp.bfloat16, st,
                                 mosaic_gpu.MosaicTiles(multicast=True, persistent=132))
+  # A trace collects one program's events in shared memory: not across persistent items.
+  assert mosaic_gpu.applies((1, 1000, 32, 128), (1, 1000, 8, 128), jnp.bfloat16, st,
+                            mosaic_gpu.MosaicTiles(trace="traces"))
+  assert not mosaic_gpu.applies((1, 1000, 32, 128), (1, 1000, 8, 128), jnp.bfloat16, st,
+                                mosaic_gpu.MosaicTiles(trace="traces", persistent=132))
   with pytest.raises(ValueError, match="natively only"):
     mosaic_gpu.hybrid_forward_hard(*qkv(1, 128, 8, 2, 64, jnp.bfloat16), jnp.ones((1, 2)), st,
                                    tiles=MULTICAST, interpret=True)

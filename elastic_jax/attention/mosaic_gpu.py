@@ -115,7 +115,12 @@ class MosaicTiles:
   both programs' rings, halving the K/V traffic out of L2; a slot is free once both
   programs' warpgroups have released it (a cluster barrier). q_registers (natively; interpret
   mode keeps Q in shared memory) loads each warpgroup's Q tile into registers once, so that
-  QK^T reads only K out of shared memory."""
+  QK^T reads only K out of shared memory. trace (natively; a diagnostic): a folder where the
+  Mosaic GPU profiler writes, on every call, a timeline of each warpgroup's regions of the
+  schedule without overlap (`TRACE_REGIONS`) as a Perfetto trace (JSON); each region costs a
+  few cycles of clock reads and stores, so a traced kernel runs a little slower. The events
+  collect in the shared memory the tiles leave free (about 64 KiB at the default tiles and
+  head_dim 128: walks up to about 8K tokens); not with persistent programs."""
   block_q: int = 64
   block_kv: int = 128
   slots: int = 2
@@ -123,6 +128,14 @@ class MosaicTiles:
   persistent: int = 0
   multicast: bool = False
   q_registers: bool = False
+  trace: str = ""
+
+
+# The regions a traced kernel (`MosaicTiles.trace`) records per KV tile, in order, in the
+# schedule without overlap: issuing QK^T, the warpgroups' turn before its result is read,
+# waiting for the result, the softmax (with the accumulator's rescale and P's cast), the turn
+# and the V tile before PV, issuing PV and waiting for it.
+TRACE_REGIONS = ("qk_issue", "qk_turn", "qk_wait", "softmax", "pv_turn", "pv")
 
 
 DEFAULT_TILES = MosaicTiles()
@@ -152,7 +165,8 @@ def applies(q_shape, k_shape, dtype, streaming: Streaming,
           and streaming.block % tiles.block_kv == 0 and streaming.block % rows == 0
           and tiles.block_kv % rows == 0 and tiles.block_q % 64 == 0
           and tiles.block_kv % 64 == 0 and tiles.slots >= 2 and tiles.persistent >= 0
-          and (not tiles.multicast or (groups % 4 == 0 and not tiles.persistent)))
+          and (not tiles.multicast or (groups % 4 == 0 and not tiles.persistent))
+          and not (tiles.trace and tiles.persistent))
 
 
 def _rows_per_program(groups: int, tiles: MosaicTiles) -> int:
@@ -506,17 +520,22 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
         slot = ring(s)
 
         def qk(acc_ref):
-          plgpu.wgmma(acc_ref, q_op, k_smem.at[slot].transpose((1, 0)))
-          take_turn()
-          return acc_ref[...]
+          with jax.named_scope("qk_issue"):
+            plgpu.wgmma(acc_ref, q_op, k_smem.at[slot].transpose((1, 0)))
+          with jax.named_scope("qk_turn"):
+            take_turn()
+          with jax.named_scope("qk_wait"):
+            return acc_ref[...]
 
         x = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
         plgpu.barrier_arrive(k_free.at[slot])
-        p, m_new, l_i, _, acc = softmax(x, lambda: tile_of(s), m_i, l_i, masked, acc)
-        acc, l_i, m_new, p_lo = lax.optimization_barrier((acc, l_i, m_new, p.astype(dtype)))
-        plgpu.barrier_arrive(turn)
-        plgpu.barrier_wait(v_ready.at[slot])
-        plgpu.barrier_wait(turn)
+        with jax.named_scope("softmax"):
+          p, m_new, l_i, _, acc = softmax(x, lambda: tile_of(s), m_i, l_i, masked, acc)
+          acc, l_i, m_new, p_lo = lax.optimization_barrier((acc, l_i, m_new, p.astype(dtype)))
+        with jax.named_scope("pv_turn"):
+          plgpu.barrier_arrive(turn)
+          plgpu.barrier_wait(v_ready.at[slot])
+          plgpu.barrier_wait(turn)
 
         def pv(acc_ref):
           pv_product(acc_ref, p_lo, slot)
@@ -526,7 +545,8 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
           def _():
             plgpu.barrier_wait(k_ready.at[ring(nxt)])
 
-        acc, _ = add_pv(acc, pv)
+        with jax.named_scope("pv"):
+          acc, _ = add_pv(acc, pv)
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l_i
 
@@ -770,13 +790,18 @@ def _call(q, k, v, modes, *, streaming: Streaming, tiles: MosaicTiles, scale, in
                 cluster=(2, 1, 1), cluster_names=("pair", "pair_qt", "pair_b"))
   if tiles.persistent:
     grid = dict(grid=(tiles.persistent,), grid_names=("p",))
+  trace = {}
+  if tiles.trace and not interpret:   # room for every region of the longest walk; the events
+    # collect in shared memory (4 bytes each, two entries an event), past which they are dropped
+    trace = dict(profile_space=len(TRACE_REGIONS) * (-(-tp // tiles.block_kv) + 2),
+                 profile_dir=tiles.trace, profile_bounds_check=True)
   return plgpu.kernel(
       entry,
       out_type=out_type,
       **grid,
       num_threads=_COMPUTE_WGS + 1,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=plgpu.CompilerParams(approx_math=True, **trace),
       **kwargs,
   )(*operands)
 
