@@ -120,7 +120,7 @@ class MosaicTiles:
   schedule without overlap (`TRACE_REGIONS`) as a Perfetto trace (JSON); each region costs a
   few cycles of clock reads and stores, so a traced kernel runs a little slower. The events
   collect in the shared memory the tiles leave free (about 64 KiB at the default tiles and
-  head_dim 128: walks up to about 8K tokens); not with persistent programs."""
+  head_dim 128: walks up to about 24K tokens); not with persistent programs."""
   block_q: int = 64
   block_kv: int = 128
   slots: int = 2
@@ -134,7 +134,7 @@ class MosaicTiles:
 # The regions a traced kernel (`MosaicTiles.trace`) records per KV tile, in order, in the
 # schedule without overlap: issuing QK^T, the warpgroups' turn before its result is read,
 # waiting for the result, the softmax (with the accumulator's rescale and P's cast), the turn
-# and the V tile before PV, issuing PV and waiting for it.
+# and the V tile before PV, then issuing PV, the next K tile's arrival and PV's end.
 TRACE_REGIONS = ("qk_issue", "qk_turn", "qk_wait", "softmax", "pv_turn", "pv")
 
 
