@@ -99,6 +99,22 @@ def log(msg: str):
   print(f"[{time.perf_counter() - _START:5.0f} s] {msg}", flush=True)
 
 
+def jax_mosaic_inputs(q, k, v):
+  """The inputs of `jax_mosaic_causal` (made outside the timed call): q, k, v in float16, the
+  one dtype that kernel takes, q scaled by 1 / sqrt(D), since it applies no softmax scale."""
+  return [x.astype(jnp.float16) for x in (q.astype(jnp.float32) * q.shape[-1] ** -0.5, k, v)]
+
+
+def jax_mosaic_causal(q, k, v):
+  """JAX's own Mosaic GPU flash attention (`jax.experimental.pallas.ops.gpu.attention_mgpu`,
+  FlashAttention-3's warp-specialised structure), causal, at the tiles of its own example:
+  64-row query blocks per warpgroup, 128-key tiles, 2 slots; on `jax_mosaic_inputs`."""
+  from jax.experimental.pallas.ops.gpu import attention_mgpu
+  config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
+                                       causal=True)
+  return attention_mgpu.attention(q, k, v, config)
+
+
 @dataclasses.dataclass(frozen=True)
 class Bench:
   """The problem and the functions under test (built once; jit retraces per length)."""
@@ -160,17 +176,6 @@ class Bench:
     return hybrid_attention(q, k, v, gate, sink_blocks=self.st.sink_blocks,
                             local_blocks=self.st.local_blocks, block=self.st.block,
                             attn_impl=attn_impl, **extra)
-
-  def jax_mosaic_causal(self, q, k, v):
-    """JAX's own Mosaic GPU flash attention (`jax.experimental.pallas.ops.gpu.
-    attention_mgpu`, FlashAttention-3's warp-specialised structure), causal, at the tiles of
-    its own example: 64-row query blocks per warpgroup, 128-key tiles, 2 slots. It takes
-    float16 only and applies no softmax scale, so its inputs come in float16 and its q scaled
-    (outside the timed call)."""
-    from jax.experimental.pallas.ops.gpu import attention_mgpu
-    config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
-                                         causal=True)
-    return attention_mgpu.attention(q, k, v, config)
 
   def tiled(self, tiles):
     bq, bk, stages, *warps = tiles
@@ -450,9 +455,8 @@ def forward_rows(b: Bench, t: int, streams, flex: Flex) -> list[Row]:
            (Row(f"{b.peer} window {b.window}", "cudnn_window", None, 4 * b.d * b.n * window),
             jax.jit(functools.partial(b.cudnn, window=True)), (q, k, v))]
   if b.jax_mosaic:
-    f16 = [x.astype(jnp.float16) for x in (q.astype(jnp.float32) * b.d ** -0.5, k, v)]
     cases.append((Row("JAX Mosaic GPU causal", "jax_mosaic_causal", None, b.hybrid_work(t, 0)),
-                  jax.jit(b.jax_mosaic_causal), f16))
+                  jax.jit(jax_mosaic_causal), jax_mosaic_inputs(q, k, v)))
   peers = len(cases)
   ours = jax.jit(b.ours)
   variants = b.variants()  # jitted once per length: each compiles once, not once per MSR
@@ -464,7 +468,7 @@ def forward_rows(b: Bench, t: int, streams, flex: Flex) -> list[Row]:
   timed_rows = measure_together(b, label, cases)
   rows = timed_rows[:peers]
   if b.jax_mosaic and rows[-1].sec is not None:   # the same function as cuDNN's?
-    got, want = (jax.jit(fn)(*a).astype(jnp.float32) for _, fn, a in (cases[peers - 1], cases[0]))
+    got, want = (fn(*a).astype(jnp.float32) for _, fn, a in (cases[peers - 1], cases[0]))
     err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
     rows[-1].note = f"output against cuDNN causal's: relative difference {err:.2e}"
     log(f"{label}: JAX Mosaic GPU causal: {rows[-1].note}")

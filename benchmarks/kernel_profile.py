@@ -174,12 +174,9 @@ def main(argv=None):
   if args.kernel == "cudnn":
     run, operands = jit(lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=True, implementation="cudnn")), (q, k, v)
-  elif args.kernel == "jax_mosaic":   # float16 only, no softmax scale: q comes scaled
-    from jax.experimental.pallas.ops.gpu import attention_mgpu
-    config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
-                                         causal=True)
-    run = jit(lambda q, k, v: attention_mgpu.attention(q, k, v, config))
-    operands = tuple(x.astype(jnp.float16) for x in (q.astype(jnp.float32) * d ** -0.5, k, v))
+  elif args.kernel == "jax_mosaic":   # attention.py's peer, on the same inputs
+    from attention import jax_mosaic_causal, jax_mosaic_inputs
+    run, operands = jit(jax_mosaic_causal), jax_mosaic_inputs(q, k, v)
   elif args.kernel == "forward":
     run, operands = jit(lambda q, k, v: mosaic_gpu.hybrid_forward_hard(
         q, k, v, gate, st, tiles=tiles, interpret=interpret)), (q, k, v)
