@@ -128,6 +128,18 @@ def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, gate: jax.Array, 
   elif gate.shape != (b, t, hkv):
     raise ElasticJaxError(f"gate has shape {list(gate.shape)}; expected [B, Hkv] = "
                           f"{[b, hkv]} or [B, T, Hkv] = {[b, t, hkv]}")
+  if patterns not in PATTERN_PAIRS:
+    raise ElasticJaxError(f"patterns '{patterns}' is unknown (known: {', '.join(PATTERN_PAIRS)})")
+  if patterns != "fa-ssa":
+    if not isinstance(xa_block, int) or xa_block < 1:
+      raise ElasticJaxError(f"xa_block must be a positive number of tokens, got {xa_block!r}")
+    if xa_keep is None:
+      raise ElasticJaxError(f"patterns '{patterns}' needs the kept XAttention blocks (xa_keep)")
+    nb = -(-t // xa_block)
+    if tuple(xa_keep.shape) != (b, hkv, nb, nb) or xa_keep.dtype != jnp.bool_:
+      raise ElasticJaxError(f"xa_keep is {xa_keep.dtype}{list(xa_keep.shape)}; expected bool "
+                            f"[B, Hkv, nb, nb] = {[b, hkv, nb, nb]} for blocks of {xa_block}")
+    impl_kwargs.update(patterns=patterns, xa_keep=xa_keep, xa_block=xa_block)
   # What the implementations are given: segments as the kernels read them (runs, each named
   # by its first index) and one gate value per segment (its first token's; each token keeps its
   # own gradient). Rows that pass the checks above are unchanged by this, bit for bit, but
@@ -141,17 +153,5 @@ def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, gate: jax.Array, 
   else:
     first = jnp.broadcast_to(gate[:, :1], gate.shape)
   gate = gate + jax.lax.stop_gradient(first - gate)
-  if patterns not in PATTERN_PAIRS:
-    raise ElasticJaxError(f"patterns '{patterns}' is unknown (known: {', '.join(PATTERN_PAIRS)})")
-  if patterns != "fa-ssa":
-    if not isinstance(xa_block, int) or xa_block < 1:
-      raise ElasticJaxError(f"xa_block must be a positive number of tokens, got {xa_block!r}")
-    if xa_keep is None:
-      raise ElasticJaxError(f"patterns '{patterns}' needs the kept XAttention blocks (xa_keep)")
-    nb = -(-t // xa_block)
-    if tuple(xa_keep.shape) != (b, hkv, nb, nb) or xa_keep.dtype != jnp.bool_:
-      raise ElasticJaxError(f"xa_keep is {xa_keep.dtype}{list(xa_keep.shape)}; expected bool "
-                            f"[B, Hkv, nb, nb] = {[b, hkv, nb, nb]} for blocks of {xa_block}")
-    impl_kwargs.update(patterns=patterns, xa_keep=xa_keep, xa_block=xa_block)
   return HYBRID_IMPLS[attn_impl](q, k, v, gate, Streaming(sink_blocks, local_blocks, block),
                             segment_ids, positions, **impl_kwargs)
