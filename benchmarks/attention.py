@@ -128,7 +128,7 @@ class Bench:
   train_tiles: tuple = ()  # extra training variants: "FWD/DQ/DKV", each BQxBKxS[xWARPS]
   impl: str = "auto"       # ours: hybrid_attention(attn_impl=...)
   also: tuple = ()         # other impls timed beside it (forward)
-  mosaic_tiles: tuple = ()  # Mosaic GPU kernel variants, "BQxBKVxSLOTS[+overlap][+pP]" each
+  mosaic_tiles: tuple = ()  # Mosaic GPU kernel variants, "BQxBKVxSLOTS[+flag...]" each
   triton_training: bool = False  # on Hopper, also train through the Triton training kernels
   jax_mosaic: bool = False  # on Hopper, also time JAX's own Mosaic GPU flash attention
 
@@ -190,7 +190,8 @@ class Bench:
                                    overlap="overlap" in flags,
                                    persistent=persistent[0] if persistent else 0,
                                    multicast="multicast" in flags,
-                                   q_registers="qreg" in flags)
+                                   q_registers="qreg" in flags,
+                                   chain="chain" in flags)
     return jax.jit(functools.partial(mosaic_gpu.hybrid_forward_hard, streaming=self.st,
                                      tiles=tiles, interpret=self.dry_run))
 
@@ -693,13 +694,14 @@ def parse_args(argv=None):
   p.add_argument("--also", nargs="+", default=[], metavar="IMPL",
                  help="also time the forward of these impls, e.g. pallas_gpu")
   p.add_argument("--mosaic-tiles", nargs="+", default=[],
-                 metavar="BQxBKVxSLOTS[+overlap][+multicast][+qreg][+pP]",
+                 metavar="BQxBKVxSLOTS[+overlap|+chain][+multicast][+qreg][+pP]",
                  help="also time the Mosaic GPU kernel alone with these tiles, e.g. 64x128x2; "
                       "+overlap: FlashAttention-3's intra-warpgroup overlap "
                       "(mosaic_gpu.MosaicTiles.overlap); +multicast: each K/V tile "
                       "multicast to a cluster of two programs (MosaicTiles.multicast); +qreg: "
                       "QK^T reads Q from registers (MosaicTiles.q_registers); +p132: "
-                      "132 persistent programs (MosaicTiles.persistent)")
+                      "132 persistent programs (MosaicTiles.persistent); +chain: each "
+                      "warpgroup's QK^T and PV issued in one turn (MosaicTiles.chain)")
   p.add_argument("--train-tiles", nargs="+", default=[], metavar="FWD/DQ/DKV",
                  help="also time training with these tiles of the training forward, dQ and "
                       "dK/dV kernels, each BQxBKxSTAGES[xWARPS], e.g. 128x64x3/64x64x2/64x64x2")
@@ -738,12 +740,14 @@ def parse_args(argv=None):
   for spec in args.mosaic_tiles:
     sizes, *flags = spec.split("+")
     parts = sizes.split("x")
-    known = lambda f: f in ("overlap", "multicast", "qreg") or (
+    known = lambda f: f in ("overlap", "multicast", "qreg", "chain") or (
         f[:1] == "p" and f[1:].isdigit() and int(f[1:]) > 0)
     if (len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts)
-        or not all(map(known, flags)) or len(flags) != len(set(f[0] for f in flags))):
+        or not all(map(known, flags)) or len(flags) != len(set(f[0] for f in flags))
+        or ("chain" in flags and ("overlap" in flags or any(f[0] == "p" for f in flags)))):
       p.error(f"--mosaic-tiles {spec}: expected "
-              f"BQxBKVxSLOTS[+overlap][+multicast][+qreg][+pP], e.g. 64x128x2+overlap+p132")
+              f"BQxBKVxSLOTS[+overlap|+chain][+multicast][+qreg][+pP] (+chain without +pP), "
+              f"e.g. 64x128x2+overlap+p132")
   for spec in args.train_tiles:
     parts = [x.split("x") for x in spec.split("/")]
     if len(parts) != 3 or not all(len(x) in (3, 4) and all(y.isdigit() and int(y) > 0

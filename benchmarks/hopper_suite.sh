@@ -8,13 +8,15 @@
 #   tests      the Mosaic GPU kernel tests natively (forward, XAttention, training kernels,
 #              packed rows) against the float32 reference
 #   tests-triton  the Triton, packed-row and XAttention kernel tests natively
-#   schedules  the forward's other schedules (`MosaicTiles(overlap=True)`, FA3's
+#   schedules  the forward's schedules (the default chains each warpgroup's two products;
+#              `MosaicTiles()` does not; `MosaicTiles(overlap=True)`, FA3's
 #              intra-warpgroup overlap; `MosaicTiles(persistent=132)`, persistent programs;
 #              `multicast`, K/V tiles shared by a cluster of two; `q_registers`, Q in
 #              registers for QK^T): their tests natively, kernel_profile.py of the forward
 #              kernels in each schedule with the register and spill report
 #   schedules-attention  attention.py's forward at 32K and 128K (MSR 0, 0.75 and 1) with the
-#              default, overlapped, persistent, multicast and Q-in-registers rows side by side
+#              unchained, chained (2 and 3 slots), overlapped, persistent, multicast and
+#              Q-in-registers rows side by side
 #   profile    benchmarks/kernel_profile.py per Mosaic kernel at 32K (MSR 0.75, gates 0.5,
 #              fa-xa at density 0.5), with the compiler's register and spill report
 #   backward   kernel_profile.py of the dQ and dK/dV kernels at 32K, MSR 0, 0.75 and 1 and
@@ -79,8 +81,9 @@ for stage in "${stages[@]}"; do
         tests/test_packed_kernels.py tests/test_xattention.py ;;
     schedules)
       run schedules-tests 240 "$py" -m pytest -q -p no:cacheprovider tests/test_mosaic_gpu.py \
-        tests/test_mosaic_gpu_training.py -k "overlap or persistent or multicast or qreg or lower"
-      for args in "forward" "forward --overlap" "forward --persistent 132" \
+        tests/test_mosaic_gpu_training.py \
+        -k "overlap or persistent or multicast or qreg or plain or chain or lower"
+      for args in "forward" "forward --no-chain" "forward --overlap" "forward --persistent 132" \
                   "forward --overlap --persistent 132" "forward --multicast" \
                   "forward --q-registers" "xa" "xa --overlap" "train_forward" \
                   "train_forward --overlap"; do
@@ -88,7 +91,8 @@ for stage in "${stages[@]}"; do
       done ;;
     schedules-attention)
       run schedules-attention 560 "$py" benchmarks/attention.py --lengths 32768 131072 \
-        --msr 0.75 --skip-train --skip-torch --mosaic-tiles 64x128x2 64x128x2+overlap \
+        --msr 0.75 --skip-train --skip-torch --mosaic-tiles 64x128x2 64x128x2+chain \
+        64x128x3+chain 64x128x2+overlap \
         64x128x2+p132 64x128x2+multicast 64x128x2+qreg 64x128x2+overlap+qreg \
         --seconds 1 --reps 5 \
         --json "$out/schedules_attention.json" ;;

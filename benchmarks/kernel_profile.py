@@ -2,9 +2,13 @@
 then launched a few times: for a profiler to look at, and its time and TFLOP/s.
 
     python benchmarks/kernel_profile.py --kernel dq [--length 32768] [--msr 0.75 | --mixed]
-        [--xa --density 0.5] [--overlap] [--multicast] [--q-registers] [--persistent 132]
-    ncu --clock-control none --section LaunchStats --section SpeedOfLight --section Occupancy \\
-        --launch-skip 2 --launch-count 1 python benchmarks/kernel_profile.py --kernel dkv --reps 1
+        [--xa --density 0.5] [--overlap | --no-chain] [--multicast] [--q-registers]
+        [--persistent 132]
+    ncu --clock-control none --set full --kernel-name entry_mosaic_gpu_kernel \\
+        --launch-skip 1 --launch-count 1 python benchmarks/kernel_profile.py --kernel forward \\
+        --reps 2          # every Mosaic GPU kernel here is "entry_mosaic_gpu_kernel"; the name
+                          # keeps XLA's own kernels out of the count (dq and dkv: the training
+                          # forward's two launches come first)
     MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO=dump python benchmarks/kernel_profile.py \\
         --kernel forward                                 # registers, spills, shared memory
     ncu --clock-control none --section SpeedOfLight --kernel-name regex:sdpa --launch-skip 2 \
@@ -33,7 +37,11 @@ Kernels (elastic_jax/attention/mosaic_gpu.py, mosaic_gpu_backward.py):
 intra-warpgroup overlap (`mosaic_gpu.MosaicTiles(overlap=True)`); --multicast with each K/V
 tile multicast to a cluster of two programs (`MosaicTiles.multicast`); --q-registers with
 QK^T reading Q from registers (`MosaicTiles.q_registers`); --persistent P with P persistent
-programs (`MosaicTiles.persistent`, e.g. the SM count).
+programs (`MosaicTiles.persistent`, e.g. the SM count). Without these the forward kernels run
+the builders' default schedule, whose warpgroups issue QK^T and PV in one turn and await both
+together (`mosaic_gpu.DEFAULT_TILES`, `MosaicTiles.chain`); --no-chain runs the schedule with
+neither chain nor overlap (`MosaicTiles()`), which --overlap, --multicast, --q-registers,
+--persistent and --trace modify.
 --slots and --registers set the backward kernels' ring slots and the compute warpgroups'
 registers a thread (`mosaic_gpu_backward.BackwardTiles`; the memory warpgroup keeps the rest);
 given several values, every combination is built and timed in rounds that launch each once.
@@ -88,6 +96,9 @@ def main(argv=None):
                  help="training kernels under fa-xa: streaming heads become XA heads")
   p.add_argument("--overlap", action="store_true",
                  help="forward kernels: the overlapped schedule (MosaicTiles.overlap)")
+  p.add_argument("--no-chain", action="store_true",
+                 help="forward kernels: the schedule without the default's chained products "
+                      "(MosaicTiles.chain)")
   p.add_argument("--multicast", action="store_true",
                  help="forward kernels: K/V tiles multicast to clusters of two programs "
                       "(MosaicTiles.multicast)")
@@ -114,19 +125,21 @@ def main(argv=None):
     p.error("--mixed: the inference kernels take gates of 0 or 1 only")
   if args.xa and args.kernel in ("forward", "xa"):
     p.error("--xa is for the training kernels (--kernel xa times the inference forward)")
-  if (args.overlap or args.persistent or args.multicast or args.q_registers) and args.kernel in (
-      "dq", "dkv"):
-    p.error("--overlap, --multicast, --q-registers and --persistent are schedules of the "
-            "forward kernels (forward, xa, train_forward)")
+  schedule = (args.overlap or args.persistent or args.multicast or args.q_registers
+              or args.no_chain)
+  if schedule and args.kernel in ("dq", "dkv"):
+    p.error("--overlap, --no-chain, --multicast, --q-registers and --persistent are schedules of "
+            "the forward kernels (forward, xa, train_forward)")
+
   variants = [mosaic_gpu_backward.BackwardTiles(slots=sl, registers=r)
                for sl in args.slots for r in args.registers]
   backward = args.kernel in ("dq", "dkv")
   if (args.slots != [2] or args.registers != [232]) and not (backward and not args.triton):
     p.error("--slots and --registers are tiles of the Mosaic GPU backward kernels (dq, dkv)")
   if args.triton and (args.kernel not in ("train_forward", "dq", "dkv") or args.xa
-                      or args.overlap or args.multicast or args.q_registers or args.persistent):
+                      or schedule):
     p.error("--triton times the Triton training kernels (train_forward, dq, dkv) with neither "
-            "--xa nor a Mosaic GPU schedule (--overlap, --multicast, --q-registers, "
+            "--xa nor a Mosaic GPU schedule (--overlap, --no-chain, --multicast, --q-registers, "
             "--persistent)")
   bad = [t for t in variants if not mosaic_gpu_backward.applies(4, Streaming(1, 16, 128), t)]
   if bad:
@@ -135,10 +148,10 @@ def main(argv=None):
   if args.persistent < 0:
     p.error("--persistent must be a count of programs (0: one per work item)")
   peer = args.kernel in ("cudnn", "jax_mosaic")
-  if peer and (args.dry_run or args.mixed or args.xa or args.overlap or args.persistent
-               or args.multicast or args.q_registers):
+  if peer and (args.dry_run or args.mixed or args.xa or schedule):
     p.error(f"--kernel {args.kernel} is a peer's causal forward on a GPU: no --dry-run, and "
-            "none of --mixed, --xa, --overlap, --persistent, --multicast, --q-registers")
+            "none of --mixed, --xa, --overlap, --no-chain, --persistent, --multicast, "
+            "--q-registers")
   if args.multicast and (args.persistent or args.dry_run):
     p.error("--multicast runs natively only (no --dry-run) and with one program per work item "
             "(no --persistent)")
@@ -151,6 +164,7 @@ def main(argv=None):
             "forward, neither --overlap nor --persistent), natively (no --dry-run)")
   tiles = mosaic_gpu.MosaicTiles(overlap=args.overlap, persistent=args.persistent,
                                  multicast=args.multicast, q_registers=args.q_registers,
+                                 chain=not (schedule or args.trace),
                                  trace=str(Path(args.trace).resolve()) if args.trace else "")
   if args.trace:
     Path(args.trace).mkdir(parents=True, exist_ok=True)
@@ -261,6 +275,8 @@ def main(argv=None):
           + ("gates 0.5" if args.mixed else "causal" if peer else f"MSR {streams / kh:g}")
           + (f", fa-xa at density {args.density:g}" if args.xa else "")
           + (", overlapped" if args.overlap else "")
+          + (", chained" if tiles.chain and not backward and not peer and not args.triton
+             else "")
           + (", multicast" if args.multicast else "")
           + (", Q in registers" if args.q_registers else "")
           + (f", {args.persistent} persistent programs" if args.persistent else "")

@@ -10,16 +10,17 @@ TOL = {jnp.bfloat16: 3e-2, jnp.float16: 5e-3}
 
 
 def schedule_id(x):
-  """Test ids naming the Mosaic forward's schedule ("default", "overlap", "persistent",
-  "multicast", "qreg", "overlap-persistent": `pytest -k overlap` picks the overlapped schedule's
-  cases); None for other parameters (pytest's own ids). A bool parameter means overlap or
-  not."""
+  """Test ids naming the Mosaic forward's schedule ("chain", the default; "plain", neither
+  chain nor overlap; "overlap", "persistent", "multicast", "qreg", "overlap-persistent":
+  `pytest -k overlap` picks the overlapped schedule's cases); None for other parameters
+  (pytest's own ids). A bool parameter means overlap or the default."""
   if isinstance(x, bool):
-    return "overlap" if x else "default"
+    return "overlap" if x else "chain"
   if hasattr(x, "overlap"):
     names = [n for n, on in (("overlap", x.overlap), ("persistent", x.persistent),
-                             ("multicast", x.multicast), ("qreg", x.q_registers)) if on]
-    return "-".join(names) or "default"
+                             ("multicast", x.multicast), ("qreg", x.q_registers),
+                             ("chain", x.chain)) if on]
+    return "-".join(names) or "plain"
   return None
 
 

@@ -208,7 +208,7 @@ CASES = {
     "attention bench unknown kernel variant": ("benchmarks/attention",
                                                ["--dry-run", "--mosaic-tiles",
                                                 "64x128x2+multicst"], 2,
-                                               "expected BQxBKVxSLOTS[+overlap][+multicast]"),
+                                               "expected BQxBKVxSLOTS[+overlap|+chain]"),
 }
 
 

@@ -57,6 +57,8 @@ PERSISTENT = mosaic_gpu.MosaicTiles(persistent=3)
 OVERLAP_PERSISTENT = mosaic_gpu.MosaicTiles(overlap=True, persistent=2)
 # More programs than work items (a short prompt on a big GPU): some programs have none.
 OVERLAP_IDLE = mosaic_gpu.MosaicTiles(overlap=True, persistent=8)
+# The default chains a warpgroup's two products (one turn issues both); this schedule does not.
+PLAIN = mosaic_gpu.MosaicTiles()
 # Clusters of two programs sharing each K/V tile (TMA multicast): natively only.
 MULTICAST = mosaic_gpu.MosaicTiles(multicast=True)
 # QK^T with Q in registers (interpret mode's wgmma reads shared memory only: natively only).
@@ -77,6 +79,8 @@ NATIVE = pytest.mark.skipif(INTERPRET, reason="needs the GPU (multicast copies, 
     (2, 384, 4, 2, 64, [[1.0, 0.0], [0.0, 1.0]], Streaming(1, 1, 128), jnp.bfloat16,
      PERSISTENT),
     (1, 300, 2, 2, 128, [[0.0, 1.0]], Streaming(1, 1, 128), jnp.bfloat16, OVERLAP_IDLE),
+    # Products not chained: G = 2 over two batch rows, T padded, walks of one tile and longer.
+    (2, 320, 4, 2, 64, [[1.0, 0.0], [0.0, 1.0]], Streaming(1, 1, 128), jnp.bfloat16, PLAIN),
     # Multicast, G = 4 over a batch of two with T padded (natively only).
     pytest.param(2, 700, 8, 2, 128, [[1.0, 0.0], [0.0, 1.0]], Streaming(1, 2, 128),
                  jnp.bfloat16, MULTICAST, marks=NATIVE),
@@ -125,7 +129,7 @@ def test_op_takes_fractional_gates_and_gradients():
 
 @NATIVE
 @pytest.mark.parametrize("tiles,base", [
-    (MULTICAST, DEFAULT), (Q_REGISTERS, DEFAULT),
+    (MULTICAST, PLAIN), (Q_REGISTERS, PLAIN),
     (mosaic_gpu.MosaicTiles(overlap=True, q_registers=True), OVERLAP)], ids=schedule_id)
 def test_operand_sources_are_bit_equal_to_their_schedule(tiles, base):
   """Multicast changes where a program's K/V tiles come from, q_registers where QK^T reads Q
@@ -184,6 +188,10 @@ def test_applies_only_where_its_layout_holds():
                             mosaic_gpu.MosaicTiles(trace="traces"))
   assert not mosaic_gpu.applies((1, 1000, 32, 128), (1, 1000, 8, 128), jnp.bfloat16, st,
                                 mosaic_gpu.MosaicTiles(trace="traces", persistent=132))
+  for other in (dict(overlap=True), dict(persistent=132), dict(trace="traces")):
+    # the chain is a schedule of its own (the default's), not a modifier of these
+    assert not mosaic_gpu.applies((1, 1000, 32, 128), (1, 1000, 8, 128), jnp.bfloat16, st,
+                                  mosaic_gpu.MosaicTiles(chain=True, **other))
   with pytest.raises(ValueError, match="natively only"):
     mosaic_gpu.hybrid_forward_hard(*qkv(1, 128, 8, 2, 64, jnp.bfloat16), jnp.ones((1, 2)), st,
                                    tiles=MULTICAST, interpret=True)
@@ -195,6 +203,8 @@ def test_applies_only_where_its_layout_holds():
     (4, 2, 128, [37, 300, 250, 180, 101], Streaming(1, 1, 128), DEFAULT),
     # G = 1: two row tiles a program; overlapped and persistent.
     (2, 2, 64, [200, 3, 190, 119], Streaming(2, 1, 128), OVERLAP_PERSISTENT),
+    # G = 2, products not chained: segments that start and end inside a tile.
+    (4, 2, 64, [90, 200, 5, 150], Streaming(1, 1, 128), PLAIN),
 ], ids=schedule_id)
 def test_packed_forward_matches_reference(n, k, d, lengths, st, tiles):
   """Packed rows on the Mosaic GPU forward: segments of odd lengths, gates per (segment, KV
@@ -285,6 +295,8 @@ def test_packed_rows_apply_only_to_hard_gates_and_counting_positions():
     (1, 700, 2, 2, 256, "fa-xa", [[0.0, 1.0]], DEFAULT),
     # G = 4, head pairs, padded T; the overlapped schedule
     (2, 400, 4, 1, 128, "xa-ssa", [[1.0], [0.0]], OVERLAP),
+    # G = 2, products not chained
+    (1, 520, 4, 2, 128, "fa-xa", [[0.0, 1.0]], PLAIN),
 ], ids=schedule_id)
 def test_xa_heads_walk_their_kept_blocks(b, t, n, k, xa_block, patterns, gates, tiles):
   """XAttention heads in the Mosaic GPU forward: the heads of XA's mode visit their kept
@@ -346,11 +358,11 @@ def test_kernels_lower_for_the_gpu():
   xa = dict(patterns="fa-xa", xa_block=xb)
   mg = mosaic_gpu
   cases = []
-  for tiles in (DEFAULT, OVERLAP, PERSISTENT, OVERLAP_PERSISTENT, Q_REGISTERS):
+  for tiles in (DEFAULT, PLAIN, OVERLAP, PERSISTENT, OVERLAP_PERSISTENT, Q_REGISTERS):
     cases.append((lambda q, k, v, g, tiles=tiles: mg.hybrid_forward_hard(q, k, v, g, st,
                                                                          tiles=tiles),
                   (q, k, k, gate), 1))
-  for tiles in (DEFAULT, OVERLAP_PERSISTENT):   # every code path of the schedules
+  for tiles in (DEFAULT, PLAIN, OVERLAP_PERSISTENT):   # every code path of the schedules
     cases += [
         (lambda q, k, v, g, kp, tiles=tiles: mg.xa_forward_hard(q, k, v, g, kp, st, tiles=tiles,
                                                                 **xa), (q, k, k, gate, keep), 1),

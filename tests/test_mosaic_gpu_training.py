@@ -69,6 +69,11 @@ def test_training_default_is_mosaic_natively_and_triton_in_interpret_mode(kernel
     assert (sorted(kernel_calls) == ["dkv_call", "dq_call"]) == mosaic, (training, interpret)
 
 
+def _schedule(overlap: bool):
+  """The forward's overlapped schedule, or the builders' default (chained products)."""
+  return mosaic_gpu.MosaicTiles(overlap=True) if overlap else mosaic_gpu.DEFAULT_TILES
+
+
 @pytest.mark.parametrize("b,t,n,k,d,gates,st,overlap,slots", [
     # G = 2: a mixed and a streaming head; the forward's overlapped schedule.
     (1, 300, 4, 2, 64, [[0.3, 0.0]], Streaming(1, 1, 128), True, 2),
@@ -89,7 +94,7 @@ def test_mosaic_training_kernels_match_reference_gradients(kernel_calls, strict_
   gate = jnp.asarray(gates, jnp.float32)
   d_out = jax.random.normal(jax.random.key(t + 1), q.shape, jnp.float32).astype(jnp.bfloat16)
   backward = mosaic_gpu_backward.BackwardTiles(slots=slots, registers=232 if slots == 2 else 240)
-  fn = mosaic_gpu.make_hybrid(mosaic_gpu.MosaicTiles(overlap=overlap), training="mosaic",
+  fn = mosaic_gpu.make_hybrid(_schedule(overlap), training="mosaic",
                               backward_tiles=backward)
   with jax.disable_jit():
     out, vjp = jax.vjp(lambda *x: fn(*x, st, INTERPRET), q, kk, v, gate)
@@ -344,7 +349,7 @@ def test_mosaic_training_kernels_on_packed_rows_under_xattention(kernel_calls, s
   keep = kept_blocks(b, k, t, xa_block, seed=5) | forced_blocks(
       t, XAttention(block=xa_block), seg, b)[:, None]
   d_out = jax.random.normal(jax.random.key(7), q.shape, jnp.float32).astype(jnp.bfloat16)
-  fn = mosaic_gpu.make_packed_xa_hybrid(mosaic_gpu.MosaicTiles(overlap=overlap),
+  fn = mosaic_gpu.make_packed_xa_hybrid(_schedule(overlap),
                                        training="mosaic")
   with jax.disable_jit():
     out, vjp = jax.vjp(lambda *x: fn(*x, seg, pos, keep, st, patterns, xa_block, INTERPRET),

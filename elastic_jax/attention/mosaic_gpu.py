@@ -117,10 +117,18 @@ class MosaicTiles:
   mode keeps Q in shared memory) loads each warpgroup's Q tile into registers once, so that
   QK^T reads only K out of shared memory. trace (natively; a diagnostic): a folder where the
   Mosaic GPU profiler writes, on every call, a timeline of each warpgroup's regions of the
-  schedule without overlap (`TRACE_REGIONS`) as a Perfetto trace (JSON); each region costs a
-  few cycles of clock reads and stores, so a traced kernel runs a little slower. The events
+  schedule with neither overlap nor chain (`TRACE_REGIONS`) as a Perfetto trace (JSON); each
+  region costs a few cycles of clock reads and stores, so a traced kernel runs slower. The events
   collect in the shared memory the tiles leave free (about 64 KiB at the default tiles and
-  head_dim 128: walks up to about 24K tokens); not with persistent programs."""
+  head_dim 128: walks up to about 24K tokens); not with persistent programs. chain (not with
+  overlap, persistent or trace): in its turn a compute warpgroup issues tile s+1's QK^T and
+  tile s's PV back to back and awaits both after the turn, where the schedule without overlap
+  awaits PV before it issues the next QK^T; the tensor cores then see no wait between a
+  warpgroup's two products, and the other warpgroup's softmax still covers them. A tile's K
+  is then released a step before its V, and each is refilled as soon as it is free. The
+  builders' default, `DEFAULT_TILES`, chains its products (on an H100, full heads 1.6-4.3%
+  faster than without, hybrid rows 0.4-8.5%; benchmarks/README.md); `MosaicTiles()` is the
+  schedule with neither overlap nor chain."""
   block_q: int = 64
   block_kv: int = 128
   slots: int = 2
@@ -129,16 +137,18 @@ class MosaicTiles:
   multicast: bool = False
   q_registers: bool = False
   trace: str = ""
+  chain: bool = False
 
 
 # The regions a traced kernel (`MosaicTiles.trace`) records per KV tile, in order, in the
-# schedule without overlap: issuing QK^T, the warpgroups' turn before its result is read,
-# waiting for the result, the softmax (with the accumulator's rescale and P's cast), the turn
-# and the V tile before PV, then issuing PV, the next K tile's arrival and PV's end.
+# schedule with neither overlap nor chain: issuing QK^T, the warpgroups' turn before its
+# result is read, waiting for the result, the softmax (with the accumulator's rescale and P's
+# cast), the turn and the V tile before PV, then issuing PV, the next K tile's arrival and
+# PV's end.
 TRACE_REGIONS = ("qk_issue", "qk_turn", "qk_wait", "softmax", "pv_turn", "pv")
 
 
-DEFAULT_TILES = MosaicTiles()
+DEFAULT_TILES = MosaicTiles(chain=True)
 # The builders' training kernels: "auto" (the Mosaic GPU ones natively where they take the
 # shapes, the Triton ones in interpret mode and elsewhere), "mosaic" (also in interpret
 # mode), "triton".
@@ -166,7 +176,8 @@ def applies(q_shape, k_shape, dtype, streaming: Streaming,
           and tiles.block_kv % rows == 0 and tiles.block_q % 64 == 0
           and tiles.block_kv % 64 == 0 and tiles.slots >= 2 and tiles.persistent >= 0
           and (not tiles.multicast or (groups % 4 == 0 and not tiles.persistent))
-          and not (tiles.trace and tiles.persistent))
+          and not (tiles.trace and tiles.persistent)
+          and not (tiles.chain and (tiles.overlap or tiles.persistent or tiles.trace)))
 
 
 def _rows_per_program(groups: int, tiles: MosaicTiles) -> int:
@@ -505,12 +516,74 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
         pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))
       return acc, m_i, l_i
 
+    def chained(acc, m_i, l_i, ranges):
+      """The walk without overlap, its products chained (`MosaicTiles.chain`): step s runs
+      tile s's softmax on the scores the last turn left, then, in the warpgroup's turn, issues
+      tile s+1's QK^T and tile s's PV, and awaits both after the turn. Step 0's QK^T is issued
+      alone before the loop; the last step, peeled, issues its PV alone and runs masked (the
+      masks are exact on any tile of a walk). Two turns a step, as without the chain."""
+      scores = lambda: plgpu.ACC((block_q, block_kv), jnp.float32)
+      plgpu.barrier_wait(k_ready.at[ring(0)])
+      pl.when(wg == 1)(take_turn)
+
+      def first(s_ref):
+        plgpu.wgmma(s_ref, q_op, k_smem.at[ring(0)].transpose((1, 0)))
+        take_turn()
+        return s_ref[...]
+
+      x = pl.run_scoped(first, scores())
+      plgpu.barrier_arrive(k_free.at[ring(0)])
+
+      def softmax_and_turn(s, carry, masked: bool):
+        acc, m_i, l_i, x = carry
+        p, m_new, l_i, _, acc = softmax(x, lambda: tile_of(s), m_i, l_i, masked, acc)
+        acc, l_i, m_new, p_lo = lax.optimization_barrier((acc, l_i, m_new, p.astype(dtype)))
+        plgpu.barrier_arrive(turn)
+        plgpu.barrier_wait(v_ready.at[ring(s)])
+        return acc, m_new, l_i, p_lo
+
+      def step(s, carry, masked: bool):
+        acc, m_i, l_i, p_lo = softmax_and_turn(s, carry, masked)
+        slot, nxt = ring(s), ring(s + 1)
+        plgpu.barrier_wait(k_ready.at[nxt])
+        plgpu.barrier_wait(turn)
+
+        def products(s_ref):
+          # QK^T first: its accumulator's zero fill precedes every product in flight.
+          plgpu.wgmma(s_ref, q_op, k_smem.at[nxt].transpose((1, 0)))
+
+          def pv(acc_ref):
+            pv_product(acc_ref, p_lo, slot)
+            take_turn()
+
+          acc_new, _ = add_pv(acc, pv)
+          return acc_new, s_ref[...]
+
+        acc, x = pl.run_scoped(products, scores())
+        plgpu.barrier_arrive(v_free.at[slot])
+        plgpu.barrier_arrive(k_free.at[nxt])
+        return acc, m_i, l_i, x
+
+      carry = (acc, m_i, l_i, x)
+      for s_lo, s_hi, masked in ranges:
+        carry = lax.fori_loop(s_lo, jnp.minimum(s_hi, steps - 1),
+                              functools.partial(step, masked=masked), carry)
+      last = steps - 1
+      acc, m_i, l_i, p_lo = softmax_and_turn(last, carry, masked=True)
+      plgpu.barrier_wait(turn)
+      acc, _ = add_pv(acc, lambda acc_ref: pv_product(acc_ref, p_lo, ring(last)))
+      plgpu.barrier_arrive(v_free.at[ring(last)])
+      pl.when(wg == 0)(take_turn)
+      return acc, m_i, l_i
+
     step_ranges = lambda: _step_ranges(
         packed, steps, lo, n1, second_start, q_start, rows, row0, block_kv,
         *((unmasked_lo, unmasked_hi, None if walks_list is None else (walks_list, listed(0)))
           if packed else ()))
     if tiles.overlap:
       acc, m_i, l_i = overlapped(acc, m_i, l_i, step_ranges())
+    elif tiles.chain:
+      acc, m_i, l_i = chained(acc, m_i, l_i, step_ranges())
     else:
       plgpu.barrier_wait(k_ready.at[0 if base is None else ring(0)])
       pl.when(wg == 1)(take_turn)
@@ -606,7 +679,7 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
     @pl.loop(0, jnp.maximum(steps - slots, 0))
     def _(s):
       slot = lax.rem(s, jnp.int32(slots))
-      if tiles.overlap:   # a step's K is released a step before its V: load each when free
+      if tiles.overlap or tiles.chain:   # K is released a step before V: load each when free
         plgpu.barrier_wait(k_free.at[slot])
         load(s + slots, slot, ((k_ref, k_smem, k_ready),))
         plgpu.barrier_wait(v_free.at[slot])
