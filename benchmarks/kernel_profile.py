@@ -130,7 +130,6 @@ def main(argv=None):
   if schedule and args.kernel in ("dq", "dkv"):
     p.error("--overlap, --no-chain, --multicast, --q-registers and --persistent are schedules of "
             "the forward kernels (forward, xa, train_forward)")
-
   variants = [mosaic_gpu_backward.BackwardTiles(slots=sl, registers=r)
                for sl in args.slots for r in args.registers]
   backward = args.kernel in ("dq", "dkv")
@@ -164,7 +163,8 @@ def main(argv=None):
             "forward, neither --overlap nor --persistent), natively (no --dry-run)")
   tiles = mosaic_gpu.MosaicTiles(overlap=args.overlap, persistent=args.persistent,
                                  multicast=args.multicast, q_registers=args.q_registers,
-                                 chain=not (schedule or args.trace),
+                                 chain=(args.kernel in ("forward", "xa", "train_forward")
+                                        and not (schedule or args.trace or args.triton)),
                                  trace=str(Path(args.trace).resolve()) if args.trace else "")
   if args.trace:
     Path(args.trace).mkdir(parents=True, exist_ok=True)
@@ -275,8 +275,7 @@ def main(argv=None):
           + ("gates 0.5" if args.mixed else "causal" if peer else f"MSR {streams / kh:g}")
           + (f", fa-xa at density {args.density:g}" if args.xa else "")
           + (", overlapped" if args.overlap else "")
-          + (", chained" if tiles.chain and not backward and not peer and not args.triton
-             else "")
+          + (", chained" if tiles.chain else "")
           + (", multicast" if args.multicast else "")
           + (", Q in registers" if args.q_registers else "")
           + (f", {args.persistent} persistent programs" if args.persistent else "")

@@ -209,6 +209,10 @@ CASES = {
                                                ["--dry-run", "--mosaic-tiles",
                                                 "64x128x2+multicst"], 2,
                                                "expected BQxBKVxSLOTS[+overlap|+chain]"),
+    "attention bench chain with persistent programs": ("benchmarks/attention",
+                                                       ["--dry-run", "--mosaic-tiles",
+                                                        "64x128x2+chain+p132"], 2,
+                                                       "(+chain without +pP)"),
 }
 
 
