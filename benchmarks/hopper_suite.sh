@@ -5,8 +5,10 @@
 #
 # Stages, each bounded by its own timeout so that one fits in 10 minutes
 # (a failed stage is logged and the next one runs):
-#   tests      the Mosaic GPU kernel tests natively (forward, XAttention, training kernels,
-#              packed rows) against the float32 reference
+#   tests      the Mosaic GPU forward's tests natively (plain, padded and packed rows, XA
+#              heads, the lowering) against the float32 reference
+#   tests-training  the Mosaic GPU training kernels' tests natively (outputs and gradients,
+#              XA lists, packed rows); apart from `tests` since together they outran 560 s
 #   tests-triton  the Triton, packed-row and XAttention kernel tests natively
 #   schedules  the forward's schedules (the default chains each warpgroup's two products;
 #              `MosaicTiles()` does not; `MosaicTiles(overlap=True)`, FA3's
@@ -35,7 +37,7 @@ set -u
 out=${1:?usage: hopper_suite.sh OUT [STAGE ...]}
 shift
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(tests tests-triton schedules schedules-attention profile
+[ ${#stages[@]} -eq 0 ] && stages=(tests tests-training tests-triton schedules schedules-attention profile
                                     backward backward-triton attention xattention packed)
 mkdir -p "$out"
 # The GPU first (the default device); the CPU beside it for the tests that run Pallas TPU
@@ -74,7 +76,9 @@ profile_with_report() {   # NAME SECONDS KERNEL-ARGS...: kernel_profile.py, plus
 for stage in "${stages[@]}"; do
   case $stage in
     tests)
-      run tests 560 "$py" -m pytest -q -p no:cacheprovider tests/test_mosaic_gpu.py \
+      run tests 560 "$py" -m pytest -v -p no:cacheprovider tests/test_mosaic_gpu.py ;;
+    tests-training)
+      run tests-training 560 "$py" -m pytest -v -p no:cacheprovider \
         tests/test_mosaic_gpu_training.py ;;
     tests-triton)
       run tests-triton 560 "$py" -m pytest -q -p no:cacheprovider tests/test_pallas_gpu.py \
@@ -128,7 +132,8 @@ for stage in "${stages[@]}"; do
       run packed 560 "$py" benchmarks/packed_attention.py --mosaic-training --reps 5 \
         --seconds 1 ;;
     *)
-      echo "unknown stage '$stage' (tests, tests-triton, schedules, schedules-attention," \
+      echo "unknown stage '$stage' (tests, tests-training, tests-triton, schedules," \
+        "schedules-attention," \
         "profile, backward, backward-triton, attention, xattention, packed)" >&2
       exit 2 ;;
   esac

@@ -8,11 +8,21 @@ missing reference environment an error instead.
 import faulthandler
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 
 # Eight CPU devices so that sharding tests can build real meshes (must precede importing jax).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One compilation cache for the whole run: both test processes and every CLI they start
+# (train.py, eval.py) reuse a program any of them compiled instead of compiling it again. The
+# process that starts the run makes it (xdist's workers inherit its environment) and removes
+# it at the end; a cache named by the caller is left as it is.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="elastic-jax-tests-")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -61,3 +71,8 @@ def torch_reference(tmp_path_factory):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
   return run
+
+
+def pytest_unconfigure(config):
+  if _OWN_CACHE and not hasattr(config, "workerinput"):
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
