@@ -37,8 +37,9 @@ set -u
 out=${1:?usage: hopper_suite.sh OUT [STAGE ...]}
 shift
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(tests tests-training tests-triton schedules schedules-attention profile
-                                    backward backward-triton attention xattention packed)
+[ ${#stages[@]} -eq 0 ] && stages=(tests tests-training tests-triton schedules
+                                    schedules-attention profile backward backward-triton
+                                    attention xattention packed)
 mkdir -p "$out"
 # The GPU first (the default device); the CPU beside it for the tests that run Pallas TPU
 # interpret mode, whose callbacks need a CPU device.
