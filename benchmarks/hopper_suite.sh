@@ -134,8 +134,8 @@ for stage in "${stages[@]}"; do
         --seconds 1 ;;
     *)
       echo "unknown stage '$stage' (tests, tests-training, tests-triton, schedules," \
-        "schedules-attention," \
-        "profile, backward, backward-triton, attention, xattention, packed)" >&2
+        "schedules-attention, profile, backward, backward-triton, attention, xattention," \
+        "packed)" >&2
       exit 2 ;;
   esac
 done

@@ -163,8 +163,8 @@ def main(argv=None):
             "forward, neither --overlap nor --persistent), natively (no --dry-run)")
   tiles = mosaic_gpu.MosaicTiles(overlap=args.overlap, persistent=args.persistent,
                                  multicast=args.multicast, q_registers=args.q_registers,
-                                 chain=(args.kernel in ("forward", "xa", "train_forward")
-                                        and not (schedule or args.trace or args.triton)),
+                                 chain=not (backward or peer or schedule or args.trace
+                                            or args.triton),
                                  trace=str(Path(args.trace).resolve()) if args.trace else "")
   if args.trace:
     Path(args.trace).mkdir(parents=True, exist_ok=True)
