@@ -51,6 +51,11 @@ class RouterConfig:
   head_norm: bool = False         # sigmoid only: layer-normalise the logit across the layer's
                                   # KV heads before the decision (the authors' evaluation code
                                   # for use_softmax false)
+  task_mlp: bool = True           # the task MLP before the router MLP (false: an ablation,
+                                  # the pooled keys go to the router MLP directly)
+  logit_cap: float = 0.0          # > 0: logits pass through cap * tanh(z / cap) (a monotone map,
+                                  # so decisions are unchanged; it keeps training's gradient
+                                  # from vanishing on saturated routers). 0: none
 
   def __post_init__(self):
     if self.pooling not in POOLINGS:
@@ -60,6 +65,10 @@ class RouterConfig:
                        f"(known: {RELAXATIONS})")
     if self.boundary < 1 or self.hidden_mult < 1:
       raise ValueError("router boundary and hidden_mult must be positive")
+    if not self.logit_cap >= 0:
+      raise ValueError(f"router logit_cap must be >= 0 (0: none), got {self.logit_cap}")
+    if self.static and not self.task_mlp:
+      raise ValueError("router task_mlp applies to input-dependent routers, not static ones")
     if self.head_norm and self.relaxation != "sigmoid":
       raise ValueError("router head_norm applies to the sigmoid relaxation only")
     if self.patterns not in PATTERN_PAIRS:
@@ -92,6 +101,8 @@ def init_router_params(cfg: ModelConfig, rcfg: RouterConfig, key: jax.Array) -> 
     return {"static_logits": jnp.zeros((l, cfg.num_kv_heads, rcfg.num_logits), jnp.float32)}
   shapes = {"task_w1": (h, w), "task_w2": (w, h), "route_w1": (h, w), "route_w2": (w, h),
             "route_w3": (h, rcfg.num_logits)}
+  if not rcfg.task_mlp:
+    del shapes["task_w1"], shapes["task_w2"]
   keys = jax.random.split(key, len(shapes))
   params = {name: 0.02 * jax.random.normal(k, (l, *shape), jnp.float32)
             for k, (name, shape) in zip(keys, sorted(shapes.items()))}
@@ -156,16 +167,20 @@ def _dense(x, w, b):
   return jnp.einsum("...i,io->...o", x, w) + b.reshape((1,) * (x.ndim - 1) + b.shape)
 
 
-def router_logits(p: dict, pooled_bskh: jax.Array) -> jax.Array:
-  """One layer's router: task MLP then router MLP, shared over heads. -> [B, S, K, C].
-  A static router's logits [K, C] are the same for every input."""
+def router_logits(p: dict, pooled_bskh: jax.Array, logit_cap: float = 0.0) -> jax.Array:
+  """One layer's router: task MLP (where the params have one) then router MLP, shared over
+  heads. -> [B, S, K, C]. A static router's logits [K, C] are the same for every input.
+  logit_cap > 0 maps the logits through cap * tanh(z / cap) (monotone: decisions unchanged)."""
   if "static_logits" in p:
-    return jnp.broadcast_to(p["static_logits"], pooled_bskh.shape[:2] + p["static_logits"].shape)
-  x = _dense(jax.nn.silu(_dense(pooled_bskh, p["task_w1"], p["task_b1"])), p["task_w2"],
-             p["task_b2"])
-  x = jax.nn.silu(_dense(x, p["route_w1"], p["route_b1"]))
-  x = jax.nn.silu(_dense(x, p["route_w2"], p["route_b2"]))
-  return _dense(x, p["route_w3"], p["route_b3"])
+    z = jnp.broadcast_to(p["static_logits"], pooled_bskh.shape[:2] + p["static_logits"].shape)
+  else:
+    x = pooled_bskh
+    if "task_w1" in p:
+      x = _dense(jax.nn.silu(_dense(x, p["task_w1"], p["task_b1"])), p["task_w2"], p["task_b2"])
+    x = jax.nn.silu(_dense(x, p["route_w1"], p["route_b1"]))
+    x = jax.nn.silu(_dense(x, p["route_w2"], p["route_b2"]))
+    z = _dense(x, p["route_w3"], p["route_b3"])
+  return logit_cap * jnp.tanh(z / logit_cap) if logit_cap > 0 else z
 
 
 def gumbel(key: jax.Array, shape, eps: float = 1e-10) -> jax.Array:

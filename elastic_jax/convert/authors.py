@@ -151,6 +151,8 @@ def authors_keys(rcfg: RouterConfig, *, lambdas: bool) -> dict[str, Any]:
                     f"{rcfg.boundary}")
   if rcfg.hidden_mult != 4:
     problems.append("its MLPs are 4 x head_dim wide")
+  if not rcfg.task_mlp:
+    problems.append("its routers have a task MLP")
   if rcfg.relaxation == "sigmoid" and not rcfg.head_norm:
     problems.append("its evaluation code layer-normalises a sigmoid router's logits across "
                     "heads (train with router.head_norm=true)")

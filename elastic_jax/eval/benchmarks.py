@@ -140,26 +140,23 @@ class Mixture(Benchmark):
   def items(self, args, tokenizer, max_positions):
     from elastic_jax.eval import mixture
     mixture.check_tokenizer(tokenizer, args.model)
-    variants = [("seen", mixture.TRAIN_TEMPLATES, [int(x) for x in csv(args.lengths)]),
-                ("held-out", (mixture.HELDOUT_TEMPLATE,),
-                 [int(x) for x in csv(args.heldout_lengths)])]
-    out, self.answers = [], {}
-    for t, task in enumerate(csv(args.tasks)):
+    lengths = [int(x) for x in csv(args.lengths)]
+    heldout = [int(x) for x in csv(args.heldout_lengths)]
+    for n in lengths + heldout:
+      if not 16 <= n <= max_positions - 64:
+        raise ElasticJaxError(f"length {n}: must lie in [16, {max_positions - 64}] for this "
+                              "model")
+    tasks = csv(args.tasks)
+    for task in tasks:
       if task not in mixture.TASKS:
         raise ElasticJaxError(f"--tasks: '{task}' is unknown (known: "
                               f"{', '.join(mixture.TASKS)})")
-      for v, (variant, templates, lengths) in enumerate(variants):
-        for n in lengths:
-          if not 16 <= n <= max_positions - 64:
-            raise ElasticJaxError(f"length {n}: must lie in [16, {max_positions - 64}] for "
-                                  "this model")
-          rng = np.random.default_rng([args.seed, t, v, n])
-          for i in range(args.samples):
-            s = mixture.make_sample(task, rng, n, templates[i % len(templates)])
-            key = f"{task}/{variant}/{n}/{i}"
-            ids = (mixture.BOS, *map(int, s.context), *map(int, s.question))
-            out.append(Item(key, f"{task}@{variant}", ids, len(s.answer) + 1))
-            self.answers[key] = mixture.decode(s.answer)
+    out, self.answers = [], {}
+    for key, variant, s in mixture.eval_samples(args.seed, args.samples, tasks, lengths,
+                                                heldout):
+      ids = (mixture.BOS, *map(int, s.context), *map(int, s.question))
+      out.append(Item(key, f"{s.task}@{variant}", ids, len(s.answer) + 1))
+      self.answers[key] = mixture.decode(s.answer)
     return out
 
   def score(self, task, predictions, items):

@@ -418,6 +418,27 @@ def samples(variant: Variant, n_per_task: int, seed: int, tasks: Sequence[str] =
         yield make_sample(task, rng, length, template)
 
 
+EVAL_VARIANTS = (("seen", TRAIN_TEMPLATES), ("held-out", (HELDOUT_TEMPLATE,)))
+
+
+def eval_samples(seed: int, n: int, tasks: Sequence[str], lengths: Sequence[int],
+                 heldout_lengths: Sequence[int]) -> Iterator[tuple[str, str, Sample]]:
+  """The evaluation's items, as `eval.py mixture` draws them: (key, variant, sample) for every
+  task, variant (seen: the training templates at `lengths`; held-out: the held-out template
+  at `heldout_lengths`), length and index below n. Each cell's draws depend on (seed, the
+  task's place in `tasks`, the variant, the length) alone."""
+  for t, task in enumerate(tasks):
+    if task not in TASKS:
+      raise ElasticJaxError(f"task '{task}' is unknown (known: {', '.join(TASKS)})")
+    for v, ((variant, templates), cell_lengths) in enumerate(
+        zip(EVAL_VARIANTS, (lengths, heldout_lengths))):
+      for length in cell_lengths:
+        rng = np.random.default_rng([seed, t, v, length])
+        for i in range(n):
+          s = make_sample(task, rng, length, templates[i % len(templates)])
+          yield f"{task}/{variant}/{length}/{i}", variant, s
+
+
 def write_jsonl(path: str, variant: Variant, n_per_task: int, seed: int,
                 tasks: Sequence[str] = TASKS, random_wordings: float = 0.0) -> int:
   """Writes train.py records; atomic (a temporary file renamed). Returns the record count."""

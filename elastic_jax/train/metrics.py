@@ -77,6 +77,8 @@ def step_record(step: int, m: dict, tokens_per_s: float | None, eta_s: float | N
       "lr": float(m["lr"]),
       "router_grad_norm_per_layer": [float(x) for x in np.asarray(
           m["router_grad_norm_per_layer"])],
+      "router_saturated_per_layer": [round(float(x), 4) for x in np.asarray(
+          m["router_saturated_per_layer"])],
       "msr_task": {TASK_TYPES[t]: float(m["msr_task"][t]) for t in seen},
       "lambda1": {TASK_TYPES[t]: float(m["lambda1"][t]) for t in seen},
       "lambda2": {TASK_TYPES[t]: float(m["lambda2"][t]) for t in seen},

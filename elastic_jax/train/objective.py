@@ -25,8 +25,12 @@ DEFAULT_TARGETS = (0.7, 0.7, 1.0, 1.0, 1.0)
 @dataclasses.dataclass(frozen=True)
 class ObjectiveConfig:
   targets: tuple[float, ...] = DEFAULT_TARGETS   # target MSR per task type
+  linear_term: str = "abs"        # abs: l1 |MSR - t| (the authors' code); signed: l1 (MSR - t)
+                                  # (the paper's eq. 8)
 
   def __post_init__(self):
+    if self.linear_term not in ("abs", "signed"):
+      raise ValueError(f"objective linear_term '{self.linear_term}' is unknown (abs, signed)")
     if len(self.targets) != len(TASK_TYPES):
       raise ValueError(f"targets needs {len(TASK_TYPES)} values, one per task type "
                        f"{TASK_TYPES}, got {len(self.targets)}")
@@ -101,7 +105,8 @@ def sparsity_penalty(msr_bs, task_bs, lambdas, ocfg: ObjectiveConfig):
   present = count > 0
   t = jnp.asarray(ocfg.targets, jnp.float32)[None, None]
   dev_bsn = msr_bs[..., None] - t                                    # [B, S, n]
-  per_sample = (lambdas["l1"][None, None] * jnp.abs(dev_bsn)
+  linear = jnp.abs(dev_bsn) if ocfg.linear_term == "abs" else dev_bsn
+  per_sample = (lambdas["l1"][None, None] * linear
                 + lambdas["l2"][None, None] * dev_bsn ** 2)
   per_task = (per_sample * onehot).sum((0, 1)) / jnp.maximum(count, 1.0)
   penalty = jnp.sum(jnp.where(present, per_task, 0.0)) / jnp.maximum(present.sum(), 1)

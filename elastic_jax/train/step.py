@@ -123,8 +123,27 @@ def _loss(trainable, backbone, batch, key, tau, *, cfg, rcfg, ocfg, tcfg, attn_i
                                               ocfg)
   valid = batch["task_ids"] >= 0
   aux = {"lm_loss": lm, "penalty": penalty, "msr_task": msr_task, "task_count": count,
-         "msr": jnp.sum(jnp.where(valid, msr_bs, 0.0)) / jnp.maximum(valid.sum(), 1)}
+         "msr": jnp.sum(jnp.where(valid, msr_bs, 0.0)) / jnp.maximum(valid.sum(), 1),
+         "router_saturated_per_layer": saturated_share(stats.get("logits"), valid, tau)}
   return lm + penalty, aux
+
+
+# A decision whose logit margin over the temperature exceeds this passes a relaxed gradient
+# below soft (1 - soft) = 3e-7: it no longer learns (docs/results.md, the router diagnosis).
+SATURATED_MARGIN = 15.0
+
+
+def saturated_share(logits_lbskc, valid_bs, tau):
+  """Per layer, the share of the batch's (segment, KV head) decisions whose logit margin
+  |z1 - z0| / tau (one logit: |z| / tau) exceeds SATURATED_MARGIN: [L], 0 for a static
+  router's batch-independent logits as for any other. None without logits (no router)."""
+  if logits_lbskc is None:
+    return None
+  z = jax.lax.stop_gradient(logits_lbskc)
+  margin = jnp.abs(z[..., 1] - z[..., 0]) if z.shape[-1] == 2 else jnp.abs(z[..., 0])
+  hit = (margin / tau > SATURATED_MARGIN).astype(jnp.float32)        # [L, B, S, K]
+  w = valid_bs.astype(jnp.float32)[None, :, :, None]
+  return (hit * w).sum((1, 2, 3)) / jnp.maximum(w.sum() * z.shape[3], 1.0)
 
 
 def _loss_and_grads(trainable, backbone, batch, key, tau, **kw):

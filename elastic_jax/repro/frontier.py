@@ -1,0 +1,363 @@
+"""The accuracy-sparsity frontier of the reproduction: router trainings, static head sets and
+their teacher-forced evaluation (docs/results.md).
+
+  python -m elastic_jax.repro.frontier train PLAN.yaml --out runs/sweep [--parallel 4]
+  python -m elastic_jax.repro.frontier heads --out runs/heads.json [--samples 64]
+  python -m elastic_jax.repro.frontier score runs/sweep --out runs/scores.json \\
+      [--heads runs/heads.json] [--seed 1 --samples 200]
+
+`train` runs the plan's router trainings (train.py, one process each, --parallel at a time on
+one device). A plan is YAML:
+
+  config: mixture.yaml                  # the shipped config (or a path) every run starts from
+  common: [data.train_path=..., ...]    # overrides of every run
+  runs:
+    NAME: [override, ...]               # an elastic run (or any other train.py run)
+    NAME2: {static_of: NAME, overrides: [router.static=true, train.lr=2e-2]}
+
+A run with `static_of` starts once NAME has finished, with every target at NAME's average
+held-out MSR (its eval.json): the trained static gate at elastic's budget.
+
+`heads` finds, per task, the smallest head set that keeps accuracy within --tolerance of full
+attention (greedy backward ablation over (layer, KV head) pairs, scoring.minimal_head_set),
+and the ablation order over the sensitive tasks together, whose first n heads give the best
+static set of every size that greedy ablation finds (an oracle: it is chosen on the tasks).
+
+`score` evaluates, on the same items (eval.py mixture's, --seed and --samples), full
+attention, every head streaming, each trained run's routers, and for each elastic run the
+static head sets at its average MSR: its most often chosen heads, every static run's gate
+ranked by its logit margin, and the greedy oracle. Per item results go to --out, for
+`repro.report`'s tables and paired intervals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from elastic_jax.errors import ElasticJaxError
+
+
+
+# ----------------------------------------------------------------------------------------------
+# train
+
+
+def read_plan(path: str) -> dict:
+  """The plan, checked: {"config", "common", "runs": {name: {"overrides", "static_of"}}}."""
+  import yaml
+  try:
+    with open(path, encoding="utf-8") as f:
+      raw = yaml.safe_load(f)
+  except (OSError, yaml.YAMLError) as e:
+    raise ElasticJaxError(f"{path}: cannot read the plan ({type(e).__name__})") from None
+  if not isinstance(raw, dict) or not isinstance(raw.get("runs"), dict) or not raw["runs"]:
+    raise ElasticJaxError(f"{path}: a plan is a mapping with a non-empty 'runs' mapping")
+  unknown = set(raw) - {"config", "common", "runs"}
+  if unknown:
+    raise ElasticJaxError(f"{path}: unknown plan keys {sorted(unknown)} (config, common, runs)")
+  runs = {}
+  for name, spec in raw["runs"].items():
+    if not isinstance(name, str) or not name.replace("-", "").replace("_", "").replace(
+        ".", "").isalnum():
+      raise ElasticJaxError(f"{path}: run name {name!r} must be letters, digits, '-', '_', '.'")
+    if isinstance(spec, list) or spec is None:
+      spec = {"overrides": spec or []}
+    if not isinstance(spec, dict) or set(spec) - {"overrides", "static_of"}:
+      raise ElasticJaxError(f"{path}: run {name}: a list of overrides or a mapping with "
+                            "overrides and static_of")
+    spec = {"overrides": [str(x) for x in spec.get("overrides") or []],
+            "static_of": spec.get("static_of")}
+    if spec["static_of"] is not None and spec["static_of"] not in raw["runs"]:
+      raise ElasticJaxError(f"{path}: run {name}: static_of names no run of the plan "
+                            f"({spec['static_of']})")
+    runs[name] = spec
+  return {"config": str(raw.get("config") or "mixture.yaml"),
+          "common": [str(x) for x in raw.get("common") or []], "runs": runs}
+
+
+def average_msr(run_dir: str) -> float:
+  """The mean over task types of a run's held-out MSR (its eval.json)."""
+  path = os.path.join(run_dir, "eval.json")
+  try:
+    with open(path, encoding="utf-8") as f:
+      m = json.load(f)["msr_task"]
+  except (OSError, ValueError, KeyError) as e:
+    raise ElasticJaxError(f"{path}: no held-out MSR ({type(e).__name__})") from None
+  return round(float(np.mean(list(m.values()))), 4)
+
+
+def train(args) -> int:
+  plan = read_plan(args.plan)
+  os.makedirs(args.out, exist_ok=True)
+  pending = dict(plan["runs"])
+  running: dict[str, tuple[subprocess.Popen, float]] = {}
+  status: dict[str, dict] = {}
+  env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=f"{0.9 / args.parallel:.3f}",
+             PYTHONUNBUFFERED="1")
+  t0 = time.time()
+
+  def start(name, spec):
+    run_dir = os.path.join(args.out, name)
+    extra = []
+    if spec["static_of"]:
+      m = average_msr(os.path.join(args.out, spec["static_of"]))
+      extra = [f"objective.targets=[{m},{m},{m},{m},{m}]"]
+    cmd = [sys.executable, "-c", "from elastic_jax.train.cli import console; console()",
+           "--config", plan["config"],
+           *plan["common"], *spec["overrides"], *extra, f"run_dir={run_dir}"]
+    log = open(os.path.join(args.out, f"{name}.log"), "w")
+    log.write(" ".join(cmd) + "\n")
+    log.flush()
+    running[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                      cwd=args.cwd or None), time.time())
+    print(f"[{time.time() - t0:6.0f}s] started {name}", flush=True)
+
+  while pending or running:
+    for name, spec in list(pending.items()):
+      if len(running) >= args.parallel:
+        break
+      dep = spec["static_of"]
+      if dep and dep not in status:
+        continue
+      del pending[name]
+      if dep and status[dep]["rc"] != 0:
+        status[name] = {"rc": -1, "seconds": 0, "why": f"{dep} failed"}
+        continue
+      start(name, spec)
+    time.sleep(1)
+    for name, (proc, started) in list(running.items()):
+      rc = proc.poll()
+      if rc is None:
+        continue
+      del running[name]
+      status[name] = {"rc": rc, "seconds": round(time.time() - started, 1)}
+      done = len(status)
+      total = done + len(pending) + len(running)
+      rate = (time.time() - t0) / done
+      print(f"[{time.time() - t0:6.0f}s] {name}: exit {rc} after {status[name]['seconds']}s "
+            f"({done}/{total}; about {rate * (total - done) / max(args.parallel, 1):.0f}s "
+            "left)", flush=True)
+      with open(os.path.join(args.out, "train_status.json"), "w") as f:
+        json.dump(status, f, indent=1)
+  failed = [n for n, s in status.items() if s["rc"] != 0]
+  if failed:
+    print(f"failed: {', '.join(failed)} (see their logs in {args.out})", file=sys.stderr)
+  return 1 if failed else 0
+
+
+# ----------------------------------------------------------------------------------------------
+# heads and score
+
+
+def _load(args):
+  import elastic_jax as ej
+  from elastic_jax.repro.scoring import Scorer
+  from elastic_jax.router import RouterConfig
+  model = ej.from_pretrained(args.model, args.dtype)
+  rcfg = RouterConfig(boundary=8, block=16, sink_blocks=1, local_blocks=4)
+  return model, Scorer(model.params, model.config, rcfg, attn_impl=args.attn_impl,
+                       rows=args.rows)
+
+
+def heads(args) -> int:
+  from elastic_jax.eval import mixture
+  from elastic_jax.repro.scoring import eval_items, minimal_head_set
+  model, scorer = _load(args)
+  out = {"seed": args.seed, "samples": args.samples, "tolerance": args.tolerance,
+         "lengths": args.lengths, "tasks": {}}
+  t0 = time.time()
+  tasks = args.tasks.split(",")
+  for task in tasks:
+    items = eval_items(args.seed, args.samples, (task,), (args.lengths,), (args.lengths,))
+    items = [it for it in items if it.variant == "seen"] if args.seen_only else items
+    print(f"[{time.time() - t0:5.0f}s] {task}: greedy ablation over {len(items)} items",
+          flush=True)
+    r = minimal_head_set(scorer, items, tolerance=args.tolerance, log=print)
+    out["tasks"][task] = {"gates": r["gates"].astype(int).tolist(), "full": r["full"],
+                          "sparse": r["sparse"], "path": r["path"],
+                          "size": int(r["gates"].sum())}
+    print(f"[{time.time() - t0:5.0f}s] {task}: {int(r['gates'].sum())} heads full keep "
+          f"{100 * (r['path'][-1][2] if r['path'] else r['full']):.1f}% (full "
+          f"{100 * r['full']:.1f}%, none {100 * r['sparse']:.1f}%)", flush=True)
+    _write_json(args.out, out)
+  joint_tasks = [t for t in tasks if t in mixture.SENSITIVE]
+  if joint_tasks:
+    items = eval_items(args.seed, args.samples, joint_tasks, (args.lengths,), (args.lengths,))
+    items = [it for it in items if it.variant == "seen"] if args.seen_only else items
+    print(f"[{time.time() - t0:5.0f}s] joint ablation order over {', '.join(joint_tasks)}",
+          flush=True)
+    r = minimal_head_set(scorer, items, stop_at=1, log=print)
+    out["joint"] = {"tasks": joint_tasks, "path": r["path"],
+                    "last": r["gates"].astype(int).tolist()}
+  _write_json(args.out, out)
+  print(f"wrote {args.out} ({time.time() - t0:.0f}s)")
+  return 0
+
+
+def joint_order(heads_json: dict, shape: tuple[int, int]) -> np.ndarray:
+  """[L, K] scores from the joint ablation order: later removals (more needed) score higher."""
+  score = np.zeros(shape)
+  path = heads_json["joint"]["path"]
+  for rank, (layer, head, *_rest) in enumerate(path):
+    score[layer, head] = rank + 1
+  for layer, head in np.argwhere(np.asarray(heads_json["joint"]["last"]) > 0):
+    score[layer, head] = len(path) + 1
+  return score
+
+
+def _write_json(path: str, obj) -> None:
+  """Written whole or not at all (a temporary file renamed), so a run stopped midway leaves
+  the last complete version."""
+  from elastic_jax.files import atomic_write_text
+  atomic_write_text(path, json.dumps(obj))
+
+
+def _bits(x) -> str:
+  return "".join("1" if v else "0" for v in np.asarray(x).astype(bool).reshape(-1))
+
+
+def score(args) -> int:
+  from elastic_jax import router_io
+  from elastic_jax.eval import mixture
+  from elastic_jax.repro.scoring import Scorer, eval_items, static_top
+  model, scorer = _load(args)
+  cfg = model.config
+  shape = (cfg.num_layers, cfg.num_kv_heads)
+  items = eval_items(args.seed, args.samples, mixture.TASKS, args.lengths_list,
+                     args.heldout_list)
+  runs = {}
+  for spec in args.runs:
+    if "=" in spec:
+      name, path = spec.split("=", 1)
+      runs[name] = path
+    else:
+      for name in sorted(os.listdir(spec)):
+        path = os.path.join(spec, name, "export", "elastic_jax")
+        if os.path.isdir(path):
+          runs[name] = path
+  if not runs:
+    raise ElasticJaxError("no routers to score (give sweep directories or NAME=DIR)")
+  heads_json = None
+  if args.heads:
+    with open(args.heads, encoding="utf-8") as f:
+      heads_json = json.load(f)
+  results = {"items": [{"key": it.key, "task": it.task, "variant": it.variant} for it in items],
+             "seed": args.seed, "samples": args.samples, "methods": {}}
+  t0 = time.time()
+
+  def record(name, res, **extra):
+    results["methods"][name] = {"correct": _bits(res["correct"]),
+                                "msr": [round(float(x), 4) for x in res["msr"]], **extra}
+    acc = {t: float(np.mean([c for c, it in zip(res["correct"], items) if it.task == t]))
+           for t in mixture.TASKS}
+    print(f"[{time.time() - t0:5.0f}s] {name:<34} MSR {res['msr'].mean():.3f}  "
+          + " ".join(f"{t} {100 * a:5.1f}" for t, a in acc.items()), flush=True)
+
+  record("full", scorer.score(items, "full"))
+  record("sparse", scorer.score(items, "sparse"))
+  if heads_json:
+    for task, body in heads_json["tasks"].items():
+      g = np.asarray(body["gates"], np.float32)
+      record(f"task-set/{task}", scorer.score(items, "forced", gates=g),
+             gates=body["gates"])
+  loaded = {name: router_io.load_routers(path) for name, path in runs.items()}
+  statics = {n: r for n, r in loaded.items() if r.config.static}
+  for name, r in loaded.items():
+    if r.config.static:
+      continue
+    sc = Scorer(model.params, cfg, r.config, attn_impl=args.attn_impl, rows=args.rows)
+    res = sc.score(items, "elastic", routers=r.params)
+    m = float(res["msr"].mean())
+    freq = res["gates"].mean(0)
+    record(f"{name}/elastic", res, frequency=np.round(freq, 4).tolist(),
+           distinct={f"{t}/{v}": len({_bits(g) for g, it in zip(res["gates"], items)
+                                      if it.task == t and it.variant == v})
+                     for t in mixture.TASKS for v in ("seen", "held-out")})
+    g = static_top(freq, m)
+    record(f"{name}/most-chosen", scorer.score(items, "forced", gates=g),
+           gates=g.astype(int).tolist())
+    for sname, s in statics.items():
+      z = np.asarray(s.params["static_logits"])
+      margin = z[..., 1] - z[..., 0] if z.shape[-1] == 2 else z[..., 0]
+      g = static_top(margin, m)
+      record(f"{name}/static:{sname}", scorer.score(items, "forced", gates=g),
+             gates=g.astype(int).tolist())
+    if heads_json and "joint" in heads_json:
+      g = static_top(joint_order(heads_json, shape), m)
+      record(f"{name}/greedy-oracle", scorer.score(items, "forced", gates=g),
+             gates=g.astype(int).tolist())
+    _write_json(args.out, results)
+  for sname, s in statics.items():   # each static gate at its own trained decisions too
+    g = (np.asarray(s.params["static_logits"])[..., 1]
+         > np.asarray(s.params["static_logits"])[..., 0]).astype(np.float32)
+    record(f"{sname}/as-trained", scorer.score(items, "forced", gates=g),
+           gates=g.astype(int).tolist())
+  _write_json(args.out, results)
+  print(f"wrote {args.out} ({time.time() - t0:.0f}s)")
+  return 0
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+  from elastic_jax.resources import PACKAGE_DIR
+  p = argparse.ArgumentParser(prog="python -m elastic_jax.repro.frontier", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = p.add_subparsers(dest="command", required=True)
+  t = sub.add_parser("train", help="run a plan of router trainings")
+  t.add_argument("plan", help="the plan (YAML)")
+  t.add_argument("--out", required=True, help="folder of the runs (one run_dir per run)")
+  t.add_argument("--parallel", type=int, default=1, help="trainings at a time")
+  t.add_argument("--cwd", help="working directory of the trainings (relative paths)")
+  for name, help_ in (("heads", "greedy minimal head sets per task"),
+                      ("score", "teacher-forced evaluation of every method")):
+    s = sub.add_parser(name, help=help_)
+    s.add_argument("--model", default=os.path.join(PACKAGE_DIR, "repro", "backbone"), help="the backbone")
+    s.add_argument("--dtype", default="float32")
+    s.add_argument("--attn-impl", default="auto")
+    s.add_argument("--rows", type=int, default=64, help="rows per forward pass")
+    s.add_argument("--out", required=True, help="the JSON file written")
+  h = sub.choices["heads"]
+  h.add_argument("--seed", type=int, default=3,
+                 help="items' seed (not the evaluation's, so the sets are not chosen on it)")
+  h.add_argument("--samples", type=int, default=64, help="items per task and variant")
+  h.add_argument("--lengths", type=int, default=384, help="prompt length of the items")
+  h.add_argument("--tasks", default="kv,hop,summary,pattern,fewshot")
+  h.add_argument("--tolerance", type=float, default=0.02)
+  h.add_argument("--seen-only", action="store_true", help="the seen variant's items only")
+  s = sub.choices["score"]
+  s.add_argument("--seed", type=int, default=1)
+  s.add_argument("runs", nargs="+", help="sweep folders (train's --out) or NAME=ROUTER_DIR")
+  s.add_argument("--heads", help="heads' JSON: adds each task's set and the greedy oracle")
+  s.add_argument("--samples", type=int, default=200, help="items per task and variant")
+  s.add_argument("--lengths", default="384")
+  s.add_argument("--heldout-lengths", default="896")
+  args = p.parse_args(argv)
+  if args.command == "score":
+    try:
+      args.lengths_list = [int(x) for x in args.lengths.split(",")]
+      args.heldout_list = [int(x) for x in args.heldout_lengths.split(",")]
+    except ValueError:
+      raise ElasticJaxError("--lengths and --heldout-lengths are comma-separated numbers"
+                            ) from None
+  if getattr(args, "parallel", 1) < 1 or getattr(args, "samples", 1) < 1:
+    raise ElasticJaxError("--parallel and --samples must be at least 1")
+  return args
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  return {"train": train, "heads": heads, "score": score}[args.command](args)
+
+
+if __name__ == "__main__":
+  from elastic_jax.cli import run_cli
+  sys.exit(run_cli(main))
