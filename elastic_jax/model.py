@@ -159,7 +159,7 @@ class Attention(nn.Module):
       else:   # one input per row, its prompt a prefix: read only the boundary tokens
         pooled = rt.pool_prompt_prefix(kk, segment_ids_bt, ctx.prompt_mask, self.rcfg,
                                        ctx.num_segments)
-      z_bskc = rt.router_logits(layer["router"], pooled, self.rcfg.logit_cap)
+      z_bskc = rt.router_logits(layer["router"], pooled)
       gate_bsk, soft_bsk = rt.gate_from_logits(z_bskc, self.rcfg, key=layer.get("key"),
                                                tau=ctx.tau)
       stats = {"gate": gate_bsk, "soft_gate": soft_bsk, "logits": z_bskc}

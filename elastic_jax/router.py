@@ -53,9 +53,11 @@ class RouterConfig:
                                   # for use_softmax false)
   task_mlp: bool = True           # the task MLP before the router MLP (false: an ablation,
                                   # the pooled keys go to the router MLP directly)
-  logit_cap: float = 0.0          # > 0: logits pass through cap * tanh(z / cap) (a monotone map,
-                                  # so decisions are unchanged; it keeps training's gradient
-                                  # from vanishing on saturated routers). 0: none
+  margin_cap: float = 0.0         # > 0: training's relaxation sees the logit margin (z1 - z0;
+                                  # one logit: z) clipped to [-cap, cap], the gradient passed
+                                  # straight through the clip, so that no decision stops
+                                  # learning however sure it is (docs/method.md §4). Decisions
+                                  # keep the margin's sign: inference is unchanged. 0: none
 
   def __post_init__(self):
     if self.pooling not in POOLINGS:
@@ -65,8 +67,8 @@ class RouterConfig:
                        f"(known: {RELAXATIONS})")
     if self.boundary < 1 or self.hidden_mult < 1:
       raise ValueError("router boundary and hidden_mult must be positive")
-    if not self.logit_cap >= 0:
-      raise ValueError(f"router logit_cap must be >= 0 (0: none), got {self.logit_cap}")
+    if not self.margin_cap >= 0:
+      raise ValueError(f"router margin_cap must be >= 0 (0: none), got {self.margin_cap}")
     if self.static and not self.task_mlp:
       raise ValueError("router task_mlp applies to input-dependent routers, not static ones")
     if self.head_norm and self.relaxation != "sigmoid":
@@ -167,20 +169,24 @@ def _dense(x, w, b):
   return jnp.einsum("...i,io->...o", x, w) + b.reshape((1,) * (x.ndim - 1) + b.shape)
 
 
-def router_logits(p: dict, pooled_bskh: jax.Array, logit_cap: float = 0.0) -> jax.Array:
+def router_logits(p: dict, pooled_bskh: jax.Array) -> jax.Array:
   """One layer's router: task MLP (where the params have one) then router MLP, shared over
-  heads. -> [B, S, K, C]. A static router's logits [K, C] are the same for every input.
-  logit_cap > 0 maps the logits through cap * tanh(z / cap) (monotone: decisions unchanged)."""
+  heads. -> [B, S, K, C]. A static router's logits [K, C] are the same for every input."""
   if "static_logits" in p:
-    z = jnp.broadcast_to(p["static_logits"], pooled_bskh.shape[:2] + p["static_logits"].shape)
-  else:
-    x = pooled_bskh
-    if "task_w1" in p:
-      x = _dense(jax.nn.silu(_dense(x, p["task_w1"], p["task_b1"])), p["task_w2"], p["task_b2"])
-    x = jax.nn.silu(_dense(x, p["route_w1"], p["route_b1"]))
-    x = jax.nn.silu(_dense(x, p["route_w2"], p["route_b2"]))
-    z = _dense(x, p["route_w3"], p["route_b3"])
-  return logit_cap * jnp.tanh(z / logit_cap) if logit_cap > 0 else z
+    return jnp.broadcast_to(p["static_logits"], pooled_bskh.shape[:2] + p["static_logits"].shape)
+  x = pooled_bskh
+  if "task_w1" in p:
+    x = _dense(jax.nn.silu(_dense(x, p["task_w1"], p["task_b1"])), p["task_w2"], p["task_b2"])
+  x = jax.nn.silu(_dense(x, p["route_w1"], p["route_b1"]))
+  x = jax.nn.silu(_dense(x, p["route_w2"], p["route_b2"]))
+  return _dense(x, p["route_w3"], p["route_b3"])
+
+
+def capped_margin(m: jax.Array, cap: float) -> jax.Array:
+  """m clipped to [-cap, cap] in value, with the gradient of the identity (no cap: m)."""
+  if cap <= 0:
+    return m
+  return m + jax.lax.stop_gradient(jnp.clip(m, -cap, cap) - m)
 
 
 def gumbel(key: jax.Array, shape, eps: float = 1e-10) -> jax.Array:
@@ -197,10 +203,14 @@ def gate_from_logits(z_bskc: jax.Array, rcfg: RouterConfig, *, key: jax.Array | 
   the noiseless argmax, and the soft gate is the plain probability.
   """
   if rcfg.relaxation == "softmax":
+    # Only the margin z1 - z0 matters: softmax([z0, z1])[1] = sigmoid(z1 - z0), also with the
+    # Gumbel noise added to each logit.
+    m = capped_margin(z_bskc[..., 1] - z_bskc[..., 0], rcfg.margin_cap)
     if key is not None:
-      z_bskc = z_bskc + gumbel(key, z_bskc.shape)
-    soft = jax.nn.softmax(z_bskc / (tau if key is not None else 1.0), axis=-1)[..., 1]
-    hard = (z_bskc[..., 1] > z_bskc[..., 0]).astype(jnp.float32)
+      g = gumbel(key, z_bskc.shape)
+      m = m + (g[..., 1] - g[..., 0])
+    soft = jax.nn.sigmoid(m / (tau if key is not None else 1.0))
+    hard = (m > 0).astype(jnp.float32)
   else:
     z = z_bskc[..., 0]
     if rcfg.head_norm:
@@ -208,6 +218,7 @@ def gate_from_logits(z_bskc: jax.Array, rcfg: RouterConfig, *, key: jax.Array | 
       mean = z.mean(-1, keepdims=True)
       var = jnp.square(z - mean).mean(-1, keepdims=True)
       z = (z - mean) * jax.lax.rsqrt(var + 1e-5)
+    z = capped_margin(z, rcfg.margin_cap)
     if key is not None:
       z = z + gumbel(key, z.shape)
     soft = jax.nn.sigmoid(z / (tau if key is not None else 1.0))
