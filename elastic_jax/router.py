@@ -53,11 +53,6 @@ class RouterConfig:
                                   # for use_softmax false)
   task_mlp: bool = True           # the task MLP before the router MLP (false: an ablation,
                                   # the pooled keys go to the router MLP directly)
-  margin_cap: float = 0.0         # > 0: training's relaxation sees the logit margin (z1 - z0;
-                                  # one logit: z) clipped to [-cap, cap], the gradient passed
-                                  # straight through the clip, so that no decision stops
-                                  # learning however sure it is (docs/method.md §4). Decisions
-                                  # keep the margin's sign: inference is unchanged. 0: none
 
   def __post_init__(self):
     if self.pooling not in POOLINGS:
@@ -67,8 +62,6 @@ class RouterConfig:
                        f"(known: {RELAXATIONS})")
     if self.boundary < 1 or self.hidden_mult < 1:
       raise ValueError("router boundary and hidden_mult must be positive")
-    if not self.margin_cap >= 0:
-      raise ValueError(f"router margin_cap must be >= 0 (0: none), got {self.margin_cap}")
     if self.static and not self.task_mlp:
       raise ValueError("router task_mlp applies to input-dependent routers, not static ones")
     if self.head_norm and self.relaxation != "sigmoid":
@@ -93,6 +86,15 @@ class RouterConfig:
   @property
   def num_logits(self) -> int:
     return 2 if self.relaxation == "softmax" else 1
+
+
+def router_param_names(rcfg: RouterConfig) -> frozenset[str]:
+  """The names of one router's parameters under `rcfg` (`init_router_params` makes them)."""
+  if rcfg.static:
+    return frozenset({"static_logits"})
+  mlps = ("task", "route") if rcfg.task_mlp else ("route",)
+  return frozenset(f"{m}_{kind}{i}" for m in mlps for kind in "wb"
+                   for i in range(1, 4 if m == "route" else 3))
 
 
 def init_router_params(cfg: ModelConfig, rcfg: RouterConfig, key: jax.Array) -> dict:
@@ -182,13 +184,6 @@ def router_logits(p: dict, pooled_bskh: jax.Array) -> jax.Array:
   return _dense(x, p["route_w3"], p["route_b3"])
 
 
-def capped_margin(m: jax.Array, cap: float) -> jax.Array:
-  """m clipped to [-cap, cap] in value, with the gradient of the identity (no cap: m)."""
-  if cap <= 0:
-    return m
-  return m + jax.lax.stop_gradient(jnp.clip(m, -cap, cap) - m)
-
-
 def gumbel(key: jax.Array, shape, eps: float = 1e-10) -> jax.Array:
   u = jax.random.uniform(key, shape, jnp.float32)
   return -jnp.log(-jnp.log(u + eps) + eps)
@@ -203,14 +198,10 @@ def gate_from_logits(z_bskc: jax.Array, rcfg: RouterConfig, *, key: jax.Array | 
   the noiseless argmax, and the soft gate is the plain probability.
   """
   if rcfg.relaxation == "softmax":
-    # Only the margin z1 - z0 matters: softmax([z0, z1])[1] = sigmoid(z1 - z0), also with the
-    # Gumbel noise added to each logit.
-    m = capped_margin(z_bskc[..., 1] - z_bskc[..., 0], rcfg.margin_cap)
     if key is not None:
-      g = gumbel(key, z_bskc.shape)
-      m = m + (g[..., 1] - g[..., 0])
-    soft = jax.nn.sigmoid(m / (tau if key is not None else 1.0))
-    hard = (m > 0).astype(jnp.float32)
+      z_bskc = z_bskc + gumbel(key, z_bskc.shape)
+    soft = jax.nn.softmax(z_bskc / (tau if key is not None else 1.0), axis=-1)[..., 1]
+    hard = (z_bskc[..., 1] > z_bskc[..., 0]).astype(jnp.float32)
   else:
     z = z_bskc[..., 0]
     if rcfg.head_norm:
@@ -218,7 +209,6 @@ def gate_from_logits(z_bskc: jax.Array, rcfg: RouterConfig, *, key: jax.Array | 
       mean = z.mean(-1, keepdims=True)
       var = jnp.square(z - mean).mean(-1, keepdims=True)
       z = (z - mean) * jax.lax.rsqrt(var + 1e-5)
-    z = capped_margin(z, rcfg.margin_cap)
     if key is not None:
       z = z + gumbel(key, z.shape)
     soft = jax.nn.sigmoid(z / (tau if key is not None else 1.0))

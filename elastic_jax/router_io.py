@@ -26,7 +26,7 @@ from elastic_jax.config import AUTHORS_ARCHITECTURES, ModelConfig
 from elastic_jax.convert import authors
 from elastic_jax.errors import ElasticJaxError
 from elastic_jax.files import atomic_directory
-from elastic_jax.router import RouterConfig
+from elastic_jax.router import RouterConfig, router_param_names
 
 FORMAT = "elastic_jax.routers"
 # Router-config keys of exports written before a rename, and their names now.
@@ -121,4 +121,12 @@ def load_routers(directory: str | os.PathLike) -> Routers:
     rcfg = RouterConfig(**router)
   except (TypeError, ValueError) as e:
     raise ElasticJaxError(f"{meta_path}: holds an unusable router config ({e})") from None
+  want = router_param_names(rcfg)
+  have = set(groups["router"])
+  if have != want:
+    told = [f"{what} {', '.join(sorted(names))}" for what, names in
+            (("missing", want - have), ("unexpected", have - want)) if names]
+    raise ElasticJaxError(f"{tensors_path}: its router tensors do not match its config "
+                          f"(static {rcfg.static}, task_mlp {rcfg.task_mlp}): "
+                          f"{'; '.join(told)}")
   return Routers(groups["router"], rcfg, groups["lambdas"] or None, meta)

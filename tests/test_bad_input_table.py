@@ -72,6 +72,8 @@ def world(tmp_path_factory):
   _routers(root, "routers_head_dim", other)
   _routers(root, "routers_unknown", cfg, extra={"gate.bias": np.zeros(2, np.float32)})
   _routers(root, "routers_truncated", cfg, truncate=True)
+  _routers(root, "routers_no_task_mlp", cfg, RouterConfig(task_mlp=False),
+           extra={"router.task_w1": np.zeros((2, 2), np.float32)})
   (root / "afile").write_text("x")
   (root / "ids_dict.json").write_text('{"ids": [1, 2, 3]}')
   (root / "ids.json").write_text("[1, 2, 3, 4]")
@@ -81,6 +83,9 @@ def world(tmp_path_factory):
                                                             "float32"), small_cfg.to_hf_dict()),
                      small)
   make_tokenizer(small, ["the grass is green and the sky is blue"])   # 300+ tokens > 64
+  (root / "plan_empty.yaml").write_text("config: mixture.yaml\n")
+  (root / "plan_static.yaml").write_text("runs:\n  s: {static_of: e, overrides: []}\n")
+  (root / "scores.json").write_text(json.dumps({"items": [], "methods": {}}))
   (root / "data.jsonl").write_text(json.dumps({"context": "a", "question": "b", "answer": "c",
                                                "task": "code"}) + "\n")
   return root
@@ -127,6 +132,9 @@ CASES = {
     "eval routers truncated": ("eval", ["ruler", "--model", "{root}/m", "--routers",
                                         "{root}/routers_truncated"], 2,
                                "unreadable, truncated or damaged"),
+    "eval routers against their config": ("eval", ["ruler", "--model", "{root}/m", "--routers",
+                                                  "{root}/routers_no_task_mlp"], 2,
+                                          "task_mlp False): unexpected task_w1"),
     "eval routers missing": ("eval", ["ruler", "--model", "{root}/m", "--routers",
                                       "{root}/nowhere"], 2, "not a router export"),
     "eval no tokenizer": ("eval", ["ruler", "--model", "{root}/bare"], 2,
@@ -166,6 +174,16 @@ CASES = {
                                                       "8192"], 2, "within the config's"),
     "mixture data random wordings 2": ("mixture", ["{root}/mix", "--random-wordings", "2"], 2,
                                        "--random-wordings 2.0: a share in [0, 1]"),
+    "frontier plan without runs": ("frontier", ["train", "{root}/plan_empty.yaml", "--out",
+                                                "{root}/sweep"], 2,
+                                   "a plan is a mapping with a non-empty 'runs' mapping"),
+    "frontier plan static of no run": ("frontier", ["train", "{root}/plan_static.yaml", "--out",
+                                                    "{root}/sweep"], 2,
+                                       "static_of names no run of the plan (e)"),
+    "frontier score nothing to score": ("frontier", ["score", "{root}/m", "--out",
+                                                     "{root}/s.json"], 2, "no routers to score"),
+    "frontier report unknown run": ("frontier", ["report", "{root}/scores.json", "--runs", "e9"],
+                                    2, "no elastic run named e9"),
     "report kernel times without MSR 1": ("report", ["--run", "elastic={root}", "--plots",
                                                      "{root}/pl", "--kernel-times", "0:5,0.5:3"],
                                           2, "needs MSR 0 and 1"),
@@ -228,6 +246,9 @@ def _main(entry):
     return main
   if entry == "report":
     from elastic_jax.repro.report import main
+    return main
+  if entry == "frontier":
+    from elastic_jax.repro.frontier import main
     return main
   if entry.startswith("benchmarks/"):   # a benchmark imports its own folder's helpers
     folder = os.path.join(ROOT, "benchmarks")

@@ -28,6 +28,16 @@ def test_router_parameters_shapes_and_init():
   assert z.shape == (2, 4, 2, 2)
   sig = init_router_params(CFG, RouterConfig(relaxation="sigmoid"), jax.random.key(0))
   assert sig["route_w3"].shape == (3, 128, 1)
+  # The ablation without a task MLP: the router MLP reads the pooled keys directly.
+  bare = init_router_params(CFG, RouterConfig(task_mlp=False), jax.random.key(0))
+  assert not any(k.startswith("task_") for k in bare)
+  one = jax.tree.map(lambda x: x[0], bare)
+  x = np.asarray(jax.random.normal(jax.random.key(1), (2, 4, 2, 128)))
+  w = {k: np.asarray(v, np.float64) for k, v in one.items()}
+  silu = lambda a: a / (1 + np.exp(-a))
+  h = silu(silu(x @ w["route_w1"] + w["route_b1"]) @ w["route_w2"] + w["route_b2"])
+  np.testing.assert_allclose(router_logits(one, jnp.asarray(x)), h @ w["route_w3"] + w["route_b3"],
+                             rtol=1e-4, atol=1e-6)
 
 
 def _numpy_pool(k, seg, pos, prompt, slots, boundary, mode):

@@ -161,6 +161,19 @@ def test_penalty_averages_per_task_then_over_tasks():
   assert float(penalty) == pytest.approx((qa + code) / 2)
   assert float(msr_task[0]) == pytest.approx(0.7) and np.isnan(float(msr_task[1]))
   np.testing.assert_array_equal(np.asarray(count), [2, 0, 0, 1, 0])
+  # The paper's signed l1 term: l1 (MSR - t), below the target a negative contribution.
+  signed, _, _ = sparsity_penalty(msr_bs, task, lam, ObjectiveConfig(
+      targets=(0.7, 0.7, 1.0, 0.6, 1.0), linear_term="signed"))
+  assert float(signed) == pytest.approx(((0.5 - 0.7 + 0.9 - 0.7) / 2 + code) / 2)
+
+
+def test_saturated_share_counts_margins_past_the_threshold():
+  from elastic_jax.train.step import SATURATED_MARGIN, saturated_share
+  m = np.zeros((2, 1, 2, 3, 2), np.float32)                  # [L, B, S, K, C]
+  m[0, 0, 1, :, 1] = [SATURATED_MARGIN * 2 + 1, 1.0, -40.0]  # margins 31, 1, -40 at tau 2
+  m[1, 0, 0, :, 1] = 100.0                                   # an empty slot: not counted
+  share = saturated_share(jnp.asarray(m), jnp.asarray([[False, True]]), 2.0)
+  np.testing.assert_allclose(np.asarray(share), [2 / 3, 0.0])
 
 
 @pytest.mark.parametrize("t, chunk", [(50, 16), (64, 64), (7, 1024)])

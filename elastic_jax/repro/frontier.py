@@ -227,34 +227,45 @@ def score(args) -> int:
   from elastic_jax import router_io
   from elastic_jax.eval import mixture
   from elastic_jax.repro.scoring import Scorer, eval_items, static_top
-  model, scorer = _load(args)
-  cfg = model.config
-  shape = (cfg.num_layers, cfg.num_kv_heads)
-  items = eval_items(args.seed, args.samples, mixture.TASKS, args.lengths_list,
-                     args.heldout_list)
   runs = {}
   for spec in args.runs:
     if "=" in spec:
       name, path = spec.split("=", 1)
       runs[name] = path
-    else:
+    elif os.path.isdir(spec):
       for name in sorted(os.listdir(spec)):
         path = os.path.join(spec, name, "export", "elastic_jax")
         if os.path.isdir(path):
           runs[name] = path
+    else:
+      raise ElasticJaxError(f"{spec}: neither a folder of runs nor NAME=ROUTER_DIR")
   if not runs:
-    raise ElasticJaxError("no routers to score (give sweep directories or NAME=DIR)")
+    raise ElasticJaxError(f"no routers to score in {', '.join(args.runs)} (give folders of "
+                          "runs, each run's routers in RUN/export/elastic_jax, or NAME=DIR)")
+  loaded = {name: router_io.load_routers(path) for name, path in runs.items()}
   heads_json = None
   if args.heads:
-    with open(args.heads, encoding="utf-8") as f:
-      heads_json = json.load(f)
+    try:
+      with open(args.heads, encoding="utf-8") as f:
+        heads_json = json.load(f)
+      heads_json["tasks"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      raise ElasticJaxError(f"{args.heads}: not a heads file of `frontier heads` "
+                            f"({type(e).__name__})") from None
+  model, scorer = _load(args)
+  cfg = model.config
+  shape = (cfg.num_layers, cfg.num_kv_heads)
+  items = eval_items(args.seed, args.samples, mixture.TASKS, args.lengths_list,
+                     args.heldout_list)
   results = {"items": [{"key": it.key, "task": it.task, "variant": it.variant} for it in items],
              "seed": args.seed, "samples": args.samples, "methods": {}}
   t0 = time.time()
 
   def record(name, res, **extra):
+    msr = np.round(res["msr"].astype(float), 4)
     results["methods"][name] = {"correct": _bits(res["correct"]),
-                                "msr": [round(float(x), 4) for x in res["msr"]], **extra}
+                                "msr": float(msr[0]) if np.all(msr == msr[0]) else msr.tolist(),
+                                **extra}
     acc = {t: float(np.mean([c for c, it in zip(res["correct"], items) if it.task == t]))
            for t in mixture.TASKS}
     print(f"[{time.time() - t0:5.0f}s] {name:<34} MSR {res['msr'].mean():.3f}  "
@@ -267,7 +278,6 @@ def score(args) -> int:
       g = np.asarray(body["gates"], np.float32)
       record(f"task-set/{task}", scorer.score(items, "forced", gates=g),
              gates=body["gates"])
-  loaded = {name: router_io.load_routers(path) for name, path in runs.items()}
   statics = {n: r for n, r in loaded.items() if r.config.static}
   for name, r in loaded.items():
     if r.config.static:
@@ -301,6 +311,40 @@ def score(args) -> int:
            gates=g.astype(int).tolist())
   _write_json(args.out, results)
   print(f"wrote {args.out} ({time.time() - t0:.0f}s)")
+  return 0
+
+
+def report(args) -> int:
+  from elastic_jax.files import atomic_write_text
+  from elastic_jax.repro import frontier_report as fr
+  try:
+    with open(args.scores, encoding="utf-8") as f:
+      s = fr.Scores(json.load(f))
+  except (OSError, ValueError) as e:
+    raise ElasticJaxError(f"{args.scores}: cannot read a scores file ({e})") from None
+  runs = args.runs.split(",") if args.runs else s.elastic_runs()
+  missing = [r for r in runs if f"{r}/elastic" not in s.methods]
+  if missing:
+    raise ElasticJaxError(f"{args.scores}: no elastic run named {', '.join(missing)} (it has "
+                          f"{', '.join(s.elastic_runs())})")
+  runs = sorted(runs, key=lambda r: s.msr(f"{r}/elastic"))
+  parts = [f"## {args.title}", "",
+           "Sensitive tasks (kv, hop): accuracy % (MSR) of elastic and of each static head set "
+           "at elastic's average MSR; elastic minus it, paired over the same items, points "
+           "[95% interval].", "", fr.frontier_table(s, runs), ""]
+  sets = fr.task_set_table(s)
+  if sets:
+    parts += ["Each task's greedy minimal head set, evaluated on every task (accuracy %):",
+              "", sets, ""]
+  if args.tables:
+    parts += [fr.budget_table(s, r) for r in runs]
+  text = "\n".join(parts) + "\n"
+  if args.out:
+    atomic_write_text(args.out, text)
+  else:
+    print(text)
+  if args.plot:
+    print(f"wrote {fr.plot(s, runs, args.plot, args.title)}")
   return 0
 
 
@@ -340,6 +384,13 @@ def parse_args(argv=None):
   s.add_argument("--samples", type=int, default=200, help="items per task and variant")
   s.add_argument("--lengths", default="384")
   s.add_argument("--heldout-lengths", default="896")
+  r = sub.add_parser("report", help="tables and the plot of a scores file")
+  r.add_argument("scores", help="score's JSON")
+  r.add_argument("--runs", help="elastic runs to show, comma-separated (default: all)")
+  r.add_argument("--title", default="The accuracy-sparsity frontier")
+  r.add_argument("--tables", action="store_true", help="also every budget's full table")
+  r.add_argument("--out", help="Markdown file (default: print)")
+  r.add_argument("--plot", help="PNG file of the frontier")
   args = p.parse_args(argv)
   if args.command == "score":
     try:
@@ -355,7 +406,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  return {"train": train, "heads": heads, "score": score}[args.command](args)
+  return {"train": train, "heads": heads, "score": score, "report": report}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,183 @@
+"""Tables and the plot of the accuracy-sparsity frontier, from `frontier score`'s JSON.
+
+Methods of a scores file (frontier.score): `full`, `sparse`, `task-set/TASK` (the greedy
+minimal head set of one task), `S/as-trained` (a trained static gate's own decisions), and per
+elastic run R: `R/elastic`, `R/most-chosen`, `R/static:S` (static gate S's heads ranked by
+its logit margin, as many full as R has on average) and `R/greedy-oracle`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from elastic_jax.errors import ElasticJaxError
+from elastic_jax.eval import mixture
+from elastic_jax.eval.report import interval, paired_difference
+
+VARIANTS = ("seen", "held-out")
+BASELINES = (("most-chosen", "static, elastic's most-chosen heads"),
+             ("trained", "static, trained gate (best of the gates)"),
+             ("greedy-oracle", "static, greedy ablation (oracle)"))
+
+
+class Scores:
+  """A scores file: per method, item correctness (0/100) and MSR."""
+
+  def __init__(self, raw: dict):
+    try:
+      self.items = raw["items"]
+      self.methods = {name: {"correct": 100.0 * (np.frombuffer(m["correct"].encode(), np.uint8)
+                                                 == ord("1")),
+                             "msr": np.broadcast_to(np.asarray(m["msr"], float),
+                                                    (len(raw["items"]),)),
+                             **{k: v for k, v in m.items() if k not in ("correct", "msr")}}
+                      for name, m in raw["methods"].items()}
+    except (KeyError, TypeError, ValueError) as e:
+      raise ElasticJaxError(f"not a frontier scores file ({type(e).__name__}: {e})") from None
+    self.task = np.array([it["task"] for it in self.items])
+    self.variant = np.array([it["variant"] for it in self.items])
+
+  def mask(self, variant: str | None = None, tasks=None) -> np.ndarray:
+    m = np.ones(len(self.items), bool)
+    if variant:
+      m &= self.variant == variant
+    if tasks is not None:
+      m &= np.isin(self.task, list(tasks))
+    return m
+
+  def accuracy(self, method: str, variant=None, tasks=None) -> float:
+    """Mean over tasks of each task's accuracy (equal weights, as the tables average)."""
+    tasks = list(tasks or mixture.TASKS)
+    c = self.methods[method]["correct"]
+    return float(np.mean([c[self.mask(variant, [t])].mean() for t in tasks
+                          if self.mask(variant, [t]).any()]))
+
+  def msr(self, method: str, variant=None, tasks=None) -> float:
+    return float(self.methods[method]["msr"][self.mask(variant, tasks)].mean())
+
+  def paired(self, a: str, b: str, variant=None, tasks=None) -> dict:
+    m = self.mask(variant, tasks)
+    return paired_difference(self.methods[a]["correct"][m], self.methods[b]["correct"][m])
+
+  def best_trained(self, run: str, tasks=mixture.SENSITIVE) -> str | None:
+    """The trained static gate (R/static:S) of the highest accuracy on `tasks` over both
+    variants at run R's budget: the strongest such baseline."""
+    names = [n for n in self.methods if n.startswith(f"{run}/static:")]
+    return max(names, key=lambda n: self.accuracy(n, None, tasks), default=None)
+
+  def elastic_runs(self) -> list[str]:
+    return [n[:-len("/elastic")] for n in self.methods if n.endswith("/elastic")]
+
+
+def _fmt_diff(d: dict) -> str:
+  return f"{d['diff']:+.1f} [{d['ci95'][0]:+.1f}, {d['ci95'][1]:+.1f}]"
+
+
+def baseline_of(s: Scores, run: str, kind: str) -> str | None:
+  if kind == "trained":
+    return s.best_trained(run)
+  name = f"{run}/{kind}"
+  return name if name in s.methods else None
+
+
+def frontier_table(s: Scores, runs: list[str]) -> str:
+  """Per budget: average MSR, the sensitive tasks' accuracy (seen / held-out) of elastic and
+  every static baseline at its average MSR, and elastic minus each, paired over the same
+  items (points [95% interval])."""
+  sens = mixture.SENSITIVE
+  lines = ["| budget (avg MSR) | variant | elastic | robust MSR | "
+           + " | ".join(f"{label}: acc (MSR) | elastic − it" for _, label in BASELINES) + " |",
+           "|---|---|---|---|" + "---|---|" * len(BASELINES)]
+  for run in runs:
+    e = f"{run}/elastic"
+    for variant in VARIANTS:
+      cells = [f"{run} ({s.msr(e):.3f})" if variant == "seen" else "", variant,
+               f"{s.accuracy(e, variant, sens):.1f} ({s.msr(e, variant, sens):.2f})",
+               f"{s.msr(e, variant, [t for t in mixture.TASKS if t not in sens]):.2f}"]
+      for kind, _ in BASELINES:
+        b = baseline_of(s, run, kind)
+        if b is None:
+          cells += ["-", "-"]
+          continue
+        tag = f" `{b.split(':')[1]}`" if kind == "trained" else ""
+        cells += [f"{s.accuracy(b, variant, sens):.1f} ({s.msr(b):.2f}){tag}",
+                  _fmt_diff(s.paired(e, b, variant, sens))]
+      lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def budget_table(s: Scores, run: str) -> str:
+  """The paper's Table 1 layout at one budget: every method, accuracy % (MSR) per task."""
+  methods = [("Full attention", "full"), ("All heads SSA", "sparse"),
+             ("Elastic", f"{run}/elastic")]
+  for kind, label in BASELINES:
+    b = baseline_of(s, run, kind)
+    if b:
+      methods.append((label.capitalize(), b))
+  lines = []
+  for variant in VARIANTS:
+    lines += [f"**{run}, {variant}** (accuracy % with its 95% interval below; MSR)", "",
+              "| method | " + " | ".join(mixture.TASKS) + " | sensitive avg | robust avg | "
+              "MSR avg |", "|---|" + "---|" * (len(mixture.TASKS) + 3)]
+    for label, name in methods:
+      cells = []
+      for t in mixture.TASKS:
+        m = s.mask(variant, [t])
+        c = s.methods[name]["correct"][m]
+        lo, hi = interval(c)
+        cells.append(f"{c.mean():.1f} ({s.methods[name]['msr'][m].mean():.2f})<br>"
+                     f"[{lo:.0f}, {hi:.0f}]")
+      rob = [t for t in mixture.TASKS if t not in mixture.SENSITIVE]
+      lines.append(f"| {label} | " + " | ".join(cells)
+                   + f" | {s.accuracy(name, variant, mixture.SENSITIVE):.1f} | "
+                   f"{s.accuracy(name, variant, rob):.1f} | {s.msr(name, variant):.2f} |")
+    lines.append("")
+  return "\n".join(lines)
+
+
+def task_set_table(s: Scores) -> str:
+  """Each task's greedy minimal head set applied to every task: how the sets differ."""
+  names = [n for n in s.methods if n.startswith("task-set/")]
+  if not names:
+    return ""
+  lines = ["| head set of | heads full | " + " | ".join(mixture.TASKS) + " |",
+           "|---|---|" + "---|" * len(mixture.TASKS)]
+  for n in names:
+    g = np.asarray(s.methods[n].get("gates", []))
+    lines.append(f"| {n.split('/', 1)[1]} | {int(g.sum()) if g.size else '-'} | "
+                 + " | ".join(f"{s.accuracy(n, None, [t]):.1f}" for t in mixture.TASKS)
+                 + " |")
+  return "\n".join(lines)
+
+
+def plot(s: Scores, runs: list[str], path: str, title: str) -> str:
+  """Sensitive-task accuracy against average MSR, one panel per variant, every method."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  from elastic_jax.eval.report import save_figure
+  import os
+  sens = mixture.SENSITIVE
+  fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+  lowest = min(s.msr(f"{r}/elastic") for r in runs)
+  series = [("elastic", lambda r: f"{r}/elastic", "o-", "C0")]
+  series += [(label, (lambda k: lambda r: baseline_of(s, r, k))(kind), "s--", f"C{i + 1}")
+             for i, (kind, label) in enumerate(BASELINES)]
+  for ax, variant in zip(axes, VARIANTS):
+    for label, name_of, style, color in series:
+      pts = sorted((s.msr(n), s.accuracy(n, variant, sens)) for n in map(name_of, runs) if n)
+      if pts:
+        ax.plot(*zip(*pts), style, color=color, label=label, markersize=5)
+    ax.axhline(s.accuracy("full", variant, sens), color="k", linestyle=":", linewidth=1,
+               label="full attention (MSR 0)")
+    ax.scatter([s.msr("sparse")], [s.accuracy("sparse", variant, sens)], marker="X", s=70,
+               color="0.5", label="all heads streaming", zorder=3)
+    ax.set_xlim(min(0.6, lowest - 0.05), 1.02)
+    ax.set_title(f"{variant}", fontsize=10)
+    ax.set_xlabel("average MSR over the five tasks (share of heads streaming)")
+    ax.grid(alpha=0.3)
+  axes[0].set_ylabel("accuracy on kv and hop (%)")
+  handles, labels = axes[0].get_legend_handles_labels()
+  fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(0.99, 0.95), fontsize=8)
+  fig.suptitle(title, fontsize=10)
+  return save_figure(fig, os.path.dirname(path) or ".", os.path.basename(path))

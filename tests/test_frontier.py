@@ -1,0 +1,124 @@
+"""The frontier's tools (repro/scoring.py, repro/frontier.py, repro/frontier_report.py):
+teacher-forced scoring against greedy generation, the greedy head-set ablation against a
+known answer, static sets at a budget, and the report's paired figures against a direct
+count."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import elastic_jax as ej
+from elastic_jax.eval import mixture
+from elastic_jax.generate import SamplingConfig, generate
+from elastic_jax.repro import frontier_report, scoring
+from elastic_jax.resources import PACKAGE_DIR
+
+BACKBONE = os.path.join(PACKAGE_DIR, "repro", "backbone")
+ROUTERS = os.path.join(PACKAGE_DIR, "repro", "routers")
+
+
+@pytest.fixture(scope="module")
+def model():
+  return ej.from_pretrained(BACKBONE, "float32", routers=ROUTERS, show_progress=False)
+
+
+def test_teacher_forced_scoring_is_greedy_generation(model):
+  """An item scores right exactly when greedy generation returns its answer and then EOS, and
+  the routers decide the same heads as at generation's prefill."""
+  items = scoring.eval_items(7, 2, lengths=(160,), heldout_lengths=(224,))
+  sc = scoring.Scorer(model.params, model.config, model.router_config, attn_impl="reference",
+                      rows=len(items))
+  for attention in ("elastic", "sparse"):
+    res = sc.score(items, attention, routers=model.router_params)
+    gen = generate(model.params, model.config, [list(it.prompt) for it in items],
+                   attention=attention, rcfg=model.router_config,
+                   router_params=model.router_params,
+                   sampling=SamplingConfig(max_new_tokens=4), eos_ids=(mixture.EOS,),
+                   attn_impl="reference")
+    for i, it in enumerate(items):
+      toks = list(gen.tokens[i])
+      want = list(it.answer) + [mixture.EOS]
+      assert res["correct"][i] == (toks[:len(want)] == want), (attention, it.key, toks)
+    np.testing.assert_allclose(res["msr"], gen.msr, atol=1e-6)
+    assert res["correct"].any() and (attention == "elastic" or not res["correct"].all())
+
+
+class _Needs:
+  """A stand-in scorer: an item of task t is right iff every head of t's required set is
+  full; its log-probability falls with each missing head (an independent oracle)."""
+  cfg = type("C", (), {"num_layers": 3, "num_kv_heads": 4})
+
+  def __init__(self, need):
+    self.need = need
+
+  def score(self, items, attention="full", *, gates=None, routers=None):
+    n = len(items)
+    g = {"full": np.ones((n, 3, 4)), "sparse": np.zeros((n, 3, 4))}.get(attention)
+    if g is None:
+      g = np.broadcast_to(np.asarray(gates, float), (n, 3, 4))
+    missing = np.array([sum(1 - g[i][h] for h in self.need[it.task])
+                        for i, it in enumerate(items)])
+    return {"correct": missing == 0, "logp": -missing.astype(float),
+            "gates": g, "msr": 1 - g.mean((1, 2))}
+
+
+def test_greedy_ablation_finds_the_needed_heads():
+  need = {"kv": [(0, 1), (2, 3)], "summary": []}
+  items = [scoring.EvalItem(f"{t}/{i}", t, "seen", np.zeros(3, np.int32),
+                            np.zeros(1, np.int32)) for t in need for i in range(4)]
+  sc = _Needs(need)
+  got = scoring.minimal_head_set(sc, [it for it in items if it.task == "kv"])
+  assert sorted(map(tuple, np.argwhere(got["gates"] > 0))) == need["kv"]
+  assert got["full"] == 1.0 and got["sparse"] == 0.0 and len(got["path"]) == 10
+  assert scoring.minimal_head_set(sc, [it for it in items if it.task == "summary"])[
+      "gates"].sum() == 0
+  path = scoring.minimal_head_set(sc, items, stop_at=1)["path"]
+  assert tuple(path[-1][:2]) in need["kv"] and len(path) == 11
+
+
+def test_static_sets_at_a_budget():
+  scores = np.array([[0.1, 5.0, 3.0], [2.0, -1.0, 0.5]])
+  np.testing.assert_array_equal(scoring.static_top(scores, 0.5),
+                                [[0, 1, 1], [1, 0, 0]])
+  assert scoring.static_top(scores, 1.0).sum() == 0
+  assert scoring.static_top(scores, 0.0).sum() == 6
+
+
+def _scores_file(rng, n=40):
+  items = [{"key": f"{t}/{v}/{i}", "task": t, "variant": v}
+           for t in mixture.TASKS for v in ("seen", "held-out") for i in range(n)]
+  bits = lambda p: "".join("1" if x else "0" for x in rng.random(len(items)) < p)
+  return {"items": items, "methods": {
+      "full": {"correct": "1" * len(items), "msr": 0.0},
+      "sparse": {"correct": bits(0.5), "msr": 1.0},
+      "a/elastic": {"correct": bits(0.9), "msr": list(rng.uniform(0.7, 0.9, len(items)))},
+      "a/most-chosen": {"correct": bits(0.7), "msr": 0.8},
+      "a/static:s1": {"correct": bits(0.6), "msr": 0.8},
+      "a/static:s2": {"correct": bits(0.8), "msr": 0.8},
+      "a/greedy-oracle": {"correct": bits(0.85), "msr": 0.8}}}
+
+
+def test_report_pairs_the_same_items(tmp_path):
+  raw = _scores_file(np.random.default_rng(3))
+  s = frontier_report.Scores(raw)
+  c = {m: np.array([ch == "1" for ch in body["correct"]]) for m, body in raw["methods"].items()}
+  held = np.array([it["variant"] == "held-out" and it["task"] in mixture.SENSITIVE
+                   for it in raw["items"]])
+  assert s.best_trained("a") == max(("a/static:s1", "a/static:s2"),
+                                    key=lambda m: c[m][np.array([it["task"] in mixture.SENSITIVE
+                                                                 for it in raw["items"]])].mean())
+  d = s.paired("a/elastic", "a/greedy-oracle", "held-out", mixture.SENSITIVE)
+  assert d["diff"] == pytest.approx(100 * (c["a/elastic"][held].mean()
+                                           - c["a/greedy-oracle"][held].mean()))
+  assert d["ci95"][0] < d["diff"] < d["ci95"][1]
+  path = tmp_path / "scores.json"
+  path.write_text(json.dumps(raw))
+  from elastic_jax.repro.frontier import main
+  out = tmp_path / "frontier.md"
+  assert main(["report", str(path), "--out", str(out), "--plot", str(tmp_path / "f.png"),
+               "--tables"]) == 0
+  text = out.read_text()
+  assert f"{d['diff']:+.1f} [{d['ci95'][0]:+.1f}, {d['ci95'][1]:+.1f}]" in text
+  assert (tmp_path / "f.png").stat().st_size > 10_000
