@@ -43,23 +43,25 @@ class Routers:
   meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def _meta(rcfg: RouterConfig, mcfg: ModelConfig, targets) -> dict[str, Any]:
+def _meta(rcfg: RouterConfig, mcfg: ModelConfig, targets, recipe) -> dict[str, Any]:
   return {"format": FORMAT, "version": 1, "router": dataclasses.asdict(rcfg),
           "objective_targets": None if targets is None else list(targets),
           "backbone": {"family": mcfg.family, "num_layers": mcfg.num_layers,
-                       "num_kv_heads": mcfg.num_kv_heads, "head_dim": mcfg.head_dim}}
+                       "num_kv_heads": mcfg.num_kv_heads, "head_dim": mcfg.head_dim},
+          **({"recipe": recipe} if recipe else {})}
 
 
 def save_routers(directory: str, routers: Routers, mcfg: ModelConfig, *,
-                 targets=None, overwrite: bool = True) -> str:
-  """Writes `routers` in our layout to `directory`; returns it."""
+                 targets=None, overwrite: bool = True, recipe: str | None = None) -> str:
+  """Writes `routers` in our layout to `directory`; returns it. recipe: what trained them
+  where it is not train.py's objective (a baseline's name, repro/baselines.py)."""
   tensors = {f"router.{k}": np.asarray(v, np.float32) for k, v in routers.params.items()}
   tensors.update({f"lambdas.{k}": np.asarray(v, np.float32)
                   for k, v in (routers.lambdas or {}).items()})
   with atomic_directory(directory, overwrite=overwrite) as tmp:
     save_file(tensors, os.path.join(tmp, "routers.safetensors"))
     with open(os.path.join(tmp, "routers.json"), "w") as f:
-      json.dump(_meta(routers.config, mcfg, targets), f, indent=1)
+      json.dump(_meta(routers.config, mcfg, targets, recipe), f, indent=1)
   return directory
 
 

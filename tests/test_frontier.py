@@ -97,6 +97,7 @@ def _scores_file(rng, n=40):
       "a/most-chosen": {"correct": bits(0.7), "msr": 0.8},
       "a/static:s1": {"correct": bits(0.6), "msr": 0.8},
       "a/static:s2": {"correct": bits(0.8), "msr": 0.8},
+      "a/static:d": {"correct": bits(0.95), "msr": 0.8, "recipe": "duo"},
       "a/greedy-oracle": {"correct": bits(0.85), "msr": 0.8}}}
 
 
@@ -121,4 +122,8 @@ def test_report_pairs_the_same_items(tmp_path):
                "--tables"]) == 0
   text = out.read_text()
   assert f"{d['diff']:+.1f} [{d['ci95'][0]:+.1f}, {d['ci95'][1]:+.1f}]" in text
+  # A baseline's own column (DuoAttention's gate is not among the trained gates); none for
+  # PruLong, which this file lacks.
+  assert "DuoAttention's recipe" in text and "PruLong" not in text
+  assert s.best_trained("a", "duo") == "a/static:d"
   assert (tmp_path / "f.png").stat().st_size > 10_000

@@ -123,7 +123,7 @@ def test_shipped_gpu_routers_route_by_task_regime():
     gen = model.generate(prompts, attention="elastic", max_new_tokens=1)
     msr[task] = float(np.mean(gen.msr))
     static_gates.append(static.generate(prompts, attention="elastic", max_new_tokens=1).gates)
-  assert msr["kv"] + 0.08 < msr["summary"], msr
+  assert msr["kv"] + 0.04 < msr["summary"], msr
   # The trained static gate (the baseline at elastic's average MSR): one head set for every
   # input, sparser than elastic on retrieval and denser than it on the local task.
   g = np.concatenate(static_gates, axis=1)                       # [L, 8 prompts, K]

@@ -14,9 +14,11 @@ one device). A plan is YAML:
   runs:
     NAME: [override, ...]               # an elastic run (or any other train.py run)
     NAME2: {static_of: NAME, overrides: [router.static=true, train.lr=2e-2]}
+    NAME3: {recipe: prulong, static_of: NAME}   # or duo: the paper's baselines (baselines.py)
 
 A run with `static_of` starts once NAME has finished, with every target at NAME's average
-held-out MSR (its eval.json): the trained static gate at elastic's budget.
+held-out MSR (its eval.json): the trained static gate at elastic's budget (PruLong: its
+target share of streaming heads).
 
 `heads` finds, per task, the smallest head set that keeps accuracy within --tolerance of full
 attention (greedy backward ablation over (layer, KV head) pairs, scoring.minimal_head_set),
@@ -49,6 +51,11 @@ from elastic_jax.errors import ElasticJaxError
 # train
 
 
+# How a plan's run is trained: train.py (elastic routers or router.static gates), or one of
+# the paper's static baselines (repro/baselines.py).
+RECIPES = ("train", "duo", "prulong")
+
+
 def read_plan(path: str) -> dict:
   """The plan, checked: {"config", "common", "runs": {name: {"overrides", "static_of"}}}."""
   import yaml
@@ -69,11 +76,14 @@ def read_plan(path: str) -> dict:
       raise ElasticJaxError(f"{path}: run name {name!r} must be letters, digits, '-', '_', '.'")
     if isinstance(spec, list) or spec is None:
       spec = {"overrides": spec or []}
-    if not isinstance(spec, dict) or set(spec) - {"overrides", "static_of"}:
+    if not isinstance(spec, dict) or set(spec) - {"overrides", "static_of", "recipe"}:
       raise ElasticJaxError(f"{path}: run {name}: a list of overrides or a mapping with "
-                            "overrides and static_of")
+                            "overrides, static_of and recipe")
     spec = {"overrides": [str(x) for x in spec.get("overrides") or []],
-            "static_of": spec.get("static_of")}
+            "static_of": spec.get("static_of"), "recipe": spec.get("recipe", "train")}
+    if spec["recipe"] not in RECIPES:
+      raise ElasticJaxError(f"{path}: run {name}: recipe '{spec['recipe']}' is unknown "
+                            f"({', '.join(RECIPES)})")
     if spec["static_of"] is not None and spec["static_of"] not in raw["runs"]:
       raise ElasticJaxError(f"{path}: run {name}: static_of names no run of the plan "
                             f"({spec['static_of']})")
@@ -108,9 +118,12 @@ def train(args) -> int:
     extra = []
     if spec["static_of"]:
       m = average_msr(os.path.join(args.out, spec["static_of"]))
-      extra = [f"objective.targets=[{m},{m},{m},{m},{m}]"]
-    cmd = [sys.executable, "-c", "from elastic_jax.train.cli import console; console()",
-           "--config", plan["config"],
+      extra = ([f"objective.targets=[{m},{m},{m},{m},{m}]"] if spec["recipe"] != "prulong"
+               else ["--target", str(m)])
+    entry = (["-c", "from elastic_jax.train.cli import console; console()"]
+             if spec["recipe"] == "train" else
+             ["-m", "elastic_jax.repro.baselines", spec["recipe"]])
+    cmd = [sys.executable, *entry, "--config", plan["config"],
            *plan["common"], *spec["overrides"], *extra, f"run_dir={run_dir}"]
     log = open(os.path.join(args.out, f"{name}.log"), "w")
     log.write(" ".join(cmd) + "\n")
@@ -278,6 +291,12 @@ def score(args) -> int:
       g = np.asarray(body["gates"], np.float32)
       record(f"task-set/{task}", scorer.score(items, "forced", gates=g),
              gates=body["gates"])
+    if all(t in heads_json["tasks"] for t in mixture.TASKS):
+      # A router that knows each item's task and gives it that task's minimal set: what
+      # input-dependent routing could reach on this mixture.
+      per_item = np.stack([np.asarray(heads_json["tasks"][it.task]["gates"], np.float32)
+                           for it in items])
+      record("task-oracle", scorer.score(items, "forced", gates=per_item))
   statics = {n: r for n, r in loaded.items() if r.config.static}
   for name, r in loaded.items():
     if r.config.static:
@@ -298,7 +317,7 @@ def score(args) -> int:
       margin = z[..., 1] - z[..., 0] if z.shape[-1] == 2 else z[..., 0]
       g = static_top(margin, m)
       record(f"{name}/static:{sname}", scorer.score(items, "forced", gates=g),
-             gates=g.astype(int).tolist())
+             gates=g.astype(int).tolist(), recipe=s.meta.get("recipe", "train"))
     if heads_json and "joint" in heads_json:
       g = static_top(joint_order(heads_json, shape), m)
       record(f"{name}/greedy-oracle", scorer.score(items, "forced", gates=g),
@@ -348,6 +367,21 @@ def report(args) -> int:
   return 0
 
 
+def training(args) -> int:
+  from elastic_jax.repro import frontier_report as fr
+  try:
+    with open(args.record, encoding="utf-8") as f:
+      record = json.load(f)
+  except (OSError, ValueError) as e:
+    raise ElasticJaxError(f"{args.record}: cannot read a training record ({e})") from None
+  runs = args.runs.split(",")
+  missing = [r for r in runs if r not in record]
+  if missing:
+    raise ElasticJaxError(f"{args.record}: no run named {', '.join(missing)}")
+  print(f"wrote {fr.training_plot(record, runs, args.plot)}")
+  return 0
+
+
 # ----------------------------------------------------------------------------------------------
 
 
@@ -391,6 +425,10 @@ def parse_args(argv=None):
   r.add_argument("--tables", action="store_true", help="also every budget's full table")
   r.add_argument("--out", help="Markdown file (default: print)")
   r.add_argument("--plot", help="PNG file of the frontier")
+  g = sub.add_parser("training", help="saturation and robust MSR during training, plotted")
+  g.add_argument("record", help="a training record (docs/records/router_training.json)")
+  g.add_argument("--runs", required=True, help="runs to draw, comma-separated")
+  g.add_argument("--plot", required=True, help="PNG file")
   args = p.parse_args(argv)
   if args.command == "score":
     try:
@@ -406,7 +444,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  return {"train": train, "heads": heads, "score": score, "report": report}[args.command](args)
+  return {"train": train, "heads": heads, "score": score, "report": report,
+          "training": training}[args.command](args)
 
 
 if __name__ == "__main__":

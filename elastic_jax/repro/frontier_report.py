@@ -17,6 +17,7 @@ from elastic_jax.eval.report import interval, paired_difference
 VARIANTS = ("seen", "held-out")
 BASELINES = (("most-chosen", "static, elastic's most-chosen heads"),
              ("trained", "static, trained gate (best of the gates)"),
+             ("duo", "DuoAttention's recipe"), ("prulong", "PruLong's recipe"),
              ("greedy-oracle", "static, greedy ablation (oracle)"))
 
 
@@ -36,6 +37,13 @@ class Scores:
       raise ElasticJaxError(f"not a frontier scores file ({type(e).__name__}: {e})") from None
     self.task = np.array([it["task"] for it in self.items])
     self.variant = np.array([it["variant"] for it in self.items])
+    sets = [f"task-set/{t}" for t in mixture.TASKS]
+    if "task-oracle" not in self.methods and all(n in self.methods for n in sets):
+      # Each item under its own task's set: the same forced pass as `frontier score`'s
+      # task-oracle, read off the task sets' rows.
+      pick = lambda key: sum(np.where(self.task == t, self.methods[f"task-set/{t}"][key], 0)
+                             for t in mixture.TASKS)
+      self.methods["task-oracle"] = {"correct": pick("correct"), "msr": pick("msr")}
 
   def mask(self, variant: str | None = None, tasks=None) -> np.ndarray:
     m = np.ones(len(self.items), bool)
@@ -59,10 +67,13 @@ class Scores:
     m = self.mask(variant, tasks)
     return paired_difference(self.methods[a]["correct"][m], self.methods[b]["correct"][m])
 
-  def best_trained(self, run: str, tasks=mixture.SENSITIVE) -> str | None:
-    """The trained static gate (R/static:S) of the highest accuracy on `tasks` over both
-    variants at run R's budget: the strongest such baseline."""
-    names = [n for n in self.methods if n.startswith(f"{run}/static:")]
+  def best_trained(self, run: str, recipe: str = "train", tasks=mixture.SENSITIVE
+                   ) -> str | None:
+    """The static gate of `recipe` (R/static:S; train: train.py's router.static) of the
+    highest accuracy on `tasks` over both variants at run R's budget: the strongest such
+    baseline."""
+    names = [n for n in self.methods if n.startswith(f"{run}/static:")
+             and self.methods[n].get("recipe", "train") == recipe]
     return max(names, key=lambda n: self.accuracy(n, None, tasks), default=None)
 
   def elastic_runs(self) -> list[str]:
@@ -74,10 +85,15 @@ def _fmt_diff(d: dict) -> str:
 
 
 def baseline_of(s: Scores, run: str, kind: str) -> str | None:
-  if kind == "trained":
-    return s.best_trained(run)
+  if kind in ("trained", "duo", "prulong"):
+    return s.best_trained(run, "train" if kind == "trained" else kind)
   name = f"{run}/{kind}"
   return name if name in s.methods else None
+
+
+def present_baselines(s: Scores, runs: list[str]) -> list[tuple[str, str]]:
+  """The baselines (kind, label) that at least one of the runs has."""
+  return [(k, label) for k, label in BASELINES if any(baseline_of(s, r, k) for r in runs)]
 
 
 def frontier_table(s: Scores, runs: list[str]) -> str:
@@ -85,21 +101,22 @@ def frontier_table(s: Scores, runs: list[str]) -> str:
   every static baseline at its average MSR, and elastic minus each, paired over the same
   items (points [95% interval])."""
   sens = mixture.SENSITIVE
+  kinds = present_baselines(s, runs)
   lines = ["| budget (avg MSR) | variant | elastic | robust MSR | "
-           + " | ".join(f"{label}: acc (MSR) | elastic − it" for _, label in BASELINES) + " |",
-           "|---|---|---|---|" + "---|---|" * len(BASELINES)]
+           + " | ".join(f"{label}: acc (MSR) | elastic − it" for _, label in kinds) + " |",
+           "|---|---|---|---|" + "---|---|" * len(kinds)]
   for run in runs:
     e = f"{run}/elastic"
     for variant in VARIANTS:
       cells = [f"{run} ({s.msr(e):.3f})" if variant == "seen" else "", variant,
                f"{s.accuracy(e, variant, sens):.1f} ({s.msr(e, variant, sens):.2f})",
                f"{s.msr(e, variant, [t for t in mixture.TASKS if t not in sens]):.2f}"]
-      for kind, _ in BASELINES:
+      for kind, _ in kinds:
         b = baseline_of(s, run, kind)
         if b is None:
           cells += ["-", "-"]
           continue
-        tag = f" `{b.split(':')[1]}`" if kind == "trained" else ""
+        tag = f" `{b.split(':')[1]}`" if kind in ("trained", "prulong") else ""
         cells += [f"{s.accuracy(b, variant, sens):.1f} ({s.msr(b):.2f}){tag}",
                   _fmt_diff(s.paired(e, b, variant, sens))]
       lines.append("| " + " | ".join(cells) + " |")
@@ -140,13 +157,19 @@ def task_set_table(s: Scores) -> str:
   names = [n for n in s.methods if n.startswith("task-set/")]
   if not names:
     return ""
-  lines = ["| head set of | heads full | " + " | ".join(mixture.TASKS) + " |",
-           "|---|---|" + "---|" * len(mixture.TASKS)]
+  lines = ["| head set of | heads full | the (layer, KV head) pairs | "
+           + " | ".join(mixture.TASKS) + " |", "|---|---|---|" + "---|" * len(mixture.TASKS)]
   for n in names:
     g = np.asarray(s.methods[n].get("gates", []))
+    pairs = " ".join(f"({a},{b})" for a, b in np.argwhere(g > 0)) if g.size else "-"
     lines.append(f"| {n.split('/', 1)[1]} | {int(g.sum()) if g.size else '-'} | "
+                 f"{pairs or 'none'} | "
                  + " | ".join(f"{s.accuracy(n, None, [t]):.1f}" for t in mixture.TASKS)
                  + " |")
+  if "task-oracle" in s.methods:
+    lines.append(f"| each item its task's set | MSR {s.msr('task-oracle'):.3f} | | "
+                 + " | ".join(f"{s.accuracy('task-oracle', None, [t]):.1f}"
+                              for t in mixture.TASKS) + " |")
   return "\n".join(lines)
 
 
@@ -162,7 +185,7 @@ def plot(s: Scores, runs: list[str], path: str, title: str) -> str:
   lowest = min(s.msr(f"{r}/elastic") for r in runs)
   series = [("elastic", lambda r: f"{r}/elastic", "o-", "C0")]
   series += [(label, (lambda k: lambda r: baseline_of(s, r, k))(kind), "s--", f"C{i + 1}")
-             for i, (kind, label) in enumerate(BASELINES)]
+             for i, (kind, label) in enumerate(present_baselines(s, runs))]
   for ax, variant in zip(axes, VARIANTS):
     for label, name_of, style, color in series:
       pts = sorted((s.msr(n), s.accuracy(n, variant, sens)) for n in map(name_of, runs) if n)
@@ -170,6 +193,10 @@ def plot(s: Scores, runs: list[str], path: str, title: str) -> str:
         ax.plot(*zip(*pts), style, color=color, label=label, markersize=5)
     ax.axhline(s.accuracy("full", variant, sens), color="k", linestyle=":", linewidth=1,
                label="full attention (MSR 0)")
+    if "task-oracle" in s.methods:
+      ax.scatter([s.msr("task-oracle")], [s.accuracy("task-oracle", variant, sens)],
+                 marker="*", s=110, color="C4", zorder=3,
+                 label="each task's minimal set (a router that knows the task)")
     ax.scatter([s.msr("sparse")], [s.accuracy("sparse", variant, sens)], marker="X", s=70,
                color="0.5", label="all heads streaming", zorder=3)
     ax.set_xlim(min(0.6, lowest - 0.05), 1.02)
@@ -180,4 +207,31 @@ def plot(s: Scores, runs: list[str], path: str, title: str) -> str:
   handles, labels = axes[0].get_legend_handles_labels()
   fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(0.99, 0.95), fontsize=8)
   fig.suptitle(title, fontsize=10)
+  return save_figure(fig, os.path.dirname(path) or ".", os.path.basename(path))
+
+
+def training_plot(record: dict, runs: list[str], path: str) -> str:
+  """Per run, the share of the batch's routing decisions whose margin is saturated (mean over
+  layers) and the robust tasks' MSR during training, from a training record (one entry per
+  run: its logged steps)."""
+  import os
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  from elastic_jax.eval.report import save_figure
+  fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+  robust = ("summarization", "code", "icl")
+  for i, run in enumerate(runs):
+    steps = record[run]["steps"]
+    x = [r["step"] for r in steps]
+    sat = [np.mean(r["saturated"]) if r.get("saturated") else np.nan for r in steps]
+    rob = [np.mean([r["msr_task"].get(t, np.nan) for t in robust]) for r in steps]
+    axes[0].plot(x, sat, color=f"C{i}", label=run)
+    axes[1].plot(x, rob, color=f"C{i}", label=run)
+  axes[0].set_ylabel("saturated decisions (share)")
+  axes[1].set_ylabel("robust tasks' MSR (training batches)")
+  for ax in axes:
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+  axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
   return save_figure(fig, os.path.dirname(path) or ".", os.path.basename(path))
