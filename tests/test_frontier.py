@@ -80,10 +80,15 @@ def test_greedy_ablation_finds_the_needed_heads():
 
 def test_static_sets_at_a_budget():
   scores = np.array([[0.1, 5.0, 3.0], [2.0, -1.0, 0.5]])
-  np.testing.assert_array_equal(scoring.static_top(scores, 0.5),
-                                [[0, 1, 1], [1, 0, 0]])
-  assert scoring.static_top(scores, 1.0).sum() == 0
-  assert scoring.static_top(scores, 0.0).sum() == 6
+  g = scoring.static_at(scores, 0.5, 10)                        # exactly 3 of 6 heads
+  assert (g == [[0, 1, 1], [1, 0, 0]]).all()
+  g = scoring.static_at(scores, 1 - 3.4 / 6, 10, seed=2)      # 3.4 heads on average
+  per_item = g.sum((1, 2))
+  assert sorted(set(per_item)) == [3, 4] and per_item.mean() == pytest.approx(3.4)
+  assert (g[per_item == 4] == [[0, 1, 1], [1, 0, 1]]).all()   # the next-ranked head added
+  assert (1 - g.mean()) == pytest.approx(1 - 3.4 / 6)
+  assert scoring.static_at(scores, 1.0, 4).sum() == 0
+  assert scoring.static_at(scores, 0.0, 4).sum() == 24
 
 
 def _scores_file(rng, n=40):

@@ -50,6 +50,12 @@ def test_installed_wheel_runs_from_anywhere(venv, tmp_path):
                       "import elastic_jax, os; print(os.path.dirname(elastic_jax.__file__))"],
                tmp_path)
   assert where.returncode == 0 and str(venv) in where.stdout, where.stdout + where.stderr
+  plans = _run(venv, [str(venv / "bin" / "python"), "-c",
+                      "import os, elastic_jax.repro as r; from elastic_jax.repro.frontier import "
+                      "read_plan; d = os.path.join(os.path.dirname(r.__file__), 'plans'); "
+                      "print(len(read_plan(os.path.join(d, 'frontier.yaml'))['runs']))"],
+               tmp_path)
+  assert plans.returncode == 0 and int(plans.stdout) > 5, plans.stdout + plans.stderr
   train = _run(venv, [str(venv / "bin" / "elastic-jax-train"), "--config", "tiny.yaml",
                       "train.steps=2", "data.seq_len=64", "log.every_steps=1",
                       "data.synthetic.eval_batches=0", "run_dir=run"], tmp_path)

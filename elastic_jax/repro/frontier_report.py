@@ -3,7 +3,7 @@
 Methods of a scores file (frontier.score): `full`, `sparse`, `task-set/TASK` (the greedy
 minimal head set of one task), `S/as-trained` (a trained static gate's own decisions), and per
 elastic run R: `R/elastic`, `R/most-chosen`, `R/static:S` (static gate S's heads ranked by
-its logit margin, as many full as R has on average) and `R/greedy-oracle`.
+its logit margin, at R's average MSR) and `R/greedy-oracle`.
 """
 
 from __future__ import annotations

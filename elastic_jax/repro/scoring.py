@@ -168,14 +168,24 @@ class Scorer:
             "msr": 1.0 - out_gates.mean(axis=(1, 2))}
 
 
-def static_top(scores_lk: np.ndarray, msr: float) -> np.ndarray:
-  """[L, K] gates keeping full the round((1 - msr) L K) pairs of highest score: a static set
-  at (the nearest whole number of heads to) average MSR `msr`. Ties go to the earlier pair."""
+def static_at(scores_lk: np.ndarray, msr: float, n_items: int, seed: int = 0) -> np.ndarray:
+  """[n_items, L, K] gates of a static policy at exactly average MSR `msr` (to one item's
+  share): the n or n + 1 pairs of highest score full, n = floor((1 - msr) L K), the n + 1
+  set on round(frac x n_items) items drawn at random, independently of what the items hold.
+  Every input of the policy gets one of two fixed head sets, so it stays input-independent,
+  while its average MSR equals elastic's instead of the nearest whole number of heads."""
   scores = np.asarray(scores_lk, np.float64)
-  n_full = int(round((1.0 - msr) * scores.size))
-  gates = np.zeros(scores.size, np.float32)
-  gates[np.argsort(-scores.reshape(-1), kind="stable")[:n_full]] = 1.0
-  return gates.reshape(scores.shape)
+  want = (1.0 - msr) * scores.size
+  n = int(np.floor(want + 1e-9))
+  order = np.argsort(-scores.reshape(-1), kind="stable")
+  small = np.zeros(scores.size, np.float32)
+  small[order[:n]] = 1.0
+  big = small.copy()
+  big[order[min(n, scores.size - 1)]] = 1.0
+  k = int(round((want - n) * n_items))
+  pick = np.zeros(n_items, bool)
+  pick[np.random.default_rng(seed).permutation(n_items)[:k]] = True
+  return np.where(pick[:, None], big[None], small[None]).reshape(n_items, *scores.shape)
 
 
 def minimal_head_set(scorer: Scorer, items: Sequence[EvalItem], *, tolerance: float = 0.02,
