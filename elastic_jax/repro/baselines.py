@@ -13,8 +13,9 @@ section's streaming pattern); they differ in what the number is and what trains 
            positions + --l1 x the sum of the alphas. Its data: synthetic retrieval, here
            the backbone's own copy task (a string of 10-20 names and numbers planted in filler,
            recalled from its first two tokens; --records of them are written to
-           RUN_DIR_passkey.jsonl and replace the config's data; --records 0 keeps it). Left out: their passkeys are many 32-word strings in
-           real essays, recalled all at once.
+           RUN_DIR_passkey.jsonl and replace the config's data; --records 0 keeps it).
+           Left out: their passkeys are many 32-word strings in real essays, recalled all
+           at once.
   prulong  PruLong (Bhaskar et al., 2025): g = z, a hard-concrete mask per head with a learned
            log alpha (beta 2/3, stretch to [-0.1, 1.1], starting at --init), one draw per
            step; loss = the answer tokens' next-token cross-entropy + l1 (s - t) + l2 (s - t)^2
@@ -33,6 +34,7 @@ the loss and the gates every log.every_steps.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -144,7 +146,7 @@ def main(argv=None) -> int:
                  "(3: P(mask != 0) about 0.99)")
   args = p.parse_intermixed_args(argv)
   from elastic_jax.train.cli import config_path
-  from elastic_jax.train.run_config import dump_run_config, load_run_config
+  from elastic_jax.train.run_config import load_run_config
   overrides = list(args.overrides)
   passkeys = args.recipe == "duo" and args.records > 0
   if passkeys:        # its own data in place of the config's
@@ -160,21 +162,20 @@ def main(argv=None) -> int:
     raise ElasticJaxError(f"--target must lie in [0, 1], got {args.target}")
   from elastic_jax.files import check_creatable
   check_creatable(cfg.run_dir, "run_dir")
-  import dataclasses
   if passkeys:
     path = os.path.normpath(cfg.run_dir) + "_passkey.jsonl"      # beside the run, not in it
     passkey_records(path, args.records, cfg.seed, 256, 640)
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train_path=path))
-  return train(args, cfg, dump_run_config)
+  return train(args, cfg)
 
 
-def train(args, cfg, dump_run_config) -> int:
-  import dataclasses
+def train(args, cfg) -> int:
+  """Trains the recipe's gates on cfg's data and exports them (the module's docstring)."""
   import jax
   import jax.numpy as jnp
   import optax
-  from jax.sharding import NamedSharding, PartitionSpec
   from elastic_jax import router_io
+  from elastic_jax.train.run_config import dump_run_config
   from elastic_jax.train.setup import (batch_sharding, load_backbone, make_data, mesh_layout,
                                        preflight, to_global)
   from elastic_jax.train.step import learning_rate
@@ -200,7 +201,7 @@ def train(args, cfg, dump_run_config) -> int:
   loss_fn = make_loss(args.recipe, args, cfg, mcfg, cfg.model.attn_impl)
 
   @jax.jit
-  def step(trainable, opt, batch, key):
+  def step(trainable, opt, backbone, batch, key):
     (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, backbone,
                                                                     batch, key)
     updates, opt = tx.update(grads, opt, trainable)
@@ -222,7 +223,7 @@ def train(args, cfg, dump_run_config) -> int:
     for i in range(tc.steps):
       batch = to_global(next(data), shardings, None)
       key, sub = jax.random.split(key)
-      trainable, opt, m = step(trainable, opt, batch, sub)
+      trainable, opt, m = step(trainable, opt, backbone, batch, sub)
       done = i + 1
       if done % cfg.log.every_steps == 0 or done == tc.steps:
         m = jax.device_get(m)

@@ -170,11 +170,14 @@ def train(args) -> int:
 
 
 def _load(args):
+  """The backbone and a scorer whose streaming heads follow --config's router section (full,
+  sparse and forced head sets; elastic runs use their routers' own)."""
   import elastic_jax as ej
   from elastic_jax.repro.scoring import Scorer
-  from elastic_jax.router import RouterConfig
+  from elastic_jax.train.cli import config_path
+  from elastic_jax.train.run_config import load_run_config
+  rcfg = load_run_config(config_path(args.config)).router
   model = ej.from_pretrained(args.model, args.dtype)
-  rcfg = RouterConfig(boundary=8, block=16, sink_blocks=1, local_blocks=4)
   return model, Scorer(model.params, model.config, rcfg, attn_impl=args.attn_impl,
                        rows=args.rows)
 
@@ -401,9 +404,13 @@ def parse_args(argv=None):
   for name, help_ in (("heads", "greedy minimal head sets per task"),
                       ("score", "teacher-forced evaluation of every method")):
     s = sub.add_parser(name, help=help_)
-    s.add_argument("--model", default=os.path.join(PACKAGE_DIR, "repro", "backbone"), help="the backbone")
+    s.add_argument("--model", default=os.path.join(PACKAGE_DIR, "repro", "backbone"),
+                   help="the backbone")
+    s.add_argument("--config", default="mixture.yaml",
+                   help="run config whose router section sets the streaming heads' pattern")
     s.add_argument("--dtype", default="float32")
-    s.add_argument("--attn-impl", default="auto")
+    s.add_argument("--attn-impl", default="auto",
+                   help="attention (reference compiles fastest at these sizes)")
     s.add_argument("--rows", type=int, default=64, help="rows per forward pass")
     s.add_argument("--out", required=True, help="the JSON file written")
   h = sub.choices["heads"]

@@ -124,7 +124,7 @@ def _loss(trainable, backbone, batch, key, tau, *, cfg, rcfg, ocfg, tcfg, attn_i
   valid = batch["task_ids"] >= 0
   aux = {"lm_loss": lm, "penalty": penalty, "msr_task": msr_task, "task_count": count,
          "msr": jnp.sum(jnp.where(valid, msr_bs, 0.0)) / jnp.maximum(valid.sum(), 1),
-         "router_saturated_per_layer": saturated_share(stats.get("logits"), valid, tau)}
+         "router_saturated_per_layer": saturated_share(stats["logits"], valid, tau)}
   return lm + penalty, aux
 
 
@@ -135,10 +135,8 @@ SATURATED_MARGIN = 15.0
 
 def saturated_share(logits_lbskc, valid_bs, tau):
   """Per layer, the share of the batch's (segment, KV head) decisions whose logit margin
-  |z1 - z0| / tau (one logit: |z| / tau) exceeds SATURATED_MARGIN: [L], 0 for a static
-  router's batch-independent logits as for any other. None without logits (no router)."""
-  if logits_lbskc is None:
-    return None
+  |z1 - z0| / tau (one logit: |z| / tau, before any head norm) exceeds SATURATED_MARGIN: [L].
+  A static router's logits count the same way."""
   z = jax.lax.stop_gradient(logits_lbskc)
   margin = jnp.abs(z[..., 1] - z[..., 0]) if z.shape[-1] == 2 else jnp.abs(z[..., 0])
   hit = (margin / tau > SATURATED_MARGIN).astype(jnp.float32)        # [L, B, S, K]
