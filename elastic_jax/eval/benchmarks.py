@@ -148,9 +148,9 @@ class Mixture(Benchmark):
                               "model")
     tasks = csv(args.tasks)
     for task in tasks:
-      if task not in mixture.TASKS:
+      if task not in mixture.ALL_TASKS:
         raise ElasticJaxError(f"--tasks: '{task}' is unknown (known: "
-                              f"{', '.join(mixture.TASKS)})")
+                              f"{', '.join(mixture.ALL_TASKS)})")
     out, self.answers = [], {}
     for key, variant, s in mixture.eval_samples(args.seed, args.samples, tasks, lengths,
                                                 heldout):

@@ -34,6 +34,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from elastic_jax.errors import ElasticJaxError
+from elastic_jax.eval import families
 
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 PAD, BOS, EOS, UNK = range(4)
@@ -43,8 +44,9 @@ NUM_NUMBERS = 200                # 0 .. 199: values
 NUM_FILLER = 300
 TASKS = ("kv", "hop", "summary", "pattern", "fewshot")
 TASK_TYPE = {"kv": "Single QA", "hop": "MultiHop QA", "summary": "Summarization",
-             "pattern": "Code", "fewshot": "In-Context Learning"}
-SENSITIVE = ("kv", "hop")
+             "pattern": "Code", "fewshot": "In-Context Learning", **families.FAMILY_TYPE}
+ALL_TASKS = TASKS + families.FAMILY_TASKS     # the five and RULER's families
+SENSITIVE = ("kv", "hop")        # of the five; the families (eval/families.py) are all sensitive
 TRAIN_TEMPLATES = (0, 1)
 HELDOUT_TEMPLATE = 2
 FACT_ZONE = 0.8                  # sensitive facts lie in the first 80% of the context
@@ -249,8 +251,10 @@ def make_sample(task: str, rng: np.random.Generator, length: int, template: int,
   Pretraining's knobs: wording, a (fact, question) pair instead of the template's (template
   is then only recorded); n_facts, the facts of kv and hop (default length // 96, in 2..40);
   filler, the words of the filler sentences."""
+  if task in families.FAMILY_TASKS:
+    return families.make(task, rng, length, template, wording=wording, filler=filler)
   if task not in TASKS:
-    raise ElasticJaxError(f"task '{task}' is unknown (known: {', '.join(TASKS)})")
+    raise ElasticJaxError(f"task '{task}' is unknown (known: {', '.join(ALL_TASKS)})")
   fact, question = wording or TEMPLATES[task][template]
   if task in SENSITIVE:
     n_facts = int(np.clip(length // 96, 2, 40)) if n_facts is None else max(2, n_facts)
@@ -340,6 +344,8 @@ def pretraining_wording(task: str, rng: np.random.Generator,
   """A (fact, question) wording of `task` for pretraining: half of the time one of
   PRETRAIN_FACTS x PRETRAIN_QUESTIONS, else random words (`_random_wording`). Never the
   held-out template's wording unless `heldout` (then it is among the fixed ones)."""
+  if task in families.FAMILY_TASKS:
+    return families.pretraining_wording(task, rng, heldout)
   avoid = TEMPLATES[task][HELDOUT_TEMPLATE]
   while True:
     if rng.random() < 0.5:
@@ -373,10 +379,12 @@ def copy_sample(rng: np.random.Generator, length: int,
 
 
 def check_wordings() -> None:
-  """Raises if a pretraining wording is the held-out template's (it must stay unseen)."""
+  """Raises if a pretraining wording is the held-out template's (it must stay unseen), for
+  the five tasks and the families."""
   for task, (fact, question) in ((t, TEMPLATES[t][HELDOUT_TEMPLATE]) for t in TASKS):
     if fact in PRETRAIN_FACTS[task] or question in PRETRAIN_QUESTIONS.get(task, ()):
       raise ElasticJaxError(f"the held-out wording of {task} is among the pretraining ones")
+  families.check_wordings()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -421,6 +429,12 @@ def samples(variant: Variant, n_per_task: int, seed: int, tasks: Sequence[str] =
 EVAL_VARIANTS = (("seen", TRAIN_TEMPLATES), ("held-out", (HELDOUT_TEMPLATE,)))
 
 
+def is_sensitive(task: str) -> bool:
+  """Whether the task's evidence lies outside a streaming head's window (kv, hop and every
+  family task)."""
+  return task in SENSITIVE or task in families.FAMILY_TASKS
+
+
 def eval_samples(seed: int, n: int, tasks: Sequence[str], lengths: Sequence[int],
                  heldout_lengths: Sequence[int]) -> Iterator[tuple[str, str, Sample]]:
   """The evaluation's items, as `eval.py mixture` draws them: (key, variant, sample) for every
@@ -428,8 +442,8 @@ def eval_samples(seed: int, n: int, tasks: Sequence[str], lengths: Sequence[int]
   at `heldout_lengths`), length and index below n. Each cell's draws depend on (seed, the
   task's place in `tasks`, the variant, the length) alone."""
   for t, task in enumerate(tasks):
-    if task not in TASKS:
-      raise ElasticJaxError(f"task '{task}' is unknown (known: {', '.join(TASKS)})")
+    if task not in ALL_TASKS:
+      raise ElasticJaxError(f"task '{task}' is unknown (known: {', '.join(ALL_TASKS)})")
     for v, ((variant, templates), cell_lengths) in enumerate(
         zip(EVAL_VARIANTS, (lengths, heldout_lengths))):
       for length in cell_lengths:

@@ -5,6 +5,9 @@ their teacher-forced evaluation (docs/results.md).
   python -m elastic_jax.repro.frontier heads --out runs/heads.json [--samples 64]
   python -m elastic_jax.repro.frontier score runs/sweep --out runs/scores.json \\
       [--heads runs/heads.json] [--seed 1 --samples 200]
+  python -m elastic_jax.repro.frontier report runs/scores.json [--plot frontier.png]
+  python -m elastic_jax.repro.frontier training docs/records/router_training.json --runs A,B \\
+      --plot training.png
 
 `train` runs the plan's router trainings (train.py, one process each, --parallel at a time on
 one device). A plan is YAML:
@@ -25,11 +28,16 @@ attention (greedy backward ablation over (layer, KV head) pairs, scoring.minimal
 and the ablation order over the sensitive tasks together, whose first n heads give the best
 static set of every size that greedy ablation finds (an oracle: it is chosen on the tasks).
 
-`score` evaluates, on the same items (eval.py mixture's, --seed and --samples), full
-attention, every head streaming, each trained run's routers, and for each elastic run the
-static head sets at its average MSR: its most often chosen heads, every static run's gate
-ranked by its logit margin, and the greedy oracle. Per item results go to --out, for
-`repro.report`'s tables and paired intervals.
+`score` evaluates, on the same items (eval.py mixture's, --seed and --samples; teacher-forced,
+scoring.py), full attention, every head streaming, each task's minimal set and a router that
+knows each item's task (with --heads), each trained run's routers, and for each elastic run
+the static head sets at exactly its average MSR (scoring.static_at): its most often chosen
+heads, every static run's gate ranked by its logit margin (train.py's static gates,
+DuoAttention's, PruLong's), and the greedy oracle. Per-item results go to --out.
+
+`report` prints the frontier's tables (elastic against each static baseline, paired over the
+same items, with 95% intervals) and plots accuracy against average MSR (frontier_report.py);
+`training` plots the saturated routing decisions and the robust tasks' MSR over training.
 """
 
 from __future__ import annotations
@@ -203,7 +211,7 @@ def heads(args) -> int:
           f"{100 * (r['path'][-1][2] if r['path'] else r['full']):.1f}% (full "
           f"{100 * r['full']:.1f}%, none {100 * r['sparse']:.1f}%)", flush=True)
     _write_json(args.out, out)
-  joint_tasks = [t for t in tasks if t in mixture.SENSITIVE]
+  joint_tasks = [t for t in tasks if mixture.is_sensitive(t)]
   if joint_tasks:
     items = eval_items(args.seed, args.samples, joint_tasks, (args.lengths,), (args.lengths,))
     items = [it for it in items if it.variant == "seen"] if args.seen_only else items
@@ -241,7 +249,6 @@ def _bits(x) -> str:
 
 def score(args) -> int:
   from elastic_jax import router_io
-  from elastic_jax.eval import mixture
   from elastic_jax.repro.scoring import Scorer, eval_items, static_at
   runs = {}
   for spec in args.runs:
@@ -271,8 +278,8 @@ def score(args) -> int:
   model, scorer = _load(args)
   cfg = model.config
   shape = (cfg.num_layers, cfg.num_kv_heads)
-  items = eval_items(args.seed, args.samples, mixture.TASKS, args.lengths_list,
-                     args.heldout_list)
+  tasks = tuple(args.tasks.split(","))
+  items = eval_items(args.seed, args.samples, tasks, args.lengths_list, args.heldout_list)
   results = {"items": [{"key": it.key, "task": it.task, "variant": it.variant} for it in items],
              "seed": args.seed, "samples": args.samples, "methods": {}}
   t0 = time.time()
@@ -283,7 +290,7 @@ def score(args) -> int:
                                 "msr": float(msr[0]) if np.all(msr == msr[0]) else msr.tolist(),
                                 **extra}
     acc = {t: float(np.mean([c for c, it in zip(res["correct"], items) if it.task == t]))
-           for t in mixture.TASKS}
+           for t in tasks}
     print(f"[{time.time() - t0:5.0f}s] {name:<34} MSR {res['msr'].mean():.3f}  "
           + " ".join(f"{t} {100 * a:5.1f}" for t, a in acc.items()), flush=True)
 
@@ -294,7 +301,7 @@ def score(args) -> int:
       g = np.asarray(body["gates"], np.float32)
       record(f"task-set/{task}", scorer.score(items, "forced", gates=g),
              gates=body["gates"])
-    if all(t in heads_json["tasks"] for t in mixture.TASKS):
+    if all(t in heads_json["tasks"] for t in tasks):
       # A router that knows each item's task and gives it that task's minimal set: what
       # input-dependent routing could reach on this mixture.
       per_item = np.stack([np.asarray(heads_json["tasks"][it.task]["gates"], np.float32)
@@ -311,7 +318,7 @@ def score(args) -> int:
     record(f"{name}/elastic", res, frequency=np.round(freq, 4).tolist(),
            distinct={f"{t}/{v}": len({_bits(g) for g, it in zip(res["gates"], items)
                                       if it.task == t and it.variant == v})
-                     for t in mixture.TASKS for v in ("seen", "held-out")})
+                     for t in tasks for v in ("seen", "held-out")})
     # Each static baseline at exactly elastic's average MSR (scoring.static_at: two nested
     # fixed sets, the larger on a random share of the items).
     def at_budget(scores_lk):
@@ -354,7 +361,8 @@ def report(args) -> int:
                           f"{', '.join(s.elastic_runs())})")
   runs = sorted(runs, key=lambda r: s.msr(f"{r}/elastic"))
   parts = [f"## {args.title}", "",
-           "Sensitive tasks (kv, hop): accuracy % (MSR) of elastic and of each static head set "
+           f"Sensitive tasks ({', '.join(s.sensitive)}): accuracy % (MSR) of elastic and of "
+           "each static head set "
            "at elastic's average MSR; elastic minus it, paired over the same items, points "
            "[95% interval].", "", fr.frontier_table(s, runs), ""]
   sets = fr.task_set_table(s)
@@ -418,7 +426,8 @@ def parse_args(argv=None):
                  help="items' seed (not the evaluation's, so the sets are not chosen on it)")
   h.add_argument("--samples", type=int, default=64, help="items per task and variant")
   h.add_argument("--lengths", type=int, default=384, help="prompt length of the items")
-  h.add_argument("--tasks", default="kv,hop,summary,pattern,fewshot")
+  h.add_argument("--tasks", default="kv,hop,summary,pattern,fewshot",
+                 help="tasks to find sets for (the families of eval/families.py too)")
   h.add_argument("--tolerance", type=float, default=0.02)
   h.add_argument("--seen-only", action="store_true", help="the seen variant's items only")
   s = sub.choices["score"]
@@ -426,6 +435,8 @@ def parse_args(argv=None):
   s.add_argument("runs", nargs="+", help="sweep folders (train's --out) or NAME=ROUTER_DIR")
   s.add_argument("--heads", help="heads' JSON: adds each task's set and the greedy oracle")
   s.add_argument("--samples", type=int, default=200, help="items per task and variant")
+  s.add_argument("--tasks", default="kv,hop,summary,pattern,fewshot",
+                 help="the mixture's tasks evaluated (the families of eval/families.py too)")
   s.add_argument("--lengths", default="384")
   s.add_argument("--heldout-lengths", default="896")
   r = sub.add_parser("report", help="tables and the plot of a scores file")
@@ -440,6 +451,12 @@ def parse_args(argv=None):
   g.add_argument("--runs", required=True, help="runs to draw, comma-separated")
   g.add_argument("--plot", required=True, help="PNG file")
   args = p.parse_args(argv)
+  if args.command in ("score", "heads"):
+    from elastic_jax.eval import mixture
+    unknown = [t for t in args.tasks.split(",") if t not in mixture.ALL_TASKS]
+    if unknown:
+      raise ElasticJaxError(f"--tasks: {', '.join(unknown)} unknown (known: "
+                            f"{', '.join(mixture.ALL_TASKS)})")
   if args.command == "score":
     try:
       args.lengths_list = [int(x) for x in args.lengths.split(",")]

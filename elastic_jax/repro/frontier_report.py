@@ -37,12 +37,16 @@ class Scores:
       raise ElasticJaxError(f"not a frontier scores file ({type(e).__name__}: {e})") from None
     self.task = np.array([it["task"] for it in self.items])
     self.variant = np.array([it["variant"] for it in self.items])
-    sets = [f"task-set/{t}" for t in mixture.TASKS]
+    present = set(self.task.tolist())
+    self.tasks = [t for t in mixture.ALL_TASKS if t in present]          # table order
+    self.sensitive = [t for t in self.tasks if mixture.is_sensitive(t)]
+    self.robust = [t for t in self.tasks if not mixture.is_sensitive(t)]
+    sets = [f"task-set/{t}" for t in self.tasks]
     if "task-oracle" not in self.methods and all(n in self.methods for n in sets):
       # Each item under its own task's set: the same forced pass as `frontier score`'s
       # task-oracle, read off the task sets' rows.
       pick = lambda key: sum(np.where(self.task == t, self.methods[f"task-set/{t}"][key], 0)
-                             for t in mixture.TASKS)
+                             for t in self.tasks)
       self.methods["task-oracle"] = {"correct": pick("correct"), "msr": pick("msr")}
 
   def mask(self, variant: str | None = None, tasks=None) -> np.ndarray:
@@ -55,7 +59,7 @@ class Scores:
 
   def accuracy(self, method: str, variant=None, tasks=None) -> float:
     """Mean over tasks of each task's accuracy (equal weights, as the tables average)."""
-    tasks = list(tasks or mixture.TASKS)
+    tasks = list(tasks or self.tasks)
     c = self.methods[method]["correct"]
     return float(np.mean([c[self.mask(variant, [t])].mean() for t in tasks
                           if self.mask(variant, [t]).any()]))
@@ -67,14 +71,14 @@ class Scores:
     m = self.mask(variant, tasks)
     return paired_difference(self.methods[a]["correct"][m], self.methods[b]["correct"][m])
 
-  def best_trained(self, run: str, recipe: str = "train", tasks=mixture.SENSITIVE
-                   ) -> str | None:
+  def best_trained(self, run: str, recipe: str = "train", tasks=None) -> str | None:
     """The static gate of `recipe` (R/static:S; train: train.py's router.static) of the
     highest accuracy on `tasks` over both variants at run R's budget: the strongest such
     baseline."""
     names = [n for n in self.methods if n.startswith(f"{run}/static:")
              and self.methods[n].get("recipe", "train") == recipe]
-    return max(names, key=lambda n: self.accuracy(n, None, tasks), default=None)
+    return max(names, key=lambda n: self.accuracy(n, None, tasks or self.sensitive),
+               default=None)
 
   def elastic_runs(self) -> list[str]:
     return [n[:-len("/elastic")] for n in self.methods if n.endswith("/elastic")]
@@ -100,7 +104,7 @@ def frontier_table(s: Scores, runs: list[str]) -> str:
   """Per budget: average MSR, the sensitive tasks' accuracy (seen / held-out) of elastic and
   every static baseline at its average MSR, and elastic minus each, paired over the same
   items (points [95% interval])."""
-  sens = mixture.SENSITIVE
+  sens = s.sensitive
   kinds = present_baselines(s, runs)
   lines = ["| budget (avg MSR) | variant | elastic | robust MSR | "
            + " | ".join(f"{label}: acc (MSR) | elastic − it" for _, label in kinds) + " |",
@@ -110,7 +114,7 @@ def frontier_table(s: Scores, runs: list[str]) -> str:
     for variant in VARIANTS:
       cells = [f"{run} ({s.msr(e):.3f})" if variant == "seen" else "", variant,
                f"{s.accuracy(e, variant, sens):.1f} ({s.msr(e, variant, sens):.2f})",
-               f"{s.msr(e, variant, [t for t in mixture.TASKS if t not in sens]):.2f}"]
+               f"{s.msr(e, variant, s.robust):.2f}"]
       for kind, _ in kinds:
         b = baseline_of(s, run, kind)
         if b is None:
@@ -134,20 +138,20 @@ def budget_table(s: Scores, run: str) -> str:
   lines = []
   for variant in VARIANTS:
     lines += [f"**{run}, {variant}** (accuracy % with its 95% interval below; MSR)", "",
-              "| method | " + " | ".join(mixture.TASKS) + " | sensitive avg | robust avg | "
-              "MSR avg |", "|---|" + "---|" * (len(mixture.TASKS) + 3)]
+              "| method | " + " | ".join(s.tasks) + " | sensitive avg | robust avg | "
+              "MSR avg |", "|---|" + "---|" * (len(s.tasks) + 3)]
     for label, name in methods:
       cells = []
-      for t in mixture.TASKS:
+      for t in s.tasks:
         m = s.mask(variant, [t])
         c = s.methods[name]["correct"][m]
         lo, hi = interval(c)
         cells.append(f"{c.mean():.1f} ({s.methods[name]['msr'][m].mean():.2f})<br>"
                      f"[{lo:.0f}, {hi:.0f}]")
-      rob = [t for t in mixture.TASKS if t not in mixture.SENSITIVE]
+      rob = f"{s.accuracy(name, variant, s.robust):.1f}" if s.robust else "-"
       lines.append(f"| {label} | " + " | ".join(cells)
-                   + f" | {s.accuracy(name, variant, mixture.SENSITIVE):.1f} | "
-                   f"{s.accuracy(name, variant, rob):.1f} | {s.msr(name, variant):.2f} |")
+                   + f" | {s.accuracy(name, variant, s.sensitive):.1f} | "
+                   f"{rob} | {s.msr(name, variant):.2f} |")
     lines.append("")
   return "\n".join(lines)
 
@@ -158,18 +162,18 @@ def task_set_table(s: Scores) -> str:
   if not names:
     return ""
   lines = ["| head set of | heads full | the (layer, KV head) pairs | "
-           + " | ".join(mixture.TASKS) + " |", "|---|---|---|" + "---|" * len(mixture.TASKS)]
+           + " | ".join(s.tasks) + " |", "|---|---|---|" + "---|" * len(s.tasks)]
   for n in names:
     g = np.asarray(s.methods[n].get("gates", []))
     pairs = " ".join(f"({a},{b})" for a, b in np.argwhere(g > 0)) if g.size else "-"
     lines.append(f"| {n.split('/', 1)[1]} | {int(g.sum()) if g.size else '-'} | "
                  f"{pairs or 'none'} | "
-                 + " | ".join(f"{s.accuracy(n, None, [t]):.1f}" for t in mixture.TASKS)
+                 + " | ".join(f"{s.accuracy(n, None, [t]):.1f}" for t in s.tasks)
                  + " |")
   if "task-oracle" in s.methods:
     lines.append(f"| each item its task's set | MSR {s.msr('task-oracle'):.3f} | | "
                  + " | ".join(f"{s.accuracy('task-oracle', None, [t]):.1f}"
-                              for t in mixture.TASKS) + " |")
+                              for t in s.tasks) + " |")
   return "\n".join(lines)
 
 
@@ -180,7 +184,7 @@ def plot(s: Scores, runs: list[str], path: str, title: str) -> str:
   import matplotlib.pyplot as plt
   from elastic_jax.eval.report import save_figure
   import os
-  sens = mixture.SENSITIVE
+  sens = s.sensitive
   fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
   lowest = min(s.msr(f"{r}/elastic") for r in runs)
   series = [("elastic", lambda r: f"{r}/elastic", "o-", "C0")]
@@ -203,7 +207,7 @@ def plot(s: Scores, runs: list[str], path: str, title: str) -> str:
     ax.set_title(f"{variant}", fontsize=10)
     ax.set_xlabel("average MSR over the five tasks (share of heads streaming)")
     ax.grid(alpha=0.3)
-  axes[0].set_ylabel("accuracy on kv and hop (%)")
+  axes[0].set_ylabel(f"accuracy on {', '.join(sens)} (%)")
   handles, labels = axes[0].get_legend_handles_labels()
   fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(0.99, 0.95), fontsize=8)
   fig.suptitle(title, fontsize=10)

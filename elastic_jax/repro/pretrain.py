@@ -10,8 +10,10 @@ a length curriculum), with p ~ T^-0.25, and T-token rows each hold one sample, r
 question answer <eos>`; kv and hop go on asking about every fact of their context (`question
 answer <eos>` each, as many as the row holds), with 2..min(48, prompt/24) facts drawn
 independently of the length, in wordings from `mixture.pretraining_wording` (half fixed, half
-random words; never the held-out template's unless --heldout-in-pretraining). --copy-fraction of the rows are the
-auxiliary copy task (`mixture.copy_sample`). The loss is the cross-entropy of the answer
+random words; never the held-out template's unless --heldout-in-pretraining); --tasks
+names the tasks the rows hold (the five by default; RULER's families of eval/families.py
+too), each also evaluated. --copy-fraction of the rows are the auxiliary copy task
+(`mixture.copy_sample`). The loss is the cross-entropy of the answer
 tokens, plus --eos-weight times that of the answers' EOS, plus --lm-weight times that of every
 other token. AdamW in float32, computed in bfloat16; the learning rate warms up over --warmup
 steps, holds, and decays linearly to --min-lr over the last --decay of --total-steps.
@@ -45,7 +47,10 @@ from elastic_jax.errors import ElasticJaxError
 from elastic_jax.eval import mixture
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "backbone_config.json")
-TASKS = mixture.TASKS + ("copy",)          # row tasks: the mixture's and the auxiliary copy
+# Row tasks: every task of the mixture (the five and the families) and the auxiliary copy;
+# a run draws its rows from --tasks and the copy task.
+TASKS = mixture.ALL_TASKS + ("copy",)
+DEFAULT_TASKS = ",".join(mixture.TASKS)
 CONTEXT, ANSWER, ANSWER_EOS = 1, 2, 3      # token kinds (0: padding)
 SHARD_BYTES = 15 * 2 ** 20                 # state shards stay under 16 MiB
 
@@ -75,6 +80,9 @@ def parse_args(argv=None):
   p.add_argument("--eos-weight", type=float, default=0.2, help="loss weight of answers' EOS")
   p.add_argument("--copy-fraction", type=float, default=0.2,
                  help="rows of the auxiliary copy task")
+  p.add_argument("--tasks", default=DEFAULT_TASKS,
+                 help="the mixture's tasks the rows hold (also eval/families.py's mv, mq, vt, "
+                      "cwe), comma-separated; every one is also evaluated")
   p.add_argument("--heldout-in-pretraining", action="store_true",
                  help="let the held-out template's wording into pretraining (the held-out "
                       "variant is then unseen by the routers only)")
@@ -99,6 +107,11 @@ def parse_args(argv=None):
   if not (0 <= args.decay <= 1 and 0 <= args.copy_fraction < 1 and args.long_from >= 0):
     raise ElasticJaxError("--decay must lie in [0, 1], --copy-fraction in [0, 1) and "
                           "--long-from be >= 0")
+  args.tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
+  unknown = [t for t in args.tasks if t not in mixture.ALL_TASKS]
+  if unknown or not args.tasks or len(set(args.tasks)) != len(args.tasks):
+    raise ElasticJaxError(f"--tasks: distinct names among {', '.join(mixture.ALL_TASKS)}, got "
+                          f"{','.join(args.tasks) or 'none'}")
   for name in ("seq_len", "short_seq_len"):
     if getattr(args, name) % 128 or getattr(args, name) < 128:
       raise ElasticJaxError(f"--{name.replace('_', '-')} must be a multiple of 128")
@@ -138,13 +151,12 @@ def sample_tokens(s: mixture.Sample, limit: int) -> tuple[np.ndarray, np.ndarray
 
 
 def pretraining_sample(rng: np.random.Generator, t: int, copy_fraction: float,
-                       heldout: bool = False):
-  """(task index in TASKS, sample) for one row of t tokens."""
+                       heldout: bool = False, tasks: tuple[str, ...] = mixture.TASKS):
+  """(task index in TASKS, sample) for one row of t tokens, its task drawn from `tasks`."""
   length = int(rng.integers(t // 2, t - 63))
   if rng.random() < copy_fraction:
     return len(TASKS) - 1, mixture.copy_sample(rng, length)
-  task = int(rng.integers(len(mixture.TASKS)))
-  name = mixture.TASKS[task]
+  name = tasks[int(rng.integers(len(tasks)))]
   n_facts = None
   if name in mixture.SENSITIVE:
     n_facts = int(rng.integers(2, max(2, min(48, length // 24)) + 1))
@@ -152,7 +164,7 @@ def pretraining_sample(rng: np.random.Generator, t: int, copy_fraction: float,
                           wording=mixture.pretraining_wording(name, rng, heldout),
                           n_facts=n_facts,
                           filler=mixture.PRETRAIN_FILLER)
-  return task, s
+  return TASKS.index(name), s
 
 
 def rows_of(samples: list, t: int) -> dict[str, np.ndarray]:
@@ -188,11 +200,11 @@ def longest_row(step: int, args) -> int:
 
 def make_batch(spec: tuple, step: int) -> dict[str, np.ndarray]:
   """The batch of `step`: a function of (seed, step) alone. spec: (seed, tokens, longest,
-  copy_fraction, heldout)."""
-  seed, tokens, longest, copy_fraction, heldout = spec
+  copy_fraction, heldout, tasks)."""
+  seed, tokens, longest, copy_fraction, heldout, tasks = spec
   rng = np.random.default_rng([seed, step])
   t = row_length(rng, longest)
-  return rows_of([pretraining_sample(rng, t, copy_fraction, heldout)
+  return rows_of([pretraining_sample(rng, t, copy_fraction, heldout, tasks)
                   for _ in range(max(1, tokens // t))], t)
 
 
@@ -216,7 +228,7 @@ class Batches:
   def _spec(self, step: int) -> tuple:
     a = self._args
     return (a.seed, a.tokens, longest_row(step, a), a.copy_fraction,
-            a.heldout_in_pretraining)
+            a.heldout_in_pretraining, a.tasks)
 
   def _submit(self):
     s = self._step + len(self._pending)
@@ -240,17 +252,19 @@ class Batches:
 # Evaluation
 
 
-def eval_set(seed: int, lengths: tuple[int, ...], n: int) -> list[dict]:
+def eval_set(seed: int, lengths: tuple[int, ...], n: int,
+             tasks: tuple[str, ...] = mixture.TASKS) -> list[dict]:
   """Fixed evaluation cells: every task x variant (seen: templates 0 and 1, held-out:
   template 2) x prompt length, n samples each, drawn as eval.py mixture draws them. Each cell
   is {task, variant, length, chance, batch}."""
   cells = []
   variants = (("seen", mixture.TRAIN_TEMPLATES), ("held-out", (mixture.HELDOUT_TEMPLATE,)))
-  for ti, task in enumerate(mixture.TASKS):
+  for ti, task in enumerate(tasks):
     for vi, (variant, templates) in enumerate(variants):
       for length in lengths:
         rng = np.random.default_rng([seed, 7919, ti, vi, length])
-        samples = [(ti, mixture.make_sample(task, rng, length, templates[i % len(templates)]))
+        samples = [(TASKS.index(task),
+                    mixture.make_sample(task, rng, length, templates[i % len(templates)]))
                    for i in range(n)]
         chance = np.mean([1 / s.candidates if s.candidates else 0.0 for _, s in samples])
         t = -(-max(s.prompt_len + len(s.answer) + 2 for _, s in samples) // 128) * 128
@@ -293,7 +307,7 @@ def evaluate(predict, params, cells, sparse_predict=None, rows: int = 32) -> dic
 def eval_table(result: dict) -> str:
   """Accuracy (chance) per task, rows = variant/length."""
   acc, chance = result["accuracy"], result["chance"]
-  cols = list(mixture.TASKS)
+  cols = [t for t in TASKS if any(k.startswith(f"{t}/") for k in acc)]
   rows = sorted({k.split("/", 1)[1] for k in acc if not k.startswith("sparse/")},
                 key=lambda r: (r.split("/")[0] != "seen", int(r.split("/")[1])))
   lines = ["  " + " " * 16 + "".join(f"{c:>14}" for c in cols)]
@@ -545,6 +559,8 @@ def main(argv=None) -> int:
                                           "long_from", "copy_fraction", "lr", "warmup",
                                           "decay", "min_lr", "weight_decay", "lm_weight",
                                           "eos_weight", "heldout_in_pretraining")}
+    # (states saved before --tasks existed drew the five tasks)
+    kept["tasks"] = tuple(info["args"].get("tasks", mixture.TASKS))
     now = {k: getattr(args, k) for k in kept}
     if kept != now:
       changed = ", ".join(f"--{k.replace('_', '-')} {kept[k]} -> {now[k]}"
@@ -564,7 +580,7 @@ def main(argv=None) -> int:
   compute = jnp.dtype(args.compute_dtype)
   train_step, predict = step_functions(cfg, compute, args.attn_impl, tx, args)
   sparse = sparse_predictor(cfg, compute, args.sparse_window)
-  cells = eval_set(args.seed, args.eval_lengths, args.eval_samples)
+  cells = eval_set(args.seed, args.eval_lengths, args.eval_samples, args.tasks)
   metrics_path = os.path.join(args.out, "metrics.jsonl")
   if os.path.exists(metrics_path):
     repair_jsonl_tail(metrics_path)
