@@ -61,17 +61,17 @@ FAMILY_PRETRAIN_QUESTIONS = {
 COMMON = 3                       # cwe: the recurring names
 
 
+def _strings(x):
+  return [x] if isinstance(x, str) else [t for part in x for t in _strings(part)]
+
+
 def _check_words():
   """Every word of these wordings is a template word of the mixture (so no filler word gains a
   second meaning and the vocabulary is unchanged)."""
   from elastic_jax.eval import mixture
   words = set(mixture.TEMPLATE_WORDS) | set(mixture.PUNCT)
-  texts = []
-  for per_task in (FAMILY_TEMPLATES, FAMILY_PRETRAIN_QUESTIONS):
-    for wordings in per_task.values():
-      for w in wordings:
-        for part in (w if isinstance(w, tuple) else (w,)):
-          texts += list(part) if isinstance(part, tuple) else [part]
+  texts = _strings(list(FAMILY_TEMPLATES.values()) + list(FAMILY_PRETRAIN_QUESTIONS.values())
+                   + list(CWE_MARKERS))
   for text in texts:
     for w in text.split():
       if not w.startswith("{") and w not in words:
@@ -107,8 +107,8 @@ def make(task: str, rng: np.random.Generator, length: int, template: int, *,
     marker = mx.encode(fact)
     q = mx.encode(question)
     slots = max(COMMON * 3 + 4, (length - len(marker) - len(q)) // 2)
-    common = mx._distinct(rng, mx.NAME_IDS, COMMON + 1)
-    rare_pool = np.setdiff1d(mx.NAME_IDS, common[:COMMON])
+    common = mx._distinct(rng, mx.NAME_IDS, COMMON)
+    rare_pool = np.setdiff1d(mx.NAME_IDS, common)
     per = max(3, slots // (4 * COMMON))          # each common name's count
     n_rare = slots - per * COMMON
     reps = -(-n_rare // len(rare_pool))           # rare names recur at most this often
@@ -123,13 +123,13 @@ def make(task: str, rng: np.random.Generator, length: int, template: int, *,
     at = np.sort(rng.choice(zone, size=per * COMMON, replace=False))
     rest = np.setdiff1d(np.arange(slots), at)
     items = np.empty(slots, rare.dtype)
-    items[at] = np.repeat(common[:COMMON], per)[rng.permutation(per * COMMON)]
+    items[at] = np.repeat(common, per)[rng.permutation(per * COMMON)]
     items[rest] = rare[rng.permutation(n_rare)]
-    first = sorted(common[:COMMON], key=lambda c: int(np.flatnonzero(items == c)[0]))
+    first = sorted(common, key=lambda c: int(np.flatnonzero(items == c)[0]))
     comma = mx.IDS[","]
     body = np.stack([items, np.full_like(items, comma)], 1).reshape(-1)
     context = np.concatenate([marker, body])
-    return mx.Sample(task, template, context, q, np.asarray(first, np.int32), candidates=0)
+    return mx.Sample(task, template, context, q, np.asarray(first, np.int32))
   if task == "vt":
     n_chain = int(rng.integers(3, 6))
     n_other = int(np.clip(length // 128, 1, 4))
@@ -141,6 +141,7 @@ def make(task: str, rng: np.random.Generator, length: int, template: int, *,
     answer = np.asarray(chains[0], np.int32)
     n_fill = max(8, length - sum(len(p) for ch in pieces for p in ch) - len(q))
     context = _insert_groups(rng, mx._filler(rng, n_fill, filler), pieces, mx.FACT_ZONE)
+    # A guess among the chains (then read in order) is right one time in 1 + n_other.
     return mx.Sample(task, template, context, q, answer, candidates=1 + n_other)
   # mv and mq: kv facts, one key with several values (mv) or several asked keys (mq).
   n_facts = int(np.clip(length // 96, 3, 40))
@@ -155,8 +156,7 @@ def make(task: str, rng: np.random.Generator, length: int, template: int, *,
     n_fill = max(8, length - sum(map(len, own)) - sum(len(p[0]) for p in rest) - len(q))
     context = _insert_groups(rng, mx._filler(rng, n_fill, filler), [own] + rest,
                              mx.FACT_ZONE)
-    return mx.Sample(task, template, context, q, np.asarray(vals, np.int32),
-                     candidates=n_facts)
+    return mx.Sample(task, template, context, q, np.asarray(vals, np.int32))
   n_asked = int(rng.integers(2, 4))
   vals = mx.NUMBER_IDS[rng.integers(0, mx.NUM_NUMBERS, n_facts)]
   pieces = [fill(fact, k=k, v=v) for k, v in zip(keys, vals)]
@@ -165,8 +165,7 @@ def make(task: str, rng: np.random.Generator, length: int, template: int, *,
   q = mx.encode(text.format(**{f"k{i}": mx.VOCAB[keys[j]] for i, j in enumerate(asked)}))
   n_fill = max(8, length - sum(map(len, pieces)) - len(q))
   context = mx._insert(rng, mx._filler(rng, n_fill, filler), pieces, mx.FACT_ZONE)
-  return mx.Sample(task, template, context, q, np.asarray(vals[asked], np.int32),
-                   candidates=n_facts)
+  return mx.Sample(task, template, context, q, np.asarray(vals[asked], np.int32))
 
 
 def _insert_groups(rng, base, groups, zone):
