@@ -118,7 +118,7 @@ def test_tokenizer_matches_the_generator(tmp_path):
 
 
 def test_pretraining_rows_hold_one_sample_each():
-  b = pretrain.make_batch((0, 2048, 512, 0.2, False), 3)
+  b = pretrain.make_batch((0, 2048, 512, 0.2, False, mixture.TASKS), 3)
   ids, tgt, kind, seg = b["ids"], b["targets"], b["kind"], b["segment_ids"]
   rows, t = ids.shape
   assert rows == 2048 // t and t in (128, 256, 512)
@@ -134,7 +134,7 @@ def test_pretraining_rows_hold_one_sample_each():
   assert np.isin(answers, np.concatenate([mixture.NAME_IDS, mixture.NUMBER_IDS,
                                           mixture.FILLER_IDS])).all()
   # The same step gives the same batch (resumed pieces see what an unbroken run sees).
-  again = pretrain.make_batch((0, 2048, 512, 0.2, False), 3)
+  again = pretrain.make_batch((0, 2048, 512, 0.2, False, mixture.TASKS), 3)
   assert all((again[k] == b[k]).all() for k in b)
 
 
