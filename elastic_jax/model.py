@@ -162,7 +162,7 @@ class Attention(nn.Module):
       z_bskc = rt.router_logits(layer["router"], pooled)
       gate_bsk, soft_bsk = rt.gate_from_logits(z_bskc, self.rcfg, key=layer.get("key"),
                                                tau=ctx.tau)
-      stats = {"gate": gate_bsk, "soft_gate": soft_bsk, "logits": z_bskc}
+      stats = {"gate": gate_bsk, "soft_gate": soft_bsk, "logits": z_bskc, "pooled": pooled}
     elif self.attention == "forced":
       gate_bsk = layer["gate"].astype(jnp.float32)
       stats = {"gate": gate_bsk}

@@ -171,14 +171,21 @@ def _dense(x, w, b):
   return jnp.einsum("...i,io->...o", x, w) + b.reshape((1,) * (x.ndim - 1) + b.shape)
 
 
+def task_features(p: dict, pooled_bskh: jax.Array) -> jax.Array:
+  """One layer's task MLP on the pooled keys (the pooled keys where the router has none):
+  the task representation the router MLP reads. -> [B, S, K, H]."""
+  if "task_w1" not in p:
+    return pooled_bskh
+  return _dense(jax.nn.silu(_dense(pooled_bskh, p["task_w1"], p["task_b1"])), p["task_w2"],
+                p["task_b2"])
+
+
 def router_logits(p: dict, pooled_bskh: jax.Array) -> jax.Array:
   """One layer's router: task MLP (where the params have one) then router MLP, shared over
   heads. -> [B, S, K, C]. A static router's logits [K, C] are the same for every input."""
   if "static_logits" in p:
     return jnp.broadcast_to(p["static_logits"], pooled_bskh.shape[:2] + p["static_logits"].shape)
-  x = pooled_bskh
-  if "task_w1" in p:
-    x = _dense(jax.nn.silu(_dense(x, p["task_w1"], p["task_b1"])), p["task_w2"], p["task_b2"])
+  x = task_features(p, pooled_bskh)
   x = jax.nn.silu(_dense(x, p["route_w1"], p["route_b1"]))
   x = jax.nn.silu(_dense(x, p["route_w2"], p["route_b2"]))
   return _dense(x, p["route_w3"], p["route_b3"])

@@ -72,6 +72,7 @@ def world(tmp_path_factory):
   _routers(root, "routers_head_dim", other)
   _routers(root, "routers_unknown", cfg, extra={"gate.bias": np.zeros(2, np.float32)})
   _routers(root, "routers_truncated", cfg, truncate=True)
+  _routers(root, "routers_static", cfg, RouterConfig(static=True))
   _routers(root, "routers_no_task_mlp", cfg, RouterConfig(task_mlp=False),
            extra={"router.task_w1": np.zeros((2, 2), np.float32)})
   (root / "afile").write_text("x")
@@ -182,6 +183,9 @@ CASES = {
                                        "static_of names no run of the plan (e)"),
     "frontier score nothing to score": ("frontier", ["score", "{root}/m", "--out",
                                                      "{root}/s.json"], 2, "no routers to score"),
+    "frontier representations of a static router": ("frontier", ["representations",
+                                                     "--routers", "{root}/routers_static"], 2,
+                                                    "a static router has no task representation"),
     "frontier report unknown run": ("frontier", ["report", "{root}/scores.json", "--runs", "e9"],
                                     2, "no elastic run named e9"),
     "report kernel times without MSR 1": ("report", ["--run", "elastic={root}", "--plots",

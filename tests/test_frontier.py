@@ -132,3 +132,31 @@ def test_report_pairs_the_same_items(tmp_path):
   assert "DuoAttention's recipe" in text and "PruLong" not in text
   assert s.best_trained("a", "duo") == "a/static:d"
   assert (tmp_path / "f.png").stat().st_size > 10_000
+
+
+def test_pooled_keys_are_what_the_routers_decide_on(model):
+  """The router inputs `pooled_keys` returns give, through the router, the very head choices
+  of elastic scoring (so Fig. 5's representations are the routers' own)."""
+  import jax
+  from elastic_jax.router import router_logits
+  items = scoring.eval_items(4, 1, lengths=(160,), heldout_lengths=(192,))
+  sc = scoring.Scorer(model.params, model.config, model.router_config, attn_impl="reference",
+                      rows=len(items))
+  pooled = scoring.pooled_keys(sc, items, model.router_params)          # [N, L, K, H]
+  gates = sc.score(items, "elastic", routers=model.router_params)["gates"]
+  for layer in range(pooled.shape[1]):
+    z = np.asarray(router_logits(jax.tree.map(lambda x: x[layer], model.router_params),
+                                 jax.numpy.asarray(pooled[:, layer][:, None])))[:, 0]
+    np.testing.assert_array_equal(z[..., 1] > z[..., 0], gates[:, layer] > 0)
+
+
+def test_task_similarity_separates_clusters():
+  rng = np.random.default_rng(0)
+  shared = rng.normal(size=(1, 2, 3, 8)) * 10                 # a component every item shares
+  a, b = rng.normal(size=(1, 2, 3, 8)), rng.normal(size=(1, 2, 3, 8))
+  x = np.concatenate([shared + a + 0.1 * rng.normal(size=(6, 2, 3, 8)),
+                      shared + b + 0.1 * rng.normal(size=(6, 2, 3, 8))])
+  names, sim = frontier_report.task_similarity(x, ["kv"] * 6 + ["summary"] * 6)
+  assert names == ["kv", "summary"]
+  assert sim[0, 0] > 0.9 and sim[1, 1] > 0.9 and sim[0, 1] < -0.5
+  np.testing.assert_allclose(sim, sim.T)

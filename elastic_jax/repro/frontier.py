@@ -381,6 +381,45 @@ def report(args) -> int:
   return 0
 
 
+def representations(args) -> int:
+  """Task-representation similarity before and after the Task MLP (the paper's Fig. 5)."""
+  import jax
+  from elastic_jax import router_io
+  from elastic_jax.repro import frontier_report as fr
+  from elastic_jax.repro.scoring import Scorer, eval_items, pooled_keys
+  from elastic_jax.router import task_features
+  r = router_io.load_routers(args.routers)
+  if r.config.static:
+    raise ElasticJaxError(f"{args.routers}: a static router has no task representation")
+  if not r.config.task_mlp:
+    raise ElasticJaxError(f"{args.routers}: these routers have no Task MLP to compare")
+  import elastic_jax as ej
+  model = ej.from_pretrained(args.model, args.dtype)
+  scorer = Scorer(model.params, model.config, r.config, attn_impl=args.attn_impl,
+                  rows=args.rows)
+  tasks = tuple(args.tasks.split(","))
+  items = eval_items(args.seed, args.samples, tasks, args.lengths_list, args.heldout_list)
+  before = pooled_keys(scorer, items, r.params)                          # [N, L, K, H]
+  after = np.stack([np.asarray(task_features(jax.tree.map(lambda x: x[l], r.params),
+                                             before[:, l])) for l in range(before.shape[1])],
+                   axis=1)
+  labels = [it.task for it in items]
+  names, sim_before = fr.task_similarity(before, labels)
+  _, sim_after = fr.task_similarity(after, labels)
+  text = ["| task | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+  for which, m in (("before", sim_before), ("after", sim_after)):
+    for i, a in enumerate(names):
+      text.append(f"| {a} ({which}) | " + " | ".join(f"{v:.2f}" for v in m[i]) + " |")
+  print("\n".join(text))
+  if args.out:
+    _write_json(args.out, {"tasks": names, "before": sim_before.round(4).tolist(),
+                           "after": sim_after.round(4).tolist(), "items": len(items),
+                           "seed": args.seed})
+  if args.plot:
+    print(f"wrote {fr.similarity_plot(names, sim_before, sim_after, args.plot, args.title)}")
+  return 0
+
+
 def training(args) -> int:
   from elastic_jax.repro import frontier_report as fr
   try:
@@ -446,18 +485,33 @@ def parse_args(argv=None):
   r.add_argument("--tables", action="store_true", help="also every budget's full table")
   r.add_argument("--out", help="Markdown file (default: print)")
   r.add_argument("--plot", help="PNG file of the frontier")
+  v = sub.add_parser("representations",
+                     help="task-representation similarity before and after the Task MLP")
+  v.add_argument("--routers", required=True, help="the routers (a router export)")
+  v.add_argument("--model", default=os.path.join(PACKAGE_DIR, "repro", "backbone"))
+  v.add_argument("--dtype", default="float32")
+  v.add_argument("--attn-impl", default="reference")
+  v.add_argument("--rows", type=int, default=32, help="rows per forward pass")
+  v.add_argument("--seed", type=int, default=1)
+  v.add_argument("--samples", type=int, default=20, help="items per task and variant")
+  v.add_argument("--tasks", default="kv,hop,summary,pattern,fewshot")
+  v.add_argument("--lengths", default="384")
+  v.add_argument("--heldout-lengths", default="896")
+  v.add_argument("--title", default="Task representations of the shipped routers")
+  v.add_argument("--out", help="JSON of the two matrices")
+  v.add_argument("--plot", help="PNG file")
   g = sub.add_parser("training", help="saturation and robust MSR during training, plotted")
   g.add_argument("record", help="a training record (docs/records/router_training.json)")
   g.add_argument("--runs", required=True, help="runs to draw, comma-separated")
   g.add_argument("--plot", required=True, help="PNG file")
   args = p.parse_args(argv)
-  if args.command in ("score", "heads"):
+  if args.command in ("score", "heads", "representations"):
     from elastic_jax.eval import mixture
     unknown = [t for t in args.tasks.split(",") if t not in mixture.ALL_TASKS]
     if unknown:
       raise ElasticJaxError(f"--tasks: {', '.join(unknown)} unknown (known: "
                             f"{', '.join(mixture.ALL_TASKS)})")
-  if args.command == "score":
+  if args.command in ("score", "representations"):
     try:
       args.lengths_list = [int(x) for x in args.lengths.split(",")]
       args.heldout_list = [int(x) for x in args.heldout_lengths.split(",")]
@@ -472,7 +526,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
   args = parse_args(argv)
   return {"train": train, "heads": heads, "score": score, "report": report,
-          "training": training}[args.command](args)
+          "representations": representations, "training": training}[args.command](args)
 
 
 if __name__ == "__main__":

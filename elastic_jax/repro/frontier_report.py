@@ -239,3 +239,54 @@ def training_plot(record: dict, runs: list[str], path: str) -> str:
     ax.grid(alpha=0.3)
   axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
   return save_figure(fig, os.path.dirname(path) or ".", os.path.basename(path))
+
+
+def task_similarity(features_nlkh: np.ndarray, tasks: list[str]) -> tuple[list[str], np.ndarray]:
+  """Mean cosine similarity between the representations of items of two tasks (the diagonal:
+  pairs of distinct items of one task), per layer then averaged over layers; an item's
+  representation in a layer is its KV heads' vectors side by side, less their mean over all
+  the items (uncentred, a component every prompt shares puts every pair near 1). ->
+  (task order, [T, T])."""
+  names = [t for t in mixture.ALL_TASKS if t in set(tasks)]
+  tasks = np.asarray(tasks)
+  n, layers = features_nlkh.shape[:2]
+  sims = np.zeros((layers, len(names), len(names)))
+  for l in range(layers):
+    x = features_nlkh[:, l].reshape(n, -1).astype(np.float64)
+    x = x - x.mean(0, keepdims=True)
+    x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+    cos = x @ x.T
+    for i, a in enumerate(names):
+      for j, b in enumerate(names):
+        block = cos[np.ix_(tasks == a, tasks == b)]
+        if a == b:
+          k = block.shape[0]
+          sims[l, i, j] = (block.sum() - np.trace(block)) / max(k * (k - 1), 1)
+        else:
+          sims[l, i, j] = block.mean()
+  return names, sims.mean(0)
+
+
+def similarity_plot(names: list[str], before: np.ndarray, after: np.ndarray, path: str,
+                    title: str) -> str:
+  """The paper's Fig. 5 at this scale: task-representation similarity before and after the
+  Task MLP, one heatmap each, the values written in their cells."""
+  import os
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  from elastic_jax.eval.report import save_figure
+  fig, axes = plt.subplots(1, 2, figsize=(9.5, 4.2))
+  for ax, m, label in ((axes[0], before, "pooled keys (before the Task MLP)"),
+                       (axes[1], after, "after the Task MLP")):
+    im = ax.imshow(m, vmin=-1, vmax=1, cmap="RdBu_r")
+    ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
+    ax.set_yticks(range(len(names)), names if ax is axes[0] else [], fontsize=8)
+    for i in range(len(names)):
+      for j in range(len(names)):
+        ax.text(j, i, f"{m[i, j]:.2f}", ha="center", va="center", fontsize=7,
+                color="white" if abs(m[i, j]) > 0.6 else "black")
+    ax.set_title(label, fontsize=9)
+  fig.colorbar(im, ax=axes, shrink=0.8, label="mean cosine similarity (centred)")
+  fig.suptitle(title, fontsize=10)
+  return save_figure(fig, os.path.dirname(path) or ".", os.path.basename(path))

@@ -100,6 +100,16 @@ def _score_rows(params, router_params, gates_lbsk, rows, *, cfg: ModelConfig,
   return correct, logp_item, gate
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "rcfg", "attn_impl"))
+def _pooled_rows(params, router_params, rows, *, cfg: ModelConfig, rcfg: RouterConfig,
+                 attn_impl: str):
+  _, stats = forward_routed(
+      params, rows["ids"], rows["positions"], rows["segment_ids"], rows["prompt_mask"],
+      cfg=cfg, rcfg=rcfg, attention="elastic", router_params=router_params,
+      attn_impl=attn_impl, packed=True, num_segments=2)
+  return stats["pooled"][:, :, 1]                                       # [L, B, K, H]
+
+
 class Scorer:
   """Scores items under full, sparse, elastic (routers) or forced (head sets) attention.
 
@@ -166,6 +176,23 @@ class Scorer:
       out_gates[:] = 0.0
     return {"correct": correct, "logp": logp, "gates": out_gates,
             "msr": 1.0 - out_gates.mean(axis=(1, 2))}
+
+
+def pooled_keys(scorer: "Scorer", items: Sequence[EvalItem], routers) -> np.ndarray:
+  """The routers' inputs under elastic routing: each item's pooled prompt keys, [N, L, K, H]
+  (the boundary pooling of the scorer's router config)."""
+  out = np.zeros((len(items), scorer.cfg.num_layers, scorer.cfg.num_kv_heads,
+                  scorer.cfg.head_dim), np.float32)
+  for start in range(0, len(items), scorer.rows):
+    part = list(items[start:start + scorer.rows])
+    longest = max(len(it.prompt) + len(it.answer) + 1 for it in part)
+    t = -(-longest // scorer.bucket) * scorer.bucket
+    pad = scorer.rows - len(part)
+    rows = _rows(part + [part[-1]] * pad, t)
+    got = _pooled_rows(scorer.params, routers, {k: jnp.asarray(v) for k, v in rows.items()},
+                       cfg=scorer.cfg, rcfg=scorer.rcfg, attn_impl=scorer.attn_impl)
+    out[start:start + len(part)] = np.moveaxis(np.asarray(got), 1, 0)[:len(part)]
+  return out
 
 
 def static_at(scores_lk: np.ndarray, msr: float, n_items: int, seed: int = 0) -> np.ndarray:
