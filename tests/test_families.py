@@ -120,3 +120,28 @@ def test_family_pretraining_rows():
 # Computed with the code that made the shipped backbone (before the families), 2026-12-07.
 DIGEST_3001 = "bac23ac71924a867"
 TASKS_3001 = ["hop", "kv", "hop", "hop", "summary", "summary", "pattern", "kv"]
+
+
+@pytest.mark.parametrize("task", ["mv", "mq", "vt"])
+def test_near_evidence_lies_inside_the_window(task):
+  """The reviewer's check: with evidence 'near' the answer's facts are in the last 64
+  tokens, where a streaming head sees them; cwe refuses (its answer counts the list)."""
+  rng = np.random.default_rng(8)
+  for template in (0, 2):
+    s = mixture.make_sample(task, rng, 896, template, evidence="near")
+    tail = mixture.decode(s.context[-(WINDOW - len(s.question)):])
+    assert SOLVERS[task](tail, mixture.decode(s.question)) == mixture.decode(s.answer)
+  with pytest.raises(Exception, match="cwe has no evidence to move"):
+    mixture.make_sample("cwe", rng, 384, 0, evidence="near")
+
+
+def test_items_in_pretraining_wordings_keep_the_held_out_one_unseen():
+  items = list(mixture.eval_samples(2, 6, ("kv", "mq"), (384,), (384,),
+                                    wordings="pretraining"))
+  seen = [s for _, v, s in items if v == "seen"]
+  held = [s for _, v, s in items if v == "held-out"]
+  assert {s.template for s in seen} == {-1} and {s.template for s in held} == {2}
+  held_out_question = re.compile(r"^tell me what n\d+( and n\d+)* maps to \.$")
+  assert all(held_out_question.match(mixture.decode(s.question)) for s in held)
+  assert not any(held_out_question.match(mixture.decode(s.question)) for s in seen)
+  assert len({mixture.decode(s.question).split()[0] for s in seen}) > 3   # many wordings

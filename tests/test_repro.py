@@ -86,6 +86,18 @@ def test_tasks_are_solvable_from_the_right_span(task, template):
       assert solve(tail, question) == answer
 
 
+@pytest.mark.parametrize("task", mixture.SENSITIVE)
+def test_near_evidence_is_solvable_from_the_window(task):
+  # A reviewer's variant: the needed facts at the context's end, the others far back.
+  rng = np.random.default_rng(9)
+  for template in (0, 1, 2):
+    s = mixture.make_sample(task, rng, 896, template, evidence="near")
+    tail = mixture.decode(s.context[-(WINDOW - len(s.question)):])
+    assert SOLVERS[task](tail, mixture.decode(s.question)) == mixture.decode(s.answer)
+    assert SOLVERS[task](mixture.decode(s.context), mixture.decode(s.question)) == \
+        mixture.decode(s.answer)
+
+
 def test_variants_are_deterministic_and_held_out_uses_its_own_template():
   held = mixture.Variant("held-out", (2,), 200, 400)
   a = [s.record() for s in mixture.samples(held, 3, seed=1)]

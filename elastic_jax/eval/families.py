@@ -94,9 +94,11 @@ def _chain_pieces(fact, names, value, fill):
 
 
 def make(task: str, rng: np.random.Generator, length: int, template: int, *,
-         wording=None, filler=None):
+         wording=None, filler=None, evidence: str = "far"):
   """One sample of a family task (mixture.Sample) whose prompt has about `length` tokens.
-  wording: a (fact, question) pair in place of the template's (pretraining's)."""
+  wording: a (fact, question) pair in place of the template's (pretraining's). evidence:
+  "near" puts the facts the answer needs at the context's end (mixture.make_sample; not for
+  cwe, whose evidence is the whole list)."""
   from elastic_jax.eval import mixture as mx
   if task not in FAMILY_TASKS:
     raise ElasticJaxError(f"task '{task}' is not a family task ({', '.join(FAMILY_TASKS)})")
@@ -104,6 +106,8 @@ def make(task: str, rng: np.random.Generator, length: int, template: int, *,
   fact, question = wording or FAMILY_TEMPLATES[task][template]
   fill = mx._fill
   if task == "cwe":
+    if evidence != "far":
+      raise ElasticJaxError("cwe has no evidence to move: its answer counts the whole list")
     marker = mx.encode(fact)
     q = mx.encode(question)
     slots = max(COMMON * 3 + 4, (length - len(marker) - len(q)) // 2)
@@ -140,7 +144,7 @@ def make(task: str, rng: np.random.Generator, length: int, template: int, *,
     q = fill(question, v=values[0])
     answer = np.asarray(chains[0], np.int32)
     n_fill = max(8, length - sum(len(p) for ch in pieces for p in ch) - len(q))
-    context = _insert_groups(rng, mx._filler(rng, n_fill, filler), pieces, mx.FACT_ZONE)
+    context = _place(rng, mx._filler(rng, n_fill, filler), pieces, evidence)
     # A guess among the chains (then read in order) is right one time in 1 + n_other.
     return mx.Sample(task, template, context, q, answer, candidates=1 + n_other)
   # mv and mq: kv facts, one key with several values (mv) or several asked keys (mq).
@@ -154,8 +158,7 @@ def make(task: str, rng: np.random.Generator, length: int, template: int, *,
     rest = [[fill(fact, k=k, v=v)] for k, v in zip(keys[1:], others)]
     q = fill(question, k=keys[0])
     n_fill = max(8, length - sum(map(len, own)) - sum(len(p[0]) for p in rest) - len(q))
-    context = _insert_groups(rng, mx._filler(rng, n_fill, filler), [own] + rest,
-                             mx.FACT_ZONE)
+    context = _place(rng, mx._filler(rng, n_fill, filler), [own] + rest, evidence)
     return mx.Sample(task, template, context, q, np.asarray(vals, np.int32))
   n_asked = int(rng.integers(2, 4))
   vals = mx.NUMBER_IDS[rng.integers(0, mx.NUM_NUMBERS, n_facts)]
@@ -164,8 +167,22 @@ def make(task: str, rng: np.random.Generator, length: int, template: int, *,
   text = _mq_question(question, asked)
   q = mx.encode(text.format(**{f"k{i}": mx.VOCAB[keys[j]] for i, j in enumerate(asked)}))
   n_fill = max(8, length - sum(map(len, pieces)) - len(q))
-  context = mx._insert(rng, mx._filler(rng, n_fill, filler), pieces, mx.FACT_ZONE)
+  groups = [[pieces[j] for j in asked]] + [[p] for j, p in enumerate(pieces) if j not in asked]
+  if evidence == "far":
+    context = mx._insert(rng, mx._filler(rng, n_fill, filler), pieces, mx.FACT_ZONE)
+  else:
+    context = _place(rng, mx._filler(rng, n_fill, filler), groups, evidence)
   return mx.Sample(task, template, context, q, np.asarray(vals[asked], np.int32))
+
+
+def _place(rng, base, groups, evidence):
+  """groups[0] holds the facts the answer needs: with evidence "near" they go, in order, to
+  the end of the context and the other groups into its first 80%; else every group into
+  the first 80% (_insert_groups)."""
+  from elastic_jax.eval import mixture as mx
+  if evidence == "far":
+    return _insert_groups(rng, base, groups, mx.FACT_ZONE)
+  return np.concatenate([_insert_groups(rng, base, groups[1:], mx.FACT_ZONE)] + groups[0])
 
 
 def _insert_groups(rng, base, groups, zone):

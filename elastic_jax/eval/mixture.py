@@ -243,16 +243,25 @@ def _distinct(rng: np.random.Generator, pool: np.ndarray, n: int) -> np.ndarray:
   return pool[rng.choice(len(pool), size=n, replace=False)]
 
 
+EVIDENCE = ("far", "near")
+
+
 def make_sample(task: str, rng: np.random.Generator, length: int, template: int,
                 extra_queries: int = 0, *, wording: tuple[str, str] | None = None,
-                n_facts: int | None = None, filler: np.ndarray = FILLER_IDS) -> Sample:
+                n_facts: int | None = None, filler: np.ndarray = FILLER_IDS,
+                evidence: str = "far") -> Sample:
   """One sample whose prompt (context + question) has about `length` tokens (exactly, up to
   the last fact's words). extra_queries: more questions on the same context (kv, hop).
   Pretraining's knobs: wording, a (fact, question) pair instead of the template's (template
   is then only recorded); n_facts, the facts of kv and hop (default length // 96, in 2..40);
-  filler, the words of the filler sentences."""
+  filler, the words of the filler sentences. evidence (sensitive tasks): "far", the facts
+  in the first 80% of the context; "near", the facts the answer needs at the context's end,
+  inside a streaming head's window, the others where they were (a check, not a task)."""
+  if evidence not in EVIDENCE:
+    raise ElasticJaxError(f"evidence '{evidence}' is unknown ({', '.join(EVIDENCE)})")
   if task in families.FAMILY_TASKS:
-    return families.make(task, rng, length, template, wording=wording, filler=filler)
+    return families.make(task, rng, length, template, wording=wording, filler=filler,
+                         evidence=evidence)
   if task not in TASKS:
     raise ElasticJaxError(f"task '{task}' is unknown (known: {', '.join(ALL_TASKS)})")
   fact, question = wording or TEMPLATES[task][template]
@@ -277,7 +286,15 @@ def make_sample(task: str, rng: np.random.Generator, length: int, template: int,
             for c in asked]
     body = sum(len(p) for p in pieces)
     n_fill = max(8, length - body - len(qa[0][0]))
-    context = _insert(rng, _filler(rng, n_fill, filler), pieces, FACT_ZONE)
+    if evidence == "near":
+      if extra_queries:
+        raise ElasticJaxError("evidence 'near' places one question's facts; ask one")
+      need = [asked[0]] if task == "kv" else [2 * asked[0], 2 * asked[0] + 1]
+      far = [p for i, p in enumerate(pieces) if i not in need]
+      context = np.concatenate([_insert(rng, _filler(rng, n_fill, filler), far, FACT_ZONE)]
+                               + [pieces[i] for i in need])
+    else:
+      context = _insert(rng, _filler(rng, n_fill, filler), pieces, FACT_ZONE)
     return Sample(task, template, context, qa[0][0], qa[0][1], tuple(qa[1:]),
                   n_facts if task == "kv" else len(pieces) // 2)
   if task == "summary":   # the passage's headline: its first three words
@@ -436,11 +453,17 @@ def is_sensitive(task: str) -> bool:
 
 
 def eval_samples(seed: int, n: int, tasks: Sequence[str], lengths: Sequence[int],
-                 heldout_lengths: Sequence[int]) -> Iterator[tuple[str, str, Sample]]:
+                 heldout_lengths: Sequence[int], *, wordings: str = "templates",
+                 evidence: str = "far") -> Iterator[tuple[str, str, Sample]]:
   """The evaluation's items, as `eval.py mixture` draws them: (key, variant, sample) for every
   task, variant (seen: the training templates at `lengths`; held-out: the held-out template
   at `heldout_lengths`), length and index below n. Each cell's draws depend on (seed, the
-  task's place in `tasks`, the variant, the length) alone."""
+  task's place in `tasks`, the variant, the length) alone. Checks on other items:
+  wordings="pretraining" words the seen variant as the backbone's pretraining did (many fixed
+  and random wordings, never the held-out one); evidence="near" puts the sensitive tasks'
+  needed facts inside a streaming head's window (make_sample)."""
+  if wordings not in ("templates", "pretraining"):
+    raise ElasticJaxError(f"wordings '{wordings}' is unknown (templates, pretraining)")
   for t, task in enumerate(tasks):
     if task not in ALL_TASKS:
       raise ElasticJaxError(f"task '{task}' is unknown (known: {', '.join(ALL_TASKS)})")
@@ -449,7 +472,12 @@ def eval_samples(seed: int, n: int, tasks: Sequence[str], lengths: Sequence[int]
       for length in cell_lengths:
         rng = np.random.default_rng([seed, t, v, length])
         for i in range(n):
-          s = make_sample(task, rng, length, templates[i % len(templates)])
+          if wordings == "pretraining" and variant == "seen":
+            s = make_sample(task, rng, length, -1, wording=pretraining_wording(task, rng),
+                            evidence=evidence)
+          else:
+            s = make_sample(task, rng, length, templates[i % len(templates)],
+                            evidence=evidence)
           yield f"{task}/{variant}/{length}/{i}", variant, s
 
 

@@ -279,9 +279,11 @@ def score(args) -> int:
   cfg = model.config
   shape = (cfg.num_layers, cfg.num_kv_heads)
   tasks = tuple(args.tasks.split(","))
-  items = eval_items(args.seed, args.samples, tasks, args.lengths_list, args.heldout_list)
+  items = eval_items(args.seed, args.samples, tasks, args.lengths_list, args.heldout_list,
+                     wordings=args.wordings, evidence=args.evidence)
   results = {"items": [{"key": it.key, "task": it.task, "variant": it.variant} for it in items],
-             "seed": args.seed, "samples": args.samples, "methods": {}}
+             "seed": args.seed, "samples": args.samples, "wordings": args.wordings,
+             "evidence": args.evidence, "methods": {}}
   t0 = time.time()
 
   def record(name, res, **extra):
@@ -478,6 +480,11 @@ def parse_args(argv=None):
                  help="the mixture's tasks evaluated (the families of eval/families.py too)")
   s.add_argument("--lengths", default="384")
   s.add_argument("--heldout-lengths", default="896")
+  s.add_argument("--wordings", choices=("templates", "pretraining"), default="templates",
+                 help="the seen variant's wordings: the templates, or the backbone's many "
+                      "pretraining wordings (never the held-out one)")
+  s.add_argument("--evidence", choices=("far", "near"), default="far",
+                 help="near: the sensitive tasks' needed facts inside the streaming window")
   r = sub.add_parser("report", help="tables and the plot of a scores file")
   r.add_argument("scores", help="score's JSON")
   r.add_argument("--runs", help="elastic runs to show, comma-separated (default: all)")

@@ -41,11 +41,13 @@ class EvalItem:
 
 
 def eval_items(seed: int, n: int, tasks: Sequence[str] = mixture.TASKS,
-               lengths: Sequence[int] = (384,), heldout_lengths: Sequence[int] = (896,)
-               ) -> list[EvalItem]:
-  """The items `eval.py mixture --seed S --samples n` evaluates (mixture.eval_samples)."""
+               lengths: Sequence[int] = (384,), heldout_lengths: Sequence[int] = (896,),
+               *, wordings: str = "templates", evidence: str = "far") -> list[EvalItem]:
+  """The items `eval.py mixture --seed S --samples n` evaluates (mixture.eval_samples; with
+  wordings / evidence, its checks on other items)."""
   out = []
-  for key, variant, s in mixture.eval_samples(seed, n, tasks, lengths, heldout_lengths):
+  for key, variant, s in mixture.eval_samples(seed, n, tasks, lengths, heldout_lengths,
+                                              wordings=wordings, evidence=evidence):
     prompt = np.concatenate([[mixture.BOS], s.context, s.question]).astype(np.int32)
     out.append(EvalItem(key, s.task, variant, prompt, np.asarray(s.answer, np.int32)))
   return out
