@@ -247,7 +247,9 @@ def plan(args, say: Callable[[str], None] = print) -> dict[str, Any]:
   # The mesh, the backbone's placement and the train state, by loop.py's own functions.
   mesh_shape, mesh, rules, micro = mesh_layout(cfg, devices)
   d = cfg.data
-  shapes, axes, p_shard = backbone_shardings(mcfg, cfg.model.dtype, mesh)
+  # "auto" is the checkpoint's own dtype; the published checkpoints of these shapes are bf16.
+  dtype = "bfloat16" if cfg.model.dtype == "auto" else cfg.model.dtype
+  shapes, axes, p_shard = backbone_shardings(mcfg, dtype, mesh)
   backbone = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                           shapes, p_shard)
   state = abstract_train_state(cfg, mcfg, mesh)
@@ -303,7 +305,7 @@ def plan(args, say: Callable[[str], None] = print) -> dict[str, Any]:
                 "intermediate": mcfg.intermediate_size, "vocab": mcfg.vocab_size,
                 "heads": mcfg.num_heads, "kv_heads": mcfg.num_kv_heads,
                 "head_dim": mcfg.head_dim, "qk_norm": mcfg.qk_norm,
-                "dtype": cfg.model.dtype,
+                "dtype": dtype,
                 "parameters": sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))},
       "config": config_name(args.config),
       "overrides": overrides,

@@ -34,7 +34,8 @@ def main(argv=None):
   p.add_argument("--stride", type=int, default=16)
   p.add_argument("--block", type=int, default=128)
   p.add_argument("--text", help="UTF-8 text to tokenize (default: random token ids)")
-  p.add_argument("--dtype", default="bfloat16")
+  p.add_argument("--dtype", default="auto",
+                 help="bfloat16, float32, float16 or auto (the checkpoint's own; default)")
   p.add_argument("--attn-impl", default="auto")
   args = p.parse_args(argv)
   model = ej.from_pretrained(args.model, dtype=args.dtype, show_progress=False)

@@ -12,6 +12,8 @@ import copy
 import dataclasses
 import json
 import os
+import re
+import warnings
 from typing import Any
 
 import jax
@@ -28,6 +30,7 @@ from elastic_jax.heads import FORWARD, check_attention
 from elastic_jax.model import (Params, abstract_params, check_shapes, forward,
                                forward_routed_jit, positions_and_segments)
 from elastic_jax.router import RouterConfig, esr, init_router_params, msr
+from elastic_jax import router_io
 from elastic_jax.router_io import Routers, load_routers
 from elastic_jax.files import atomic_directory
 
@@ -41,6 +44,27 @@ def _check_dtype(dtype: str, allow_auto: bool = True) -> str:
   if dtype not in allowed:
     raise ElasticJaxError(f"dtype '{dtype}' is not supported (use one of {', '.join(allowed)})")
   return dtype
+
+
+def _legacy_positional(where: str, args: tuple, kwargs: dict, order: tuple[str, ...]) -> dict:
+  """Old positional arguments of the loaders, mapped to their keywords with a warning (they
+  are keyword-only now, as in transformers). A dtype name in the first place is read as the
+  dtype whatever the old order was, since that is what such a call meant."""
+  if len(args) > len(order):
+    raise ElasticJaxError(f"{where} takes the path and keywords only, got {1 + len(args)} "
+                          "positional arguments")
+  names = list(order)
+  if args and isinstance(args[0], str) and args[0] in DTYPES + ("auto",) and names[0] != "dtype":
+    names.remove("dtype")
+    names.insert(0, "dtype")
+  mapped = dict(zip(names, args))
+  twice = sorted(set(mapped) & set(kwargs))
+  if twice:
+    raise ElasticJaxError(f"{where}: {twice[0]} is given both by position and by keyword")
+  warnings.warn(f"{where}: pass {', '.join(f'{k}=' for k in mapped)} by keyword; positional "
+                "arguments after the path stop working in the next release",
+                DeprecationWarning, stacklevel=3)
+  return {**kwargs, **mapped}
 
 
 @dataclasses.dataclass
@@ -63,16 +87,17 @@ class ElasticModel:
     return str(jax.tree.leaves(self.params)[0].dtype)
 
   @classmethod
-  def from_pretrained(cls, path: str | os.PathLike, routers=None, dtype: str = "bfloat16",
-                      **kwargs) -> "ElasticModel":
-    """`elastic_jax.from_pretrained(path, dtype, routers=...)`: a model directory (HF, ours,
-    or the authors' with its routers), with routers attached (a train.py export or a
-    `Routers`) when given."""
-    return from_pretrained(path, dtype=dtype, routers=routers, **kwargs)
+  def from_pretrained(cls, path: str | os.PathLike, *args, **kwargs) -> "ElasticModel":
+    """The same as `elastic_jax.from_pretrained(path, *, dtype=..., routers=..., ...)`."""
+    if args:   # the old order of this method: (path, routers, dtype)
+      kwargs = _legacy_positional("ElasticModel.from_pretrained", args, kwargs,
+                                  ("routers", "dtype"))
+    return from_pretrained(path, **kwargs)
 
   def save_pretrained(self, directory: str | os.PathLike, **kwargs) -> None:
-    """`elastic_jax.save_pretrained(self, directory, ...)`: an HF directory; the authors'
-    full-model layout when the model carries routers."""
+    """The same as `elastic_jax.save_pretrained(self, directory, ...)`: an HF directory with
+    the routers, if the model has any (the authors' layout when theirs can hold them, else
+    ours: a router export in `routers/` beside the backbone)."""
     save_pretrained(self, directory, **kwargs)
 
   @property
@@ -87,7 +112,7 @@ class ElasticModel:
     return self._tokenizer
 
   def _check_ids(self, input_ids) -> np.ndarray:
-    ids = np.asarray(input_ids)
+    ids = _array(input_ids, "input_ids", "integer token ids shaped [T] or [B, T]")
     if ids.ndim == 1:
       ids = ids[None]
     if ids.size == 0:
@@ -126,12 +151,13 @@ class ElasticModel:
     ids = self._check_ids(input_ids)
     if attention_mask is None:
       attention_mask = np.ones_like(ids)
-    mask = np.asarray(attention_mask)
+    mask = _array(attention_mask, "attention_mask", "0s and 1s shaped like input_ids")
     if mask.ndim == 1:
       mask = mask[None]
     if mask.shape != ids.shape:
       raise ElasticJaxError(f"attention_mask has shape {list(mask.shape)}, input_ids has "
                             f"{list(ids.shape)}")
+    _check_mask(mask)
     positions, segments = positions_and_segments(mask)
     if attention == "full":
       if return_routing:
@@ -143,8 +169,8 @@ class ElasticModel:
     if prompt_lengths is None:
       prompt_mask = mask.astype(bool)
     else:
-      plen = np.asarray(prompt_lengths).reshape(-1)
-      if plen.shape != (b,) or (plen < 1).any():
+      plen = _array(prompt_lengths, "prompt_lengths", "one positive length per row").reshape(-1)
+      if plen.shape != (b,) or not np.issubdtype(plen.dtype, np.integer) or (plen < 1).any():
         raise ElasticJaxError(f"prompt_lengths must hold one positive length per row ({b}), "
                               f"got {plen.tolist()}")
       prompt_mask = (np.asarray(positions) < plen[:, None]) & mask.astype(bool)
@@ -157,8 +183,11 @@ class ElasticModel:
     if attention == "forced":
       if gates is None:
         raise ElasticJaxError("attention='forced' needs gates [L, B, K] or [L, K]")
-      g = np.asarray(gates, np.float32)
+      g = _array(gates, "gates", f"[L, B, K] = {[l, b, k]} or [L, K] with values in [0, 1]"
+                 ).astype(np.float32)
       g = np.broadcast_to(g[:, None], (l, b, k)) if g.shape == (l, k) else g
+      if g.shape == (l, b, k) and not np.all(np.isfinite(g)):
+        raise ElasticJaxError("gates hold NaN or inf values; they must be finite, in [0, 1]")
       if g.shape != (l, b, k) or (g < 0).any() or (g > 1).any():
         raise ElasticJaxError(f"gates must be [L, B, K] = {[l, b, k]} or [L, K] with values "
                               f"in [0, 1], got shape {list(np.shape(gates))}")
@@ -178,6 +207,36 @@ class ElasticModel:
     return logits, report
 
 
+def _array(x, name: str, what: str) -> np.ndarray:
+  """`x` as a numeric numpy array, or one sentence saying what `name` must be."""
+  try:
+    a = np.asarray(x)
+  except (TypeError, ValueError):   # ragged lists
+    a = None
+  if a is None or a.dtype == object or not (np.issubdtype(a.dtype, np.number)
+                                            or a.dtype == np.bool_):
+    raise ElasticJaxError(f"{name} must be {what}, got {type(x).__name__}"
+                          + (" of rows of different lengths" if a is None or a.dtype == object
+                             and isinstance(x, (list, tuple)) else ""))
+  return a
+
+
+def _check_mask(mask: np.ndarray) -> None:
+  """An attention mask of 0s and 1s whose real tokens form one run per row (padding on the
+  left or the right): a hole would number the tokens after it as if it were not there."""
+  if not np.isin(mask, (0, 1)).all():
+    raise ElasticJaxError("attention_mask must hold only 0 (padding) and 1 (real token)")
+  m = mask.astype(np.int8)
+  starts = np.sum(np.diff(m, axis=1, prepend=0) == 1, axis=1)
+  if (starts > 1).any():
+    row = int(np.argmax(starts > 1))
+    raise ElasticJaxError(f"attention_mask row {row} has padding between real tokens; pad on "
+                          "the left or the right only (for several sequences in one row, "
+                          "pack them)")
+  if (m.sum(1) == 0).any():
+    raise ElasticJaxError(f"attention_mask row {int(np.argmin(m.sum(1)))} has no real token")
+
+
 ROUTERS_FILE = "routers.safetensors"   # our format: the routers under the authors' names
 
 
@@ -192,10 +251,8 @@ def _generate(self: "ElasticModel", prompts, attention: str | None = None, *,
   tokenizer's by default. max_new_tokens: one limit for every prompt, or a list of one per
   prompt. Returns a `Generation` (`.texts` when a tokenizer is at hand)."""
   from elastic_jax.generate import SamplingConfig, generate
-  texts = isinstance(prompts, str) or (
-      isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], str))
-  if isinstance(prompts, str):
-    prompts = [prompts]
+  prompts = _prompt_list(prompts)
+  texts = isinstance(prompts[0], str)
   if texts or tokenizer is None and self.source_dir is not None and eos_ids is None:
     try:
       tokenizer = tokenizer or self.tokenizer
@@ -227,33 +284,139 @@ def _generate(self: "ElasticModel", prompts, attention: str | None = None, *,
                   prefill_chunk=prefill_chunk, pack=pack)
 
 
-ElasticModel.generate = _generate
+_GENERATE_KEYWORDS = ("attention", "max_new_tokens", "sampling", "eos_ids", "tokenizer", "gates",
+                      "attn_impl", "return_logits", "tokens_per_sync", "layer_loop",
+                      "prefill_chunk", "pack")
 
 
-def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", *,
-                    allow_pickle: bool = False, attn_impl: str = "reference",
-                    show_progress: bool = True, routers: str | os.PathLike | None = None
-                    ) -> ElasticModel:
-  """Loads a model from an HF directory (safetensors) or from one that `convert` wrote.
+def _prompt_list(prompts) -> list:
+  """Prompts as a list of texts or of token-id sequences: a text, a list of texts, a token-id
+  array [T] or [B, T] (numpy or jax), or a list of token-id sequences."""
+  if isinstance(prompts, str):
+    return [prompts]
+  if isinstance(prompts, (np.ndarray, jax.Array)):
+    ids = np.asarray(prompts)
+    if ids.ndim not in (1, 2) or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+      raise ElasticJaxError(f"prompts as an array must be integer token ids shaped [T] or "
+                            f"[B, T], got {ids.dtype} {list(ids.shape)}")
+    return [ids.tolist()] if ids.ndim == 1 else [row.tolist() for row in ids]
+  if isinstance(prompts, (list, tuple)) and prompts:
+    if all(isinstance(p, str) for p in prompts):
+      return list(prompts)
+    if all(isinstance(p, (int, np.integer)) for p in prompts):
+      return [list(prompts)]        # one prompt of token ids
+    if not any(isinstance(p, str) for p in prompts):
+      return [np.asarray(p).tolist() if isinstance(p, (np.ndarray, jax.Array)) else p
+              for p in prompts]
+  raise ElasticJaxError("generate takes a text, a list of texts, token ids ([T] or [B, T]) or "
+                        f"a list of token-id lists, got {type(prompts).__name__}"
+                        + (" (empty)" if isinstance(prompts, (list, tuple)) else "")
+                        + ("" if not isinstance(prompts, (list, tuple)) or not prompts
+                           else " mixing texts and token ids"))
 
-  The authors' released Elastic-Attention directories (PawQwen3ForCausalLM /
-  PawLlamaForCausalLM) load with their routers, task multipliers and router config
-  (convert/authors.py), ready for `logits(..., attention="elastic")`.
-  dtype: "bfloat16", "float32", "float16", or "auto" (the checkpoint's own dtype).
-  allow_pickle: also read PyTorch `*.bin` weights (with `torch.load(weights_only=True)`).
-  routers: a router export of train.py (its export/elastic_jax directory) to attach; it
-    replaces any routers the directory holds.
+
+def _generate_public(self: "ElasticModel", prompts, attention: str | None = None, **kwargs):
+  """Generates after each prompt; returns a `Generation` (`.texts` when a tokenizer is at
+  hand, `.tokens` always).
+
+  prompts: a text, a list of texts (tokenized with the model directory's tokenizer, or
+    `tokenizer`), token ids as an array [T] or [B, T], or a list of token-id lists.
+  attention: "elastic" (the default when the model has routers), "full" (the default
+    otherwise), "forced" (with `gates`) or "sparse".
+  max_new_tokens: one limit for every prompt, or one per prompt. It takes precedence over
+    `sampling.max_new_tokens`, as every argument of the call does over the config.
+  sampling: a `SamplingConfig` (temperature, top_k, top_p, seed, stop strings, ...).
+  eos_ids: token ids that end a sequence (default: the tokenizer's EOS).
+  The other keywords (attn_impl, return_logits, tokens_per_sync, layer_loop, prefill_chunk,
+  pack, gates) are `elastic_jax.generate.generate`'s.
   """
+  unknown = sorted(set(kwargs) - set(_GENERATE_KEYWORDS))
+  if unknown:
+    raise ElasticJaxError(f"generate() got unknown keyword{'s' if len(unknown) > 1 else ''} "
+                          f"{', '.join(unknown)}; it takes {', '.join(_GENERATE_KEYWORDS)}")
+  return _generate(self, prompts, attention, **kwargs)
+
+
+ElasticModel.generate = _generate_public
+
+
+ROUTERS_DIR = "routers"   # our full-model layout: a router export beside the backbone
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def hub_cache_dir() -> str:
+  """The local Hugging Face hub cache, found as `huggingface_hub` finds it (HF_HUB_CACHE,
+  then HF_HOME/hub, then ~/.cache/huggingface/hub), read at each call."""
+  cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+  if cache:
+    return os.path.expanduser(cache)
+  home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                    "huggingface")
+  return os.path.join(os.path.expanduser(home), "hub")
+
+
+def _hub_snapshot(repo_id: str, revision: str) -> str | None:
+  """The directory of `repo_id` at `revision` (a branch, tag or commit) in the local hub
+  cache, or None. Nothing is downloaded."""
+  repo = os.path.join(hub_cache_dir(), "models--" + repo_id.replace("/", "--"))
+  commit = revision
+  ref = os.path.join(repo, "refs", revision)
+  if os.path.isfile(ref):
+    with open(ref, encoding="utf-8") as f:
+      commit = f.read().strip()
+  snapshot = os.path.join(repo, "snapshots", commit)
+  return snapshot if commit and os.path.isdir(snapshot) else None
+
+
+def _model_directory(path: str, revision: str) -> str:
+  if os.path.isdir(path):
+    return path
+  if not os.path.exists(path) and _HUB_ID.fullmatch(path):
+    snapshot = _hub_snapshot(path, revision)
+    if snapshot is None:
+      raise ElasticJaxError(f"{path}: neither a directory nor a model of the local Hugging "
+                            f"Face cache at revision '{revision}' (looked in "
+                            f"{hub_cache_dir()}; nothing is downloaded)")
+    return snapshot
+  raise ElasticJaxError(f"{path}: not a directory")
+
+
+def from_pretrained(path: str | os.PathLike, *args, dtype: str = "auto",
+                    routers: Routers | str | os.PathLike | None = None,
+                    allow_pickle: bool = False, attn_impl: str = "reference",
+                    show_progress: bool = True, revision: str = "main") -> ElasticModel:
+  """Loads a model: an HF directory (safetensors), one that `convert` or `save_pretrained`
+  wrote, one of the authors' released Elastic-Attention models, or a hub id ("org/name")
+  already in the local Hugging Face cache (never downloaded).
+
+  The authors' directories (PawQwen3ForCausalLM / PawLlamaForCausalLM) load with their
+  routers, task multipliers and router config (convert/authors.py); a directory in our
+  full-model layout with the router export in its `routers/` folder. Either way the model is
+  ready for `logits(..., attention="elastic")` with no other argument.
+  dtype: "auto" (the default: the checkpoint's own dtype, as transformers does),
+    "bfloat16", "float32" or "float16".
+  routers: a router export of train.py (its export/elastic_jax directory) or a `Routers` to
+    attach; it replaces any routers the directory holds.
+  allow_pickle: also read PyTorch `*.bin` weights (with `torch.load(weights_only=True)`).
+  revision: for a hub id, the branch, tag or commit of the cached snapshot.
+  Everything after the path is keyword-only (a positional dtype still works, with a warning).
+  """
+  if args:
+    dtype = _legacy_positional("from_pretrained", args, {}, ("dtype",))["dtype"]
   if path is None or not isinstance(path, (str, os.PathLike)):
-    raise ElasticJaxError(f"from_pretrained needs a directory path, got {path!r}")
-  path = os.fspath(path)
+    raise ElasticJaxError(f"from_pretrained needs a directory path or a hub id, got {path!r}")
+  path = _model_directory(os.fspath(path), revision)
   dtype = _check_dtype(dtype)
   get_attention(attn_impl)
-  if not os.path.isdir(path):
-    raise ElasticJaxError(f"{path}: not a directory")
   cfg, raw = read_hf_config(path)
   rcfg = (authors.router_config_from_authors(raw, os.path.join(path, "config.json"))
           if is_authors_config(raw) else None)
+  ours = os.path.join(path, ROUTERS_DIR)
+  if not os.path.isfile(os.path.join(ours, "routers.json")):
+    ours = None
+  elif rcfg is not None:
+    raise ElasticJaxError(f"{path}: holds routers twice (the authors' architecture in its "
+                          f"config and a router export in {ROUTERS_DIR}/); keep one")
   router = lambdas = extras = None
   if native.is_our_checkpoint(path):
     meta = native.read_marker(path)
@@ -274,6 +437,8 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", *,
   model = ElasticModel(cfg, params, raw, source_dir=path, attn_impl=attn_impl,
                        router_params=router, router_config=rcfg or RouterConfig(),
                        lambdas=lambdas, authors_extras=extras)
+  if routers is None and ours is not None:
+    routers = ours
   return attach_routers(model, routers) if routers is not None else model
 
 
@@ -341,52 +506,87 @@ def _check_params(model: ElasticModel) -> None:
                "parameter", "; nothing was written")
 
 
-def _writes_routers(model: ElasticModel, routers: bool) -> bool:
+LAYOUTS = ("auto", "authors", "elastic_jax")
+
+
+def _router_layout(model: ElasticModel, routers: bool, layout: str) -> str | None:
+  """Where the routers go: None (the backbone alone), "authors" (their full-model layout) or
+  "elastic_jax" (ours: a router export in `routers/` beside a plain backbone)."""
+  if layout not in LAYOUTS:
+    raise ElasticJaxError(f"layout '{layout}' is not one of {', '.join(LAYOUTS)}")
   if not routers or model.router_params is None:
-    return False
-  authors.authors_keys(model.router_config, lambdas=False)   # refuses what cannot be written
-  return True
+    return None
+  if layout == "elastic_jax":
+    return layout
+  problem = router_io.authors_layout_problem(model.router_config)
+  if problem is None:
+    return "authors"
+  if layout == "authors":
+    raise ElasticJaxError(f"{problem} (layout='auto' or 'elastic_jax' keeps them in ours)")
+  return "elastic_jax"
+
+
+def _check_target(directory, overwrite: bool) -> str:
+  directory = os.fspath(directory)
+  if os.path.exists(directory) and not overwrite:
+    raise ElasticJaxError(f"{directory}: already exists (overwrite=True replaces it)")
+  return directory
+
+
+def _write_our_routers(model: ElasticModel, tmp: str) -> None:
+  routers = Routers(jax.device_get(model.router_params), model.router_config, model.lambdas)
+  router_io.write_routers(os.path.join(tmp, ROUTERS_DIR), routers, model.config,
+                          targets=model.objective_targets)
 
 
 def save_pretrained(model: ElasticModel, directory: str | os.PathLike, *,
                     dtype: str | None = None, max_shard_size: int = 5 * 2**30,
                     overwrite: bool = False, show_progress: bool = False,
-                    routers: bool = True) -> None:
-  """Writes an HF directory (config.json + safetensors) that `transformers` loads.
+                    routers: bool = True, layout: str = "auto") -> None:
+  """Writes an HF directory (config.json + safetensors) that `transformers` loads, with the
+  model's routers when it has any and `routers` is true.
 
-  A model that carries routers is written in the authors' full-model layout (their
-  architecture name and config keys, routers and multipliers beside the backbone), which
-  their code and `transformers` both load; `routers=False` writes the backbone alone.
+  layout: where the routers go. "authors": their full-model layout (their architecture name
+  and config keys, routers and multipliers beside the backbone), which their code and
+  `transformers` both load; refused, naming what does not fit, for routers it cannot hold
+  (another SSA block or boundary width, a static gate, ...). "elastic_jax": ours, a plain HF
+  backbone with a router export in `routers/`. "auto" (default): the authors' when it fits,
+  else ours. `from_pretrained(directory)` reads any of them back with its routers.
   With `dtype=None` the tensors keep the model's dtype, so HF -> ours -> HF is bit-exact.
   Written atomically: on failure nothing is left at `directory`.
   """
+  directory = _check_target(directory, overwrite)
   dtype = _check_dtype(dtype or model.dtype, allow_auto=False)
   _check_params(model)
-  with_routers = _writes_routers(model, routers)
-  config = _hf_config_for_export(model, dtype, with_routers)
-  extra = _router_tensors(model) if with_routers else None
-  with atomic_directory(os.fspath(directory), overwrite=overwrite,
-                        protect=[model.source_dir]) as tmp:
+  where = _router_layout(model, routers, layout)
+  config = _hf_config_for_export(model, dtype, where == "authors")
+  extra = _router_tensors(model) if where == "authors" else None
+  with atomic_directory(directory, overwrite=overwrite, protect=[model.source_dir]) as tmp:
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(config, f, indent=2, sort_keys=True)
     native.copy_side_files(model.source_dir, tmp)
     hf.write_hf_safetensors(model.params, model.config, tmp, dtype, max_shard_size,
                             show_progress=show_progress, extra=extra)
+    if where == "elastic_jax":
+      _write_our_routers(model, tmp)
 
 
 def save_converted(model: ElasticModel, directory: str | os.PathLike, *,
-                   overwrite: bool = False, routers: bool = True) -> None:
-  """Writes our own format (orbax params + config; routers, if any, in routers.safetensors
-  under the authors' names), atomically."""
+                   overwrite: bool = False, routers: bool = True, layout: str = "auto") -> None:
+  """Writes our own format (orbax params + config), atomically, with the routers when the
+  model has any: under the authors' names in routers.safetensors when their layout holds
+  them, else as a router export in `routers/` (`layout` as in `save_pretrained`)."""
   from safetensors.numpy import save_file
+  directory = _check_target(directory, overwrite)
   _check_params(model)
-  with_routers = _writes_routers(model, routers)
-  config = _hf_config_for_export(model, model.dtype, with_routers)
-  extra = _router_tensors(model) if with_routers else None
-  with atomic_directory(os.fspath(directory), overwrite=overwrite,
-                        protect=[model.source_dir]) as tmp:
+  where = _router_layout(model, routers, layout)
+  config = _hf_config_for_export(model, model.dtype, where == "authors")
+  extra = _router_tensors(model) if where == "authors" else None
+  with atomic_directory(directory, overwrite=overwrite, protect=[model.source_dir]) as tmp:
     native.copy_side_files(model.source_dir, tmp)
     if extra:
       save_file({k: np.array(v, order="C") for k, v in extra.items()},
                 os.path.join(tmp, ROUTERS_FILE), metadata={"format": "pt"})
     native.save_params(tmp, model.params, config, model.dtype)
+    if where == "elastic_jax":
+      _write_our_routers(model, tmp)

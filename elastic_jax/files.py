@@ -4,6 +4,7 @@ directory lock, stale temporary folders cleaned, torn JSONL tails repaired; UTF-
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import uuid
@@ -24,6 +25,53 @@ def text_lines(path: str, where: Callable[[int], str]) -> Iterator[tuple[int, st
                               f"{e.start + 1})") from None
       if text.strip():
         yield line_no, text
+
+
+# Why a write failed that is about the place written to, not about the program: a full disk, a
+# read-only or forbidden folder. Such failures are said in one sentence naming the path.
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG,
+                errno.EIO)
+# The same, as libraries that wrap the system's error in their own exception word them
+# (tensorstore under orbax: "... No space left on device [os_error_code='28']").
+WRITE_FAILURES = tuple(os.strerror(e) for e in WRITE_ERRNOS)
+
+
+def write_failure(exc: BaseException) -> tuple[str, str | None] | None:
+  """(reason, path or None) when `exc`, or an exception it was raised from, is a write that the
+  place refused (`WRITE_ERRNOS`: a full disk, a read-only or forbidden folder); else None."""
+  seen = set()
+  e: BaseException | None = exc
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    if isinstance(e, OSError) and e.errno in WRITE_ERRNOS:
+      path = e.filename if isinstance(e.filename, (str, bytes, os.PathLike)) else None
+      return os.strerror(e.errno), None if path is None else os.fsdecode(path)
+    if not isinstance(e, OSError):
+      text = str(e)
+      for reason in WRITE_FAILURES:
+        if reason in text:
+          return reason, None
+    e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+  return None
+
+
+def write_error(path: str | os.PathLike, exc: BaseException, note: str = "",
+                inside: str | None = None) -> ElasticJaxError | None:
+  """The one-sentence error for a write to `path` that failed with `exc` when the place refused
+  it (`write_failure`), else None (the exception is the program's, not the place's, or already
+  one sentence, or an interruption). `inside`: where the writer wrote (a temporary folder or
+  file); a refusal that names a file elsewhere (an input that could not be read) names it."""
+  if not isinstance(exc, Exception) or isinstance(exc, ElasticJaxError):
+    return None
+  found = write_failure(exc)
+  if found is None:
+    return None
+  reason, where = found
+  mine = [os.path.abspath(os.fspath(path))] + ([os.path.abspath(inside)] if inside else [])
+  if where is not None and not any(os.path.abspath(where) == m or os.path.abspath(
+      where).startswith(m.rstrip(os.sep) + os.sep) for m in mine):
+    return ElasticJaxError(f"{where}: {reason}; {os.fspath(path)} was not written")
+  return ElasticJaxError(f"{os.fspath(path)}: could not be written ({reason}){note}")
 
 
 def _real(path: str | os.PathLike) -> str:
@@ -146,6 +194,7 @@ def atomic_directory(target: str, overwrite: bool = False,
     os.makedirs(tmp)
   except OSError as e:
     raise ElasticJaxError(f"{parent}: cannot write there ({e.strerror or e})") from None
+  existed = os.path.lexists(target)
   try:
     yield tmp
     if os.path.lexists(target):
@@ -155,8 +204,12 @@ def atomic_directory(target: str, overwrite: bool = False,
       _remove(old)
     else:
       os.replace(tmp, target)
-  except BaseException:
+  except BaseException as e:
     shutil.rmtree(tmp, ignore_errors=True)
+    error = write_error(target, e, "; the one there before is kept" if existed else
+                        "; nothing was left there", inside=tmp)
+    if error is not None:
+      raise error from None
     raise
 
 
@@ -168,13 +221,18 @@ def atomic_file(path: str) -> Iterator[str]:
   writer of the package."""
   root, ext = os.path.splitext(path)
   tmp = f"{root}.partial-{uuid.uuid4().hex[:8]}{ext}"
+  existed = os.path.lexists(path)
   try:
     yield tmp
     os.chmod(tmp, 0o644)
     os.replace(tmp, path)
-  except BaseException:
+  except BaseException as e:
     with contextlib.suppress(OSError):
       os.remove(tmp)
+    error = write_error(path, e, "; the one there before is kept" if existed else "",
+                        inside=tmp)
+    if error is not None:
+      raise error from None
     raise
 
 
@@ -185,6 +243,19 @@ def atomic_write_text(path: str, text: str) -> None:
       f.write(text)
       f.flush()
       os.fsync(f.fileno())
+
+
+def append_whole(f, data: bytes) -> None:
+  """Appends `data` (one JSONL line) to `f`, a file opened with open(path, "ab", buffering=0),
+  whole or not at all: a write that fails part way (a full disk) is cut back off the file."""
+  start = f.seek(0, os.SEEK_END)
+  try:
+    while data:
+      data = data[f.write(data):]
+  except OSError:
+    with contextlib.suppress(OSError):
+      f.truncate(start)          # else the next append drops the torn line (repair_jsonl_tail)
+    raise
 
 
 def repair_jsonl_tail(path: str) -> bool:
@@ -230,7 +301,8 @@ class DirectoryLock:
 
   A second holder is refused with one sentence naming the first (its pid and start time). A
   lock left by a process that died is free again (the kernel drops it with the process), so
-  the next run takes it over and says so through `taken_over`.
+  the next run takes it over and says so through `taken_over`. A directory the lock created
+  and that holds nothing else when it is released is removed again.
   """
 
   def __init__(self, directory: str, what: str = "run directory"):
@@ -243,6 +315,7 @@ class DirectoryLock:
     import fcntl
     import json
     import time
+    self._created = not os.path.isdir(self.directory)
     try:
       os.makedirs(self.directory, exist_ok=True)
       f = open(self.path, "a+")
@@ -278,5 +351,13 @@ class DirectoryLock:
       with contextlib.suppress(OSError):
         self._file.seek(0)
         self._file.truncate()
+      empty = False
+      with contextlib.suppress(OSError):
+        if self._created and os.listdir(self.directory) == [".lock"]:
+          os.remove(self.path)    # while still held: no other process can hold this file
+          empty = True
       self._file.close()          # releases the lock
       self._file = None
+      if empty:
+        with contextlib.suppress(OSError):
+          os.rmdir(self.directory)

@@ -27,6 +27,15 @@ from elastic_jax.router import RouterConfig, esr, msr
 
 
 
+def _is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x) -> bool:
+  return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(
+      x, (bool, np.bool_))
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
   max_new_tokens: int = 64
@@ -36,11 +45,28 @@ class SamplingConfig:
   seed: int = 0
 
   def __post_init__(self):
-    if self.max_new_tokens < 1:
-      raise ElasticJaxError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+    if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+      raise ElasticJaxError(f"max_new_tokens must be an integer >= 1, got "
+                            f"{self.max_new_tokens!r}")
+    for name in ("temperature", "top_p"):
+      value = getattr(self, name)
+      if not _is_real(value) or not np.isfinite(value):
+        raise ElasticJaxError(f"{name} must be a finite number, got {value!r}")
+      object.__setattr__(self, name, float(value))
     if self.temperature < 0 or not 0 < self.top_p <= 1:
       raise ElasticJaxError(f"temperature must be >= 0 and top_p in (0, 1], got "
                             f"{self.temperature} and {self.top_p}")
+    if not _is_int(self.seed):
+      raise ElasticJaxError(f"seed must be an integer, got {self.seed!r}")
+    stop = self.stop
+    if isinstance(stop, str) or not isinstance(stop, (tuple, list)) or not all(
+        isinstance(x, str) for x in stop):
+      raise ElasticJaxError(f"stop must be a tuple of strings, e.g. stop=(\"\\n\\n\",), got "
+                            f"{stop!r}")
+    if any(x == "" for x in stop):
+      raise ElasticJaxError("stop strings must not be empty (an empty one would stop every row "
+                            "after its first token)")
+    object.__setattr__(self, "stop", tuple(stop))
 
 
 @dataclasses.dataclass
@@ -100,6 +126,21 @@ def _limits(per_request, default: int, b: int) -> np.ndarray:
   return limits.astype(np.int64)
 
 
+def _eos_set(eos_ids) -> set[int]:
+  """The EOS ids (an integer or a sequence of them) as a set; anything else is refused."""
+  if _is_int(eos_ids):
+    return {int(eos_ids)}
+  ids = None
+  if not isinstance(eos_ids, (str, bytes, dict)):
+    try:
+      ids = np.asarray(list(eos_ids), dtype=object).reshape(-1)
+    except (TypeError, ValueError):
+      pass
+  if ids is None or not all(_is_int(x) for x in ids):
+    raise ElasticJaxError(f"eos_ids must be a list of integer token ids, got {eos_ids!r}")
+  return {int(x) for x in ids}
+
+
 def _check_prompts(prompts, cfg: ModelConfig, max_new_tokens: np.ndarray) -> np.ndarray:
   """Every check of the prompts (and their new-token limits [B]) in one sentence each;
   returns the prompt lengths [B]."""
@@ -129,7 +170,9 @@ def _check_prompts(prompts, cfg: ModelConfig, max_new_tokens: np.ndarray) -> np.
 def _sample(logits_bv, key, temperature, top_p):
   if temperature == 0:
     return jnp.argmax(logits_bv, -1).astype(jnp.int32)
-  logits = logits_bv / temperature
+  # Shifted by the row's largest logit first: a small temperature then sharpens toward the
+  # argmax instead of overflowing every logit to inf.
+  logits = (logits_bv - jnp.max(logits_bv, -1, keepdims=True)) / temperature
   if top_p < 1:
     order = jnp.argsort(-logits, axis=-1)
     sorted_logits = jnp.take_along_axis(logits, order, -1)
@@ -338,7 +381,11 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
 
   forced = None
   if attention == "forced":
-    g = np.asarray(gates, np.float32)
+    try:
+      g = np.asarray(gates, np.float32)
+    except (TypeError, ValueError):
+      raise ElasticJaxError(f"gates must be an array of numbers [L, K] or [L, B, K] = "
+                            f"{[n_layers, b, kh]}, got {type(gates).__name__}") from None
     g = np.broadcast_to(g[:, None], (n_layers, b, kh)) if g.shape == (n_layers, kh) else g
     if g.shape != (n_layers, b, kh):
       raise ElasticJaxError(f"gates must be [L, K] or [L, B, K] = {[n_layers, b, kh]}, got "
@@ -363,7 +410,7 @@ def generate(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   cache_bytes = aot.tree_bytes(cache)
   if layer_loop == "auto":
     layer_loop = choose_layer_loop(params, cache_bytes)
-  rows = _Rows(limits, set(int(x) for x in eos_ids), sampling.stop, tokenizer)
+  rows = _Rows(limits, _eos_set(eos_ids), sampling.stop, tokenizer)
   static = dict(cfg=cfg, rcfg=rcfg, steps=tokens_per_sync, temperature=sampling.temperature,
                 top_p=sampling.top_p, unroll=unroll_decode,
                 impl=decode_impl or decode_impl_for(attn_impl), keep_logits=return_logits)

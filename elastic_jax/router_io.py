@@ -7,8 +7,9 @@ ours     `routers.safetensors` (router params stacked over layers, [L, ...], and
 authors  `routers.safetensors` under the authors' tensor names (convert/authors.py), one set
          per layer, PyTorch Linear layout (weight [out, in]), plus `config_extra.json` with
          the keys their config adds; written only when their layout can express the router.
-The authors' full-model layout (backbone and routers in one directory) is what
-`save_pretrained` writes for a model that carries routers. Each directory is written whole or
+A model with routers is saved (`save_pretrained`, `save_converted`) in the authors'
+full-model layout when theirs can hold the routers, else in ours: the backbone with this
+export in its `routers/` folder. Each directory is written whole or
 not at all.
 """
 
@@ -55,14 +56,22 @@ def save_routers(directory: str, routers: Routers, mcfg: ModelConfig, *,
                  targets=None, overwrite: bool = True, recipe: str | None = None) -> str:
   """Writes `routers` in our layout to `directory`; returns it. recipe: what trained them
   where it is not train.py's objective (a baseline's name, repro/baselines.py)."""
+  with atomic_directory(directory, overwrite=overwrite) as tmp:
+    write_routers(tmp, routers, mcfg, targets=targets, recipe=recipe)
+  return directory
+
+
+def write_routers(directory: str, routers: Routers, mcfg: ModelConfig, *, targets=None,
+                  recipe: str | None = None) -> None:
+  """`save_routers` without its atomic rename: into a new folder of a directory that is
+  being written whole (our full-model layout's `routers/`)."""
   tensors = {f"router.{k}": np.asarray(v, np.float32) for k, v in routers.params.items()}
   tensors.update({f"lambdas.{k}": np.asarray(v, np.float32)
                   for k, v in (routers.lambdas or {}).items()})
-  with atomic_directory(directory, overwrite=overwrite) as tmp:
-    save_file(tensors, os.path.join(tmp, "routers.safetensors"))
-    with open(os.path.join(tmp, "routers.json"), "w") as f:
-      json.dump(_meta(routers.config, mcfg, targets, recipe), f, indent=1)
-  return directory
+  os.makedirs(directory, exist_ok=True)
+  save_file(tensors, os.path.join(directory, "routers.safetensors"))
+  with open(os.path.join(directory, "routers.json"), "w") as f:
+    json.dump(_meta(routers.config, mcfg, targets, recipe), f, indent=1)
 
 
 def authors_layout_problem(rcfg: RouterConfig) -> str | None:

@@ -3,6 +3,8 @@ chat template's user turn: what training data and evaluation prompts are built w
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 
 from elastic_jax.errors import ElasticJaxError
@@ -12,9 +14,30 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
                    "spiece.model", "tiktoken.model", "vocab.model")
 
 
+class _NoTorchNotice(logging.Filter):
+  """Drops transformers' notice that PyTorch is missing: tokenizers need no PyTorch."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return "PyTorch was not found" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def tokenizer_only():
+  """While a tokenizer alone is imported or loaded: transformers' 'PyTorch was not found'
+  notice is not printed (its other messages are)."""
+  log = logging.getLogger("transformers")
+  quiet = _NoTorchNotice()
+  log.addFilter(quiet)
+  try:
+    yield
+  finally:
+    log.removeFilter(quiet)
+
+
 def load_tokenizer(path: str | os.PathLike):
   """A Hugging Face tokenizer from a local directory (never remote code); must have an EOS."""
-  from transformers import AutoTokenizer
+  with tokenizer_only():
+    from transformers import AutoTokenizer
   path = os.fspath(path)
   if not os.path.isdir(path):
     raise ElasticJaxError(f"{path}: no such tokenizer directory")
@@ -24,7 +47,8 @@ def load_tokenizer(path: str | os.PathLike):
                           "...); copy the model's tokenizer there or name one with "
                           "data.tokenizer")
   try:
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    with tokenizer_only():
+      tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
   except (OSError, ValueError, KeyError) as e:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     raise ElasticJaxError(f"{path}: cannot load a tokenizer ({first})") from e

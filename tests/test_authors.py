@@ -213,8 +213,12 @@ def test_routers_trained_here_export_in_the_authors_layout(paw, tmp_path):
                            router_params={"static_logits": np.zeros((3, 4, 2), np.float32)},
                            router_config=RouterConfig(static=True))
   with pytest.raises(ElasticJaxError, match="static router"):
-    ej.save_pretrained(static, tmp_path / "static")
+    ej.save_pretrained(static, tmp_path / "static", layout="authors")
   assert not (tmp_path / "static").exists()
+  ej.save_pretrained(static, tmp_path / "static")   # layout "auto": ours
+  assert json.loads((tmp_path / "static" / "config.json").read_text())["architectures"] == [
+      "Qwen3ForCausalLM"]
+  assert ej.from_pretrained(tmp_path / "static", show_progress=False).router_config.static
 
 
 def _broken_copy(paw, tmp_path, edit_tensors=None, edit_config=None):

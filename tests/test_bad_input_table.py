@@ -7,6 +7,7 @@ is one `error:` line (or argparse's usage and error), never a traceback.
 """
 
 import contextlib
+import errno
 import importlib.util
 import json
 import os
@@ -89,6 +90,12 @@ def world(tmp_path_factory):
   (root / "scores.json").write_text(json.dumps({"items": [], "methods": {}}))
   (root / "data.jsonl").write_text(json.dumps({"context": "a", "question": "b", "answer": "c",
                                                "task": "code"}) + "\n")
+  (root / "userexport" / "full_model").mkdir(parents=True)    # what a user keeps there
+  (root / "userexport" / "full_model" / "notes.txt").write_text("mine")
+  (root / "eval_unknown.yaml").write_text("command: ruler\nbatchsize: 2\n")
+  (root / "eval_zero.yaml").write_text("batch_size: 0\n")
+  (root / "eval_ppl.yaml").write_text("command: ppl\nmodel: m\n")
+  (root / "eval_list.yaml").write_text("- ruler\n")
   return root
 
 
@@ -140,6 +147,22 @@ CASES = {
                                       "{root}/nowhere"], 2, "not a router export"),
     "eval no tokenizer": ("eval", ["ruler", "--model", "{root}/bare"], 2,
                           "holds no tokenizer files"),
+    "train full model onto a user's folder": (*T, ["export.full_model=true",
+                                                   "export.dir={root}/userexport"], 2,
+                                               "export.full_model: {root}/userexport/full_model "
+                                               "holds what no train run exported there (e.g. "
+                                               "notes.txt)"),
+    "eval config unknown key": ("eval", ["ruler", "--config", "{root}/eval_unknown.yaml"], 2,
+                                "'batchsize' is not a setting of ruler (did you mean "
+                                "'batch_size'?)"),
+    "eval config bad value": ("eval", ["ruler", "--config", "{root}/eval_zero.yaml"], 2,
+                              "eval_zero.yaml: 'batch_size': must be at least 1, got 0"),
+    "eval config of another command": ("eval", ["ruler", "--config", "{root}/eval_ppl.yaml"], 2,
+                                       "holds the settings of 'ppl', not of 'ruler'"),
+    "eval config not a mapping": ("eval", ["ppl", "--config", "{root}/eval_list.yaml"], 2,
+                                  "the top level should be a mapping of settings, got list"),
+    "eval config missing": ("eval", ["ppl", "--config", "configs/nope.yaml"], 2,
+                            "configs/nope.yaml: no such settings file"),
     "eval ppl ids not a list": ("eval", ["ppl", "--model", "{root}/m", "--ids",
                                          "{root}/ids_dict.json"], 2,
                                 "must hold a JSON list of token ids"),
@@ -304,7 +327,7 @@ def test_convert_refusals_keep_the_source(world):
 def test_python_api_bad_input(world):
   from elastic_jax import hybrid_attention
   from elastic_jax.generate import generate
-  with pytest.raises(ej.ElasticJaxError, match="needs a directory path, got None"):
+  with pytest.raises(ej.ElasticJaxError, match="needs a directory path.*, got None"):
     ej.from_pretrained(None)
   m = ej.from_pretrained(world / "m", dtype="float32", show_progress=False)
   broken = ej.ElasticModel(m.config, {**m.params, "embed": np.zeros((3, 3), np.float32)},
@@ -463,7 +486,9 @@ def test_run_directory_lock(tmp_path, capsys):
     code = run_cli(lambda: _module("train").main(["--config", TINY, f"run_dir={run}"]))
     err = capsys.readouterr().err
     assert code == 2 and f"{run}: this run directory is in use by process {os.getpid()}" in err
+  assert not run.exists()          # made by the lock, left empty: removed again
   # A killed run leaves the file with its pid, but the kernel dropped its lock.
+  run.mkdir()
   (run / ".lock").write_text(json.dumps({"pid": 999999999, "started": "2026-01-01 00:00:00"}))
   with DirectoryLock(str(run)) as lock:
     assert lock.taken_over == "process 999999999 (started 2026-01-01 00:00:00)"
@@ -521,6 +546,188 @@ def test_full_disk_during_a_checkpoint_is_one_sentence(tmp_path, capsys, monkeyp
       f"error: {disk}/ck: checkpoint step 2 could not be written (No space left on device); "
       "earlier checkpoints are intact"]
   assert not (tmp_path / "run" / "export").exists()
+
+
+def _one_error_line(err: str) -> str:
+  """The one `error:` line of stderr; progress bars (tqdm's `desc: n%|...| i/N [...]`) aside."""
+  import re
+  lines = [l for l in err.strip().splitlines()
+           if l.strip() and not re.search(r"\|\s*\d+/\d+ \[", l)]
+  assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+  return lines[0]
+
+
+@contextlib.contextmanager
+def _read_only(path):
+  """A folder nothing can be written in: chmod for a user, a read-only tmpfs for root (whom
+  chmod does not stop); skipped where neither works."""
+  path.mkdir()
+  if os.geteuid() != 0:
+    path.chmod(0o555)
+    try:
+      yield path
+    finally:
+      path.chmod(0o755)
+    return
+  if os.system(f"mount -t tmpfs -o ro,size=64k tmpfs {path} 2>/dev/null") != 0:
+    pytest.skip("running as root, where chmod does not stop writes, and cannot mount")
+  try:
+    yield path
+  finally:
+    os.system(f"umount {path}")
+
+
+def test_read_only_outputs_are_one_sentence(world, tmp_path, capsys):
+  """A read-only --out, log.dir or convert output: one line naming it, before any work."""
+  with _read_only(tmp_path / "ro") as ro:
+    cases = (("eval", ["ruler", "--model", f"{world}/m", "--out", f"{ro}/ev"],
+              f"--out '{ro}/ev': cannot be created ({ro} is not writable)"),
+             ("train", ["--config", TINY, f"log.dir={ro}/logs", f"run_dir={tmp_path}/run"],
+              f"log.dir '{ro}/logs': cannot be created ({ro} is not writable)"),
+             ("convert", [f"{world}/m", f"{ro}/out", "--quiet"], f"{ro}: cannot write there"))
+    for entry, argv, words in cases:
+      assert run_cli(lambda: _main(entry)(argv)) == 2, entry
+      line = _one_error_line(capsys.readouterr().err)
+      assert words in line, (entry, line)
+    assert os.listdir(ro) == []
+
+
+class _FillsUp:
+  """A file that takes half of a write, then is full (as a disk that fills up mid-write)."""
+
+  def __init__(self, f):
+    self.f = f
+
+  def write(self, data):
+    self.f.write(bytes(data[:max(1, len(data) // 2)]))
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+  def __getattr__(self, name):
+    return getattr(self.f, name)
+
+
+def test_append_whole_cuts_a_torn_line_back(tmp_path):
+  from elastic_jax.files import append_whole
+  path = tmp_path / "x.jsonl"
+  with open(path, "ab", buffering=0) as f:
+    append_whole(f, b'{"a": 1}\n')
+    with pytest.raises(OSError):
+      append_whole(_FillsUp(f), b'{"b": 2}\n')
+  assert path.read_bytes() == b'{"a": 1}\n'
+
+
+def test_eval_output_is_locked_and_a_full_disk_is_one_sentence(world, tmp_path, capsys,
+                                                               monkeypatch):
+  """Two runs on one --out: the second is refused while the first lives (also with
+  --overwrite, which then removes nothing); a lock whose process died is taken over. A disk
+  that fills up while predictions are written: one line, no torn record."""
+  from elastic_jax.eval import runner
+  from elastic_jax.files import DirectoryLock
+  out = tmp_path / "ev"
+  base = ["ruler", "--model", f"{world}/m", "--lengths", "512", "--tasks", "niah_single_1",
+          "--samples", "2", "--attention", "full", "--attn-impl", "reference", "--out",
+          str(out)]
+  evaluate = lambda *extra: run_cli(lambda: _main("eval")([*base, *extra]))
+  out.mkdir()
+  (out / ".lock").write_text(json.dumps({"pid": 999999999, "started": "2026-01-01 00:00:00"}))
+  assert evaluate() == 0, capsys.readouterr().err
+  assert f"{out} was locked by process 999999999" in capsys.readouterr().out
+  predictions = (out / "predictions.jsonl").read_text()
+  assert len(predictions.splitlines()) == 2
+  with DirectoryLock(str(out), "eval output directory"):
+    for extra in ([], ["--overwrite", "--dtype", "bfloat16"]):
+      assert evaluate(*extra) == 2
+      line = _one_error_line(capsys.readouterr().err)
+      assert f"{out}: this eval output directory is in use by process {os.getpid()}" in line
+      assert (out / "predictions.jsonl").read_text() == predictions
+  # The disk fills up at the second record.
+  full = tmp_path / "full"
+  real = runner.append_whole
+  writes = []
+
+  def append(f, data):
+    writes.append(data)
+    real(f if len(writes) < 2 else _FillsUp(f), data)
+  monkeypatch.setattr(runner, "append_whole", append)
+  code = run_cli(lambda: _main("eval")([*base[:-1], str(full)]))
+  line = _one_error_line(capsys.readouterr().err)
+  assert code == 2 and line == (
+      f"error: {full}/predictions.jsonl: could not be written (No space left on device); the "
+      "predictions written before are kept, and a rerun goes on from them")
+  kept = (full / "predictions.jsonl").read_text().splitlines()
+  assert len(kept) == 1 and json.loads(kept[0])["key"] == "niah_single_1/512/0"
+  assert not (full / ".lock").read_text()
+
+
+@pytest.mark.parametrize("to_hf", [False, True])
+def test_full_disk_in_convert_is_one_sentence(world, tmp_path, capsys, monkeypatch, to_hf):
+  """Both formats: one line naming the output, nothing left there, an output there before
+  kept as it was (the orbax path fails as tensorstore words it)."""
+  from elastic_jax.convert import hf, native
+
+  def full_hf(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+  def full_orbax(*args, **kwargs):
+    raise ValueError("RESOURCE_EXHAUSTED: Error writing \"x/0.0\" in OCDBT database: Failed to "
+                     "write 347045 bytes to file 14: No space left on device "
+                     "[os_error_code='28']")
+  monkeypatch.setattr(hf, "write_hf_safetensors", full_hf)
+  monkeypatch.setattr(native, "save_params", full_orbax)
+  out = tmp_path / "out"
+  argv = [f"{world}/m", str(out), "--quiet"] + (["--to-hf"] if to_hf else [])
+  assert run_cli(lambda: _main("convert")(argv)) == 2
+  assert _one_error_line(capsys.readouterr().err) == (
+      f"error: {out}: could not be written (No space left on device); nothing was left there")
+  assert os.listdir(tmp_path) == []
+  out.mkdir()
+  (out / "keep.txt").write_text("mine")
+  assert run_cli(lambda: _main("convert")(argv + ["--overwrite"])) == 2
+  assert "; the one there before is kept" in _one_error_line(capsys.readouterr().err)
+  assert sorted(os.listdir(tmp_path)) == ["out"] and os.listdir(out) == ["keep.txt"]
+
+
+def test_full_disk_in_the_router_export_keeps_the_checkpoint(tmp_path, capsys, monkeypatch):
+  """The routers' export after training fails on a full disk: one line, no export folder
+  left, the last checkpoint kept; the same command then exports from it."""
+  from elastic_jax import router_io
+  run = tmp_path / "run"
+
+  def full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+  with monkeypatch.context() as m:
+    m.setattr(router_io, "save_file", full)
+    code = _train_in_process([f"run_dir={run}", "data.synthetic.eval_batches=0"])
+  line = _one_error_line(capsys.readouterr().err)
+  assert code == 2 and line == (
+      f"error: {run}/export/elastic_jax: could not be written (No space left on device); "
+      f"nothing was left there; the trained routers are kept in the last checkpoint "
+      f"({run}/checkpoints), and the same command exports them again")
+  assert not (run / "export").exists() and (run / "checkpoints" / "4").is_dir()
+  assert _train_in_process([f"run_dir={run}", "data.synthetic.eval_batches=0"]) == 0
+  assert "nothing left to train" in capsys.readouterr().out
+  assert (run / "export" / "elastic_jax" / "routers.json").is_file()
+
+
+def test_full_model_export_replaces_only_its_own(tmp_path, capsys):
+  """export.full_model: a resumed run exports again over its own export; a folder holding a
+  user's files is refused before training, untouched; export.overwrite=true replaces it."""
+  run = tmp_path / "run"
+  # A router the authors' layout holds (blocks of 128, 100 boundary tokens).
+  argv = [f"run_dir={run}", "export.full_model=true", "data.seq_len=256", "router.block=128",
+          "router.boundary=100", "router.local_blocks=1", "data.synthetic.eval_batches=0"]
+  assert _train_in_process(argv) == 0, capsys.readouterr().err
+  full = run / "export" / "full_model"
+  assert (full / "config.json").is_file()
+  assert _train_in_process(argv) == 0, capsys.readouterr().err      # resumed: exports again
+  (full / "notes.txt").write_text("mine")
+  assert _train_in_process(argv) == 2
+  line = _one_error_line(capsys.readouterr().err)
+  assert f"export.full_model: {full} holds what no train run exported there (e.g. notes.txt)" \
+      in line and "export.overwrite=true" in line
+  assert (full / "notes.txt").read_text() == "mine"
+  assert _train_in_process(argv + ["export.overwrite=true"]) == 0, capsys.readouterr().err
+  assert not (full / "notes.txt").exists() and (full / "config.json").is_file()
 
 
 def test_non_finite_loss_stops_and_saves_nothing(world, tmp_path, capsys):

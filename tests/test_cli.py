@@ -63,3 +63,102 @@ def test_train_bad_arguments_exit_2(tmp_path):
   proc = _run("train.py", *tiny, f"model.path={tmp_path / 'missing.json'}")
   assert proc.returncode == 2 and "missing.json" in proc.stderr
   assert not (tmp_path / "run").exists()
+
+
+def _parsers():
+  """Every command's parser: (name, parser), subcommands one by one."""
+  import argparse
+  from elastic_jax.convert.__main__ import build_parser as convert_parser
+  from elastic_jax.eval.cli import build_parser as eval_parser
+  from elastic_jax.train.cli import build_parser as train_parser
+  out = [("train", train_parser()), ("convert", convert_parser())]
+  p = eval_parser()
+  out.append(("eval", p))
+  for action in p._actions:
+    if isinstance(action, argparse._SubParsersAction):
+      out += [(f"eval {name}", sub) for name, sub in action.choices.items()]
+  return out
+
+
+def test_every_option_has_help_and_dtype_defaults_to_auto():
+  for name, parser in _parsers():
+    for action in parser._actions:
+      assert action.help, (name, action.option_strings or action.dest)
+      if "--dtype" in action.option_strings:
+        assert action.default == "auto", name
+        assert "auto" in action.help and "own dtype" in action.help, name
+
+
+@pytest.mark.parametrize("module,default,console", [
+    ("elastic_jax.train.cli", "train.py", "elastic-jax-train"),
+    ("elastic_jax.eval.cli", "eval.py", "elastic-jax-eval"),
+    ("elastic_jax.convert.__main__", "python -m elastic_jax.convert", "elastic-jax-convert")])
+def test_usage_names_the_command_invoked(module, default, console, monkeypatch):
+  import importlib
+  build = importlib.import_module(module).build_parser
+  monkeypatch.setattr(sys, "argv", [f"/somewhere/bin/{console}", "--help"])
+  helped = build().format_help()
+  assert helped.startswith(f"usage: {console} ") and f"\n  {default} " not in helped
+  monkeypatch.setattr(sys, "argv", [os.path.join(ROOT, "x.py")])
+  assert build().format_usage().startswith(f"usage: {default} ")
+
+
+def test_train_print_config_is_yaml_that_config_reads_back(tmp_path, monkeypatch, capsys):
+  """From a folder outside the repository: `--config configs/tiny.yaml` (the form the help
+  shows) is the shipped file; the printed config is YAML that --config reads back equal."""
+  import yaml
+  from elastic_jax.train.cli import main
+  from elastic_jax.train.run_config import load_run_config
+  monkeypatch.chdir(tmp_path)
+  assert main(["--config", "configs/tiny.yaml", "train.steps=7", "--print-config"]) == 0
+  first = capsys.readouterr().out
+  assert isinstance(yaml.safe_load(first), dict) and "\n  steps: 7\n" in first
+  assert "# the frozen backbone\nmodel:\n" in first
+  (tmp_path / "printed.yaml").write_text(first)
+  assert main(["--config", "printed.yaml", "--print-config"]) == 0
+  assert capsys.readouterr().out == first
+  shipped = load_run_config(os.path.join(ROOT, "configs", "tiny.yaml"), ["train.steps=7"])
+  assert load_run_config(tmp_path / "printed.yaml") == shipped
+  with pytest.raises(ej.ElasticJaxError, match="configs/nope.yaml: no such config file"):
+    main(["--config", "configs/nope.yaml", "--print-config"])
+
+
+@pytest.mark.parametrize("argv", [
+    ["ruler", "--model", "m", "--lengths", "512,1024", "--batch-size", "2", "--chat", "off"],
+    ["mixture", "--samples", "2", "--attention", "full,sparse"],
+    ["longbench", "--model", "m", "--data", "lb", "--e", "--max-length", "300"],
+    ["ppl", "--model", "m", "--ids", "ids.json", "--max-tokens", "8"]])
+def test_eval_print_config_is_yaml_that_config_reads_back(argv, tmp_path, monkeypatch, capsys):
+  import yaml
+  from elastic_jax.eval.cli import main
+  monkeypatch.chdir(tmp_path)
+  assert main([*argv, "--print-config"]) == 0
+  first = capsys.readouterr().out
+  settings = yaml.safe_load(first)
+  assert settings["command"] == argv[0] and settings["dtype"] == "auto"
+  (tmp_path / "settings.yaml").write_text(first)
+  assert main([argv[0], "--config", "settings.yaml", "--print-config"]) == 0
+  assert capsys.readouterr().out == first
+  # The command line wins over the file.
+  assert main([argv[0], "--config", "settings.yaml", "--dtype", "float32",
+               "--print-config"]) == 0
+  assert yaml.safe_load(capsys.readouterr().out) == dict(settings, dtype="float32")
+
+
+def test_defaults_to_the_checkpoints_own_dtype(tmp_path, capsys):
+  """--dtype left out is "auto": eval ppl and convert keep a float32 checkpoint in float32."""
+  from elastic_jax.convert.__main__ import main as convert
+  from elastic_jax.eval.cli import main as evaluate
+  with open(os.path.join(ROOT, "configs", "tiny_llama3.json")) as f:
+    raw = json.load(f)
+  cfg = config_from_hf_dict(raw)
+  ej.save_pretrained(ej.ElasticModel(cfg, init_params(cfg, jax.random.key(3), "float32"), raw),
+                     tmp_path / "m")
+  (tmp_path / "ids.json").write_text(json.dumps([5, 17, 300, 2]))
+  assert evaluate(["ppl", "--model", str(tmp_path / "m"), "--ids",
+                   str(tmp_path / "ids.json")]) == 0
+  assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["dtype"] == "float32"
+  for extra in ([], ["--to-hf"]):
+    out = tmp_path / f"out{len(extra)}"
+    assert convert([str(tmp_path / "m"), str(out), "--quiet", *extra]) == 0
+    assert ej.from_pretrained(out, dtype="auto", show_progress=False).dtype == "float32"

@@ -21,7 +21,7 @@ ROUTERS = os.path.join(PACKAGE_DIR, "repro", "routers")
 
 @pytest.fixture(scope="module")
 def model():
-  return ej.from_pretrained(BACKBONE, "float32", routers=ROUTERS, show_progress=False)
+  return ej.from_pretrained(BACKBONE, dtype="float32", routers=ROUTERS, show_progress=False)
 
 
 def test_teacher_forced_scoring_is_greedy_generation(model):

@@ -249,3 +249,47 @@ def test_batched_requests_keep_their_own_limits():
   for bad in ([2, 0, 1], [1, 2], [1.5, 2, 2]):
     with pytest.raises(ElasticJaxError, match="one integer >= 1 per prompt"):
       run(prompts, bad)
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(temperature=float("nan")), "temperature must be a finite number, got nan"),
+    (dict(temperature=float("inf")), "temperature must be a finite number, got inf"),
+    (dict(top_p=float("nan")), "top_p must be a finite number, got nan"),
+    (dict(temperature=[0.5]), "temperature must be a finite number, got [0.5]"),
+    (dict(top_p=0.0), "top_p in (0, 1]"),
+    (dict(max_new_tokens=[3]), "max_new_tokens must be an integer >= 1, got [3]"),
+    (dict(max_new_tokens=2.5), "max_new_tokens must be an integer >= 1, got 2.5"),
+    (dict(seed=1.5), "seed must be an integer, got 1.5"),
+    (dict(stop=("",)), "stop strings must not be empty"),
+    (dict(stop=("a", "")), "stop strings must not be empty"),
+    (dict(stop="\n\n"), "stop must be a tuple of strings"),
+    (dict(stop=(1,)), "stop must be a tuple of strings"),
+])
+def test_sampling_settings_are_checked(kwargs, words):
+  """A non-finite temperature sampled token 0 forever, an empty stop string stopped after one
+  token: every setting is refused in one sentence instead."""
+  with pytest.raises(ElasticJaxError) as err:
+    SamplingConfig(**kwargs)
+  assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_sampling_near_zero_temperature_is_greedy():
+  """A tiny temperature sharpens toward the argmax (the logits are shifted by their largest
+  before dividing), instead of overflowing to inf and drawing token 0."""
+  cfg, params = _model("llama")
+  prompt = [[3, 9, 27, 4, 4, 8]]
+  run = lambda sampling: generate(params, cfg, prompt, attention="sparse", rcfg=RCFG,
+                                  sampling=sampling, attn_impl="reference").tokens[0]
+  greedy = run(SamplingConfig(max_new_tokens=6))
+  assert run(SamplingConfig(max_new_tokens=6, temperature=1e-30, seed=3)) == greedy
+  assert SamplingConfig(stop=["x"]).stop == ("x",)       # a list of stop strings is kept
+
+
+def test_arrays_given_as_other_things_are_refused():
+  cfg, params = _model("llama")
+  for gates in ({"a": 1}, [[1.0], [1.0, 0.0]]):
+    with pytest.raises(ElasticJaxError, match=r"gates must be an array of numbers \[L, K\]"):
+      generate(params, cfg, [[1, 2]], attention="forced", rcfg=RCFG, gates=gates)
+  for eos in ({"a": 1}, ["2"], "2"):
+    with pytest.raises(ElasticJaxError, match="eos_ids must be a list of integer token ids"):
+      generate(params, cfg, [[1, 2]], attention="sparse", rcfg=RCFG, eos_ids=eos)

@@ -1,27 +1,38 @@
 """The package as a user installs it: a wheel built from the repository, installed in a fresh
 virtual environment, runs its console commands and the demo from an unrelated folder (no
-repository files on the path: configs and the shipped backbone come from the package)."""
+repository files on the path: configs and the shipped backbone come from the package). And
+the core install alone (no extras, its dependencies from the package index) loads the shipped
+backbone and generates, without the evaluation's packages; the wheel carries the license."""
 
 import glob
 import os
 import subprocess
 import sys
 import sysconfig
+import zipfile
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OPTIONAL = ("matplotlib", "rouge", "jieba", "pyarrow", "torch", "tensorboardX", "fuzzywuzzy")
 
 
 @pytest.fixture(scope="module")
-def venv(tmp_path_factory):
+def wheel(tmp_path_factory):
+  """The wheel built from the repository (once for the module)."""
   root = tmp_path_factory.mktemp("wheel")
   proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
                          "--disable-pip-version-check", "-w", str(root / "dist"), ROOT],
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-2000:]
-  wheel = glob.glob(str(root / "dist" / "elastic_jax-*.whl"))
-  assert len(wheel) == 1
+  found = glob.glob(str(root / "dist" / "elastic_jax-*.whl"))
+  assert len(found) == 1
+  return found[0]
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory, wheel):
+  root = tmp_path_factory.mktemp("venv")
   env_dir = root / "venv"
   subprocess.run([sys.executable, "-m", "venv", str(env_dir)], check=True, timeout=300)
   py = env_dir / "bin" / "python"
@@ -32,7 +43,7 @@ def venv(tmp_path_factory):
   with open(os.path.join(site.strip(), "deps.pth"), "w") as f:
     f.write(sysconfig.get_paths()["purelib"] + "\n")
   proc = subprocess.run([str(py), "-m", "pip", "install", "--no-deps", "-q",
-                         "--disable-pip-version-check", wheel[0]], capture_output=True,
+                         "--disable-pip-version-check", wheel], capture_output=True,
                         text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-2000:]
   return env_dir
@@ -64,7 +75,7 @@ def test_installed_wheel_runs_from_anywhere(venv, tmp_path):
   config = _run(venv, [str(venv / "bin" / "elastic-jax-train"), "--config", "mixture_cpu.yaml",
                        "--print-config"], tmp_path)
   assert config.returncode == 0 and str(venv) in config.stdout      # package: paths resolved
-  assert "model.path = " in config.stdout and "# the frozen backbone" in config.stdout
+  assert "\n  path: " in config.stdout and "# the frozen backbone" in config.stdout
   demo = _run(venv, [str(venv / "bin" / "python"), "-m", "elastic_jax.demo", "--out", "demo",
                      "--tokens", "16"], tmp_path)
   assert demo.returncode == 0, demo.stdout[-2000:] + demo.stderr[-2000:]
@@ -79,3 +90,46 @@ def test_api_page_lists_every_public_name():
   page = open(os.path.join(ROOT, "docs", "api.md"), encoding="utf-8").read()
   missing = [name for name in ej.__all__ if f"ej.{name}" not in page and name not in page]
   assert not missing, missing
+
+
+def test_wheel_ships_the_license_and_declares_no_optional_package(wheel):
+  with zipfile.ZipFile(wheel) as z:
+    names = z.namelist()
+    licenses = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+    assert licenses, names[-10:]
+    text = z.read(licenses[0]).decode()
+    meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+  assert "Apache License" in text and "Version 2.0" in text and "Copyright 2026" in text
+  assert "License-Expression: Apache-2.0" in meta
+  core = [line.split(":", 1)[1].strip() for line in meta.splitlines()
+          if line.startswith("Requires-Dist:") and "extra ==" not in line]
+  assert not [r for r in core if r.split("[")[0].split("<")[0].split(">")[0].split("=")[0]
+              .strip().lower() in {p.lower() for p in OPTIONAL}], core
+  for extra in ("eval", "data", "torch", "tensorboard", "all"):
+    assert f"Provides-Extra: {extra}" in meta
+
+
+def test_core_install_loads_and_generates(wheel, tmp_path):
+  """pip install WHEEL (no extras) into a fresh environment, its dependencies from the index:
+  the shipped backbone loads and generates from token ids; the extras' packages are absent."""
+  env_dir = tmp_path / "core"
+  subprocess.run([sys.executable, "-m", "venv", str(env_dir)], check=True, timeout=300)
+  py = str(env_dir / "bin" / "python")
+  proc = subprocess.run([py, "-m", "pip", "install", "-q", "--no-compile",
+                         "--disable-pip-version-check", wheel], capture_output=True, text=True,
+                        timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  script = (
+      "import importlib.util, os, sys\n"
+      "import elastic_jax as ej\n"
+      "backbone = os.path.join(os.path.dirname(ej.__file__), 'repro', 'backbone')\n"
+      "model = ej.from_pretrained(backbone, dtype='float32', show_progress=False)\n"
+      "gen = model.generate([[1, 5, 9, 13, 17]], max_new_tokens=3)\n"
+      "assert len(gen.tokens) == 1 and len(gen.tokens[0]) == 3, gen.tokens\n"
+      f"missing = [m for m in {OPTIONAL!r} if importlib.util.find_spec(m) is None]\n"
+      "print('generated', gen.tokens[0], 'missing', ' '.join(missing))\n")
+  done = _run(env_dir, [py, "-c", script], tmp_path)
+  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+  assert "generated" in done.stdout
+  assert set(done.stdout.split("missing", 1)[1].split()) == set(OPTIONAL), done.stdout
+  assert "PyTorch was not found" not in done.stderr, done.stderr

@@ -130,3 +130,41 @@ def test_shipped_gpu_routers_route_by_task_regime():
   assert (g == g[:, :1]).all()
   static_msr = 1 - float(g[:, 0].mean())
   assert msr["kv"] < static_msr < msr["summary"], (msr, static_msr)
+
+
+def _report_dir(path, benchmark, tasks):
+  path.mkdir()
+  body = {"tasks": {t: {"score": 50.0, "msr": 0.5, "esr": 0.25} for t in tasks}}
+  (path / "report.json").write_text(json.dumps({"benchmark": benchmark, "model": "m",
+                                                "attention": {"full": body}}))
+  return path
+
+
+@pytest.mark.parametrize("benchmark,tasks,fragment", [
+    ("ruler", ["niah_single_1/4096"], "a report of `eval.py ruler`, not of `eval.py mixture`"),
+    ("mixture", [], "holds no finished task of the mixture"),
+    (None, ["qasper"], "holds no finished task of the mixture"),
+])
+def test_report_refuses_a_run_it_cannot_read(tmp_path, capsys, benchmark, tasks, fragment):
+  from elastic_jax.errors import ElasticJaxError
+  from elastic_jax.repro.report import main
+  run = _report_dir(tmp_path / "run", benchmark, tasks)
+  with pytest.raises(ElasticJaxError, match="report.json: ") as e:
+    main(["--run", f"elastic={run}", "--out", str(tmp_path / "table.md")])
+  assert fragment in str(e.value) and "\n" not in str(e.value)
+  assert not (tmp_path / "table.md").exists() and capsys.readouterr().out == ""
+
+
+def test_report_refuses_a_label_given_twice(tmp_path, capsys):
+  from elastic_jax.errors import ElasticJaxError
+  from elastic_jax.repro.report import main
+  a = _report_dir(tmp_path / "a", "mixture", ["kv@seen"])
+  b = _report_dir(tmp_path / "b", "mixture", ["kv@seen"])
+  with pytest.raises(ElasticJaxError, match="the label 'elastic' is given twice"):
+    main(["--run", f"elastic={a}", "--run", f"elastic={b}", "--out", str(tmp_path / "t.md")])
+  assert not (tmp_path / "t.md").exists() and capsys.readouterr().out == ""
+  # Through the command line: exit status 2 and the one sentence, no traceback.
+  proc = _run(["-m", "elastic_jax.repro.report"], "--run", f"elastic={a}", "--run",
+              f"elastic={b}")
+  assert proc.returncode == 2 and "given twice" in proc.stderr
+  assert "Traceback" not in proc.stderr and proc.stdout == ""

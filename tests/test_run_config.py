@@ -73,7 +73,8 @@ def test_overrides_apply():
       "train.steps=300", "train.lr=5e-4", "mesh={fsdp: 4, sequence: 2}",
       "objective.targets=[0.7,0.7,1,1,1]", "log.tensorboard=true", "data.train_path=x.jsonl",
       "data.train_path=null", "data.synthetic.prompt_frac=0.5", "data.use_chat_template=true",
-      "data.micro_batch=4", "seed=3", "model.attn_impl=dense", "data.max_segments=4"])
+      "data.micro_batch=4", "seed=3", "model.attn_impl=dense", "data.max_segments=4",
+      "model.dtype=auto", "export.overwrite=true"])
   assert cfg.train.steps == 300 and cfg.train.lr == 5e-4
   assert dataclasses.asdict(cfg.mesh) == {"data": 1, "fsdp": 4, "sequence": 2, "tensor": 1}
   assert cfg.objective.targets == (0.7, 0.7, 1.0, 1.0, 1.0)
@@ -82,6 +83,7 @@ def test_overrides_apply():
   assert cfg.data.synthetic.prompt_frac == 0.5 and cfg.data.synthetic.eval_batches == 4
   assert cfg.data.use_chat_template is True and cfg.data.micro_batch == 4 and cfg.seed == 3
   assert cfg.model.attn_impl == "dense" and cfg.data.max_segments == 4
+  assert cfg.model.dtype == "auto" and cfg.export.overwrite is True   # the checkpoint's dtype
   assert cfg.router.block == 8                   # untouched keys keep the file's values
   defaults = load_run_config(None, ["model.path=m"])
   assert defaults == RunConfig(ModelSource(os.path.abspath("m")))   # inputs made absolute

@@ -17,6 +17,9 @@ def _concrete(x) -> bool:
 
 
 def _check_inputs(q, k, v, gate, segment_ids, positions) -> None:
+  if positions is not None and segment_ids is None:
+    raise ElasticJaxError("positions number the tokens within packed segments: pass "
+                          "segment_ids with them, or neither for one unpacked input per row")
   for name, x, rank in (("q", q, 4), ("k", k, 4), ("v", v, 4)):
     if getattr(x, "ndim", None) != rank:
       raise ElasticJaxError(f"{name} must be [B, T, heads, D], got shape "
@@ -120,6 +123,12 @@ def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, gate: jax.Array, 
   if attn_impl not in HYBRID_IMPLS:
     raise ElasticJaxError(f"hybrid attention implementation '{attn_impl}' is unknown (known: "
                           f"{', '.join(sorted(HYBRID_IMPLS))})")
+  if not hasattr(gate, "dtype"):
+    try:
+      gate = jnp.asarray(gate, jnp.float32)
+    except (TypeError, ValueError):
+      raise ElasticJaxError("gate must be an array [B, Hkv] or [B, T, Hkv] of values in "
+                            f"[0, 1], got {type(gate).__name__}") from None
   _check_inputs(q, k, v, gate, segment_ids, positions)
   b, t = q.shape[:2]
   hkv = k.shape[2]

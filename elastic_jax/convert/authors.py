@@ -242,6 +242,8 @@ def read_routers(src, cfg: ModelConfig, rcfg: RouterConfig):
     raw = src.get(name)
     dtypes.add(str(raw.dtype))
     value = np.asarray(raw, np.float32)
+    if not np.all(np.isfinite(value)):
+      raise ElasticJaxError(f"{src.directory}: router tensor '{name}' holds NaN or inf values")
     router[ours][layer] = value.T if kind == "weight" else value
   lambdas = None
   present = [n for n in LAMBDAS.values() if n in src.names]
@@ -256,6 +258,9 @@ def read_routers(src, cfg: ModelConfig, rcfg: RouterConfig):
                               f"{list(src.shape(name))}, expected [{NUM_TASKS}] (one per task "
                               "type)")
       lambdas[ours] = np.asarray(src.get(name), np.float32)
+      if not np.all(np.isfinite(lambdas[ours])):
+        raise ElasticJaxError(f"{src.directory}: multiplier tensor '{name}' holds NaN or inf "
+                              "values")
   kept = {}
   for name in theirs:
     if name in names or name in LAMBDAS.values():

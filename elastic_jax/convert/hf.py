@@ -169,8 +169,9 @@ class TensorSource:
     try:
       import torch
     except ImportError:
-      raise ElasticJaxError("loading *.bin weights needs PyTorch, which is not installed; "
-                            "convert the checkpoint to safetensors instead") from None
+      raise ElasticJaxError("loading *.bin weights needs PyTorch: pip install "
+                            "'elastic-jax[torch]', or convert the checkpoint to safetensors "
+                            "instead") from None
     for path in paths:
       try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)

@@ -54,7 +54,6 @@ class Benchmark:
   name = ""
   help = ""
   model_default: str | None = None        # a shipped model this benchmark runs on by default
-  dtype_default = "bfloat16"
 
   def add_arguments(self, p: argparse.ArgumentParser) -> None:
     pass
@@ -79,9 +78,11 @@ class Ruler(Benchmark):
   def add_arguments(self, p):
     p.add_argument("--lengths", default="4096", type=int_list,
                    help="comma-separated context lengths (tokens)")
-    p.add_argument("--tasks", default="niah_single_1,niah_multikey_1,vt,cwe")
+    p.add_argument("--tasks", default="niah_single_1,niah_multikey_1,vt,cwe",
+                   help="comma-separated RULER tasks (default niah_single_1,niah_multikey_1,vt,"
+                        "cwe)")
     p.add_argument("--samples", type=positive_int, default=4, help="samples per task and length")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated samples (default 0)")
 
   def items(self, args, tokenizer, max_positions):
     from elastic_jax.eval import ruler
@@ -121,7 +122,6 @@ class Ruler(Benchmark):
 class Mixture(Benchmark):
   name = "mixture"
   help = "the reproduction's synthetic task mixture (eval/mixture.py), seen and held-out"
-  dtype_default = "float32"               # a small model: float32 costs nothing
 
   @property
   def model_default(self):
@@ -132,10 +132,12 @@ class Mixture(Benchmark):
                    help="prompt lengths (tokens) of the seen variant: training templates")
     p.add_argument("--heldout-lengths", default="896", type=int_list,
                    help="prompt lengths of the held-out variant: the held-out template")
-    p.add_argument("--tasks", default="kv,hop,summary,pattern,fewshot")
+    p.add_argument("--tasks", default="kv,hop,summary,pattern,fewshot",
+                   help="comma-separated tasks of the mixture (default kv,hop,summary,pattern,"
+                        "fewshot)")
     p.add_argument("--samples", type=positive_int, default=8,
                    help="samples per task, variant and length")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the drawn samples (default 0)")
 
   def items(self, args, tokenizer, max_positions):
     from elastic_jax.eval import mixture

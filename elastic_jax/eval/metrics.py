@@ -16,6 +16,7 @@ Every per-sample metric takes `(prediction, ground_truth)` and returns a float i
 from __future__ import annotations
 
 import difflib
+import functools
 import logging
 import math
 import re
@@ -23,15 +24,34 @@ import string
 from collections import Counter
 from typing import Callable, Mapping, Sequence
 
-import jieba
 import numpy as np
-from rouge import Rouge
 
 from elastic_jax.errors import ElasticJaxError
 
-# jieba announces its dictionary loading at DEBUG level on the first segmentation; the
-# evaluation output has no use for it.
-jieba.setLogLevel(logging.WARNING)
+
+@functools.cache
+def _jieba():
+  """The jieba module (an optional dependency, imported on first use)."""
+  try:
+    import jieba
+  except ImportError:
+    raise ElasticJaxError("LongBench scoring needs jieba: pip install 'elastic-jax[eval]'"
+                          ) from None
+  # jieba announces its dictionary loading at DEBUG level on the first segmentation; the
+  # evaluation output has no use for it.
+  jieba.setLogLevel(logging.WARNING)
+  return jieba
+
+
+@functools.cache
+def _rouge():
+  """The rouge package's Rouge class (an optional dependency, imported on first use)."""
+  try:
+    from rouge import Rouge
+  except ImportError:
+    raise ElasticJaxError("LongBench scoring needs rouge: pip install 'elastic-jax[eval]'"
+                          ) from None
+  return Rouge
 
 # --------------------------------------------------------------------------------------------
 # Normalization
@@ -65,7 +85,7 @@ def normalize_zh_answer(text: str) -> str:
 
 def _jieba_tokens(text: str) -> list[str]:
   """jieba's precise-mode segmentation (HMM on), the call LongBench makes."""
-  return list(jieba.cut(text, cut_all=False))
+  return list(_jieba().cut(text, cut_all=False))
 
 
 # --------------------------------------------------------------------------------------------
@@ -109,8 +129,9 @@ def rouge_score(prediction: str, ground_truth: str) -> float:
   steps (a prediction sentence of ~1000 words whose first word is its only match, say);
   LongBench counts all of these as 0, and so does this function. The limit is left as it is.
   """
+  rouge = _rouge()
   try:
-    scores = Rouge().get_scores([prediction], [ground_truth], avg=True)
+    scores = rouge().get_scores([prediction], [ground_truth], avg=True)
   except Exception:  # noqa: BLE001 - the published scorer maps every failure to 0
     return 0.0
   return float(scores["rouge-l"]["f"])

@@ -495,7 +495,9 @@ def write_jsonl(path: str, variant: Variant, n_per_task: int, seed: int,
 def build_tokenizer(directory: str) -> None:
   """Writes a Hugging Face fast tokenizer (word level, BOS added) for VOCAB into directory."""
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-  from transformers import PreTrainedTokenizerFast
+  from elastic_jax.tokenizer import tokenizer_only
+  with tokenizer_only():
+    from transformers import PreTrainedTokenizerFast
   tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="<unk>"))
   tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
   tok.post_processor = processors.TemplateProcessing(
@@ -521,7 +523,8 @@ def main(argv=None) -> int:
   p.add_argument("--random-wordings", type=float, default=0.0, metavar="SHARE",
                  help="share of records worded like the backbone's pretraining (many fixed "
                       "and random wordings, never the held-out one) instead of --templates")
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--seed", type=int, default=0,
+                 help="seed of the generated records (the same seed, the same files)")
   args = p.parse_args(argv)
   if args.per_task < 1 or args.eval_per_task < 0:
     raise ElasticJaxError("--per-task must be >= 1 and --eval-per-task >= 0")

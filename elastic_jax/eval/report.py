@@ -3,19 +3,28 @@
 Plots: the routing map (how often each (layer, KV head) pair went to full attention under the
 elastic attention, one panel per task; paper Fig. 6), MSR per task (with the routers' target
 per task where it is known), and quality against prefill speed-up over full attention (paper
-Fig. 8). Labels are legends, never text placed at the points, so they cannot collide.
+Fig. 8). Labels are legends, never text placed at the points, so they cannot collide; every
+figure is laid out by matplotlib's constrained layout and titled with the model, the routers
+and the setting it shows. The plots need matplotlib (pip install 'elastic-jax[eval]'); without
+it `write` writes the reports and says the plots were left out.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
-from typing import Callable, Mapping
+import sys
+import textwrap
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from elastic_jax.errors import ElasticJaxError
 from elastic_jax.eval.runner import ORDER
 from elastic_jax.files import atomic_file, atomic_write_text
+
+PLOTS_NEED = "drawing the plots needs matplotlib: pip install 'elastic-jax[eval]'"
 
 
 Z95 = 1.959963984540054
@@ -183,60 +192,129 @@ def markdown(summary: dict, title: str, device: str | None = None) -> str:
   return "\n".join(lines) + "\n"
 
 
-def plots(summary: dict, records: Mapping[tuple[str, str], dict], out_dir: str,
-          targets: Mapping[str, float] | None = None, device: str | None = None) -> list[str]:
-  """Writes the PNG plots; returns their paths. targets: target MSR per task, drawn;
-  device: where the prefill times were measured (named on the speed axis)."""
-  import matplotlib
+def pyplot():
+  """matplotlib.pyplot on the Agg backend (files, no display); refused in one sentence naming
+  the extra to install when matplotlib is missing."""
+  try:
+    import matplotlib
+  except ImportError:
+    raise ElasticJaxError(PLOTS_NEED) from None
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  return plt
+
+
+def figure_title(what: str, model: str | None = None, routers: str | None = None,
+                 setting: str | None = None, width: int = 110) -> str:
+  """A figure's title: what it shows, then the model, the routers and the setting (wrapped at
+  `width` characters, so that a long list of runs stays within the figure)."""
+  about = [f"model {model}" if model else "model not recorded",
+           f"routers {routers}" if routers else None, setting]
+  return what + "\n" + textwrap.fill("; ".join(x for x in about if x), width,
+                                     break_on_hyphens=False)
+
+
+def heatmap_grid(plt, panels: Sequence[tuple[str, np.ndarray | None]], cols: int, title: str,
+                 colorbar_label: str):
+  """One [layers, KV heads] heatmap (values 0..1) per panel, `cols` panels a row; a panel of
+  None is left out. Tick labels and axis labels only on the outer panels (the bottom one of
+  each column, the first one of each row), so no label runs into a neighbour's title."""
+  rows = -(-len(panels) // cols)
+  fig = plt.figure(figsize=(1.2 + 2.3 * cols, 1.0 + 2.1 * rows), layout="constrained")
+  axes = fig.subplots(rows, cols, squeeze=False)
+  present = [[k < len(panels) and panels[k][1] is not None
+              for k in range(r * cols, r * cols + cols)] for r in range(rows)]
+  im, shown = None, []
+  for k, ax in enumerate(axes.flat):
+    r, c = divmod(k, cols)
+    if not present[r][c]:
+      fig.delaxes(ax)
+      continue
+    name, values = panels[k]
+    im = ax.imshow(np.asarray(values, float).T, aspect="auto", vmin=0, vmax=1, cmap="viridis",
+                   origin="lower")
+    ax.set_title(name, fontsize=9)
+    ax.tick_params(labelsize=8)
+    if any(present[rr][c] for rr in range(r + 1, rows)):
+      ax.tick_params(labelbottom=False)
+    else:
+      ax.set_xlabel("layer", fontsize=8)
+    if any(present[r][cc] for cc in range(c)):
+      ax.tick_params(labelleft=False)
+    else:
+      ax.set_ylabel("KV head", fontsize=8)
+    shown.append(ax)
+  if im is not None:
+    fig.colorbar(im, ax=shown, shrink=0.8, label=colorbar_label)
+  fig.suptitle(title, fontsize=10)
+  return fig
+
+
+def _color(way: str) -> str:
+  """One colour per way of attending, the same in every plot."""
+  return f"C{ORDER.index(way) if way in ORDER else len(ORDER)}"
+
+
+def plots(summary: dict, records: Mapping[tuple[str, str], dict], out_dir: str,
+          targets: Mapping[str, float] | None = None, device: str | None = None,
+          model: str | None = None, routers: str | None = None,
+          setting: str | None = None) -> list[str]:
+  """Writes the PNG plots; returns their paths. targets: target MSR per task, drawn;
+  device: where the prefill times were measured (named on the speed axis); model, routers,
+  setting: what the runs were (named in every figure's title)."""
+  plt = pyplot()
+  title = lambda what: figure_title(what, model, routers, setting)
   written = []
   elastic = [r for (s, _), r in records.items() if s == "elastic"]
   if elastic:
     tasks = sorted({r["task"] for r in elastic})
-    cols = min(4, len(tasks))
-    rows = -(-len(tasks) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.8 * rows), squeeze=False)
-    for ax in axes.flat[len(tasks):]:
-      ax.axis("off")
-    for ax, task in zip(axes.flat, tasks):
-      freq = np.mean([np.asarray(r["gates"], float) for r in elastic if r["task"] == task], 0)
-      im = ax.imshow(freq.T, aspect="auto", vmin=0, vmax=1, cmap="viridis", origin="lower")
-      ax.set_title(task, fontsize=9)
-      ax.set_xlabel("layer")
-      ax.set_ylabel("KV head")
-    fig.colorbar(im, ax=axes, shrink=0.8, label="share of inputs routed to full attention")
+    panels = [(task, np.mean([np.asarray(r["gates"], float) for r in elastic
+                              if r["task"] == task], 0)) for task in tasks]
+    fig = heatmap_grid(plt, panels, min(4, len(tasks)),
+                       title("Routing map of the elastic attention"),
+                       "share of inputs routed to full attention (0-1)")
     written.append(save_figure(fig, out_dir, "routing_map.png"))
     plt.close(fig)
   ways = summary["attention"]
   if ways:
-    fig, ax = plt.subplots(figsize=(7, 3.5))
     names = list(next(iter(ways.values()))["tasks"])
-    width = 0.8 / len(ways)
-    for i, (s, body) in enumerate(ways.items()):
-      ax.bar(np.arange(len(names)) + i * width,
-             [body["tasks"].get(t, {}).get("msr", np.nan) for t in names], width, label=s)
-    ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names, rotation=30, ha="right",
-                  fontsize=8)
-    if targets:
-      x = np.arange(len(names))
-      ys = [targets.get(t, np.nan) for t in names]
-      ax.hlines(ys, x - width / 2, x + 0.8 - width / 2, colors="black", linestyles="--",
-                linewidth=1.2, label="target MSR")
-    ax.set_ylabel("MSR")
-    ax.set_ylim(0, 1.05)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    msr = {s: [body["tasks"].get(t, {}).get("msr", np.nan) for t in names]
+           for s, body in ways.items()}
+    # A way with no MSR above 0 (full attention) would be bars of no length: named on the
+    # axis instead of in the legend.
+    drawn = [s for s in ways if np.nan_to_num(msr[s]).any()]
+    zero = [s for s in ways if s not in drawn]
+    fig, ax = plt.subplots(figsize=(7.5, 1.6 + 0.18 * len(names) * max(len(drawn), 1)),
+                           layout="constrained")
+    height = 0.8 / max(len(drawn), 1)
+    y = np.arange(len(names))
+    for i, s in enumerate(drawn):
+      ax.barh(y - 0.4 + (i + 0.5) * height, msr[s], height, label=s, color=_color(s))
+    if targets and any(t in targets for t in names):
+      ax.vlines([targets.get(t, np.nan) for t in names], y - 0.45, y + 0.45, colors="black",
+                linestyles="--", linewidth=1.2, label="target MSR")
+    ax.set_yticks(y, names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_ylabel("task")
+    ax.set_xlabel("MSR (share of heads sparse)"
+                  + (f"; {', '.join(zero)}: 0 on every task" if zero else ""))
+    ax.set_xlim(0, 1.05)
+    if drawn:
+      ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle(title("MSR per task"), fontsize=10)
     written.append(save_figure(fig, out_dir, "msr_per_task.png"))
     plt.close(fig)
-    fig, ax = plt.subplots(figsize=(4.5, 3.5))
+    fig, ax = plt.subplots(figsize=(6.5, 3.8), layout="constrained")
     for s, body in ways.items():
       x = body["average"].get("prefill_speedup_vs_full")
       if x is not None:
-        ax.scatter([x], [body["average"]["score"]], label=s)
-    ax.set_xlabel("prefill speed-up over full attention\n(" + (f"{device}, " if device else "")
-                  + "compilation excluded)")
-    ax.set_ylabel("average score")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        ax.scatter([x], [body["average"]["score"]], label=s, color=_color(s))
+    ax.set_xlabel("prefill speed-up over full attention (x)\n("
+                  + (f"{device}, " if device else "") + "compilation excluded)")
+    ax.set_ylabel("average score (%)")
+    if ax.collections:
+      ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle(title("Quality against prefill speed"), fontsize=10)
     written.append(save_figure(fig, out_dir, "quality_vs_speedup.png"))
     plt.close(fig)
   return written
@@ -250,14 +328,40 @@ def save_figure(fig, out_dir: str, name: str) -> str:
   return path
 
 
+def _routers_of(meta: dict, out_dir: str) -> str:
+  """The routers a run used, for figure titles: meta's "routers" where it names them, else
+  the digest the run's setting.json records, else none."""
+  if meta.get("routers"):
+    return str(meta["routers"])
+  try:
+    with open(os.path.join(out_dir, "setting.json"), encoding="utf-8") as f:
+      digest = json.load(f).get("routers")
+  except (OSError, ValueError, AttributeError):
+    return "not recorded"
+  return f"digest {digest}" if digest else "none"
+
+
+def run_setting(meta: dict) -> str:
+  """The setting of an eval run, for figure titles: benchmark, items, head patterns."""
+  parts = [meta.get("benchmark"), f"{meta['items']} items" if meta.get("items") else None,
+           f"patterns {meta['patterns']}" if meta.get("patterns") else None]
+  return ", ".join(str(p) for p in parts if p)
+
+
 def write(summary: dict, records, out_dir: str, title: str, meta: dict,
           targets: Mapping[str, float] | None = None) -> list[str]:
-  """report.json, report.md and the plots, each written whole or not at all."""
+  """report.json, report.md and the plots, each written whole or not at all; without
+  matplotlib the plots are left out, with a note on stderr."""
   paths = []
   for name, text in (("report.json", json.dumps({**meta, **summary}, indent=2)),
                      ("report.md", markdown(summary, title, meta.get("device")))):
     path = os.path.join(out_dir, name)
     atomic_write_text(path, text)
     paths.append(path)
-  return paths + plots(summary, records, out_dir, targets, meta.get("device"))
+  if importlib.util.find_spec("matplotlib") is None:
+    print(f"note: no plots written: {PLOTS_NEED}", file=sys.stderr)
+    return paths
+  return paths + plots(summary, records, out_dir, targets, meta.get("device"),
+                       model=meta.get("model"), routers=_routers_of(meta, out_dir),
+                       setting=run_setting(meta))
 

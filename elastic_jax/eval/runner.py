@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from elastic_jax.errors import ElasticJaxError
 from elastic_jax.generate import SamplingConfig, generate
-from elastic_jax.files import repair_jsonl_tail
+from elastic_jax.files import append_whole, repair_jsonl_tail, write_error
 
 ORDER = ("full", "elastic", "sparse", "static")   # static is derived from elastic's choices
 
@@ -89,30 +89,43 @@ def run(model, tokenizer, items: Sequence[Item], attention: Sequence[str], out_d
   check_attention_list(attention, router_params)
   if batch_size < 1:
     raise ElasticJaxError(f"batch size must be >= 1, got {batch_size}")
-  os.makedirs(out_dir, exist_ok=True)
   path = os.path.join(out_dir, "predictions.jsonl")
-  if repair_jsonl_tail(path):
-    log(f"{path}: dropped a torn last line (a run stopped while writing it)")
+  try:
+    os.makedirs(out_dir, exist_ok=True)
+    if repair_jsonl_tail(path):
+      log(f"{path}: dropped a torn last line (a run stopped while writing it)")
+    with open(path, "ab", buffering=0) as f:
+      return _run(model, tokenizer, items, attention, path, f, batch_size, attn_impl, log)
+  except OSError as e:
+    error = write_error(path, e, "; the predictions written before are kept, and a rerun goes "
+                                 "on from them")
+    if error is None:
+      raise
+    raise error from None
+
+
+def _run(model, tokenizer, items, attention, path, f, batch_size, attn_impl, log) -> dict:
+  router_params = model.router_params
   done = read_predictions(path)
   eos = () if tokenizer.eos_token_id is None else tuple(
       int(x) for x in np.atleast_1d(tokenizer.eos_token_id))
   order = [s for s in ORDER if s in attention]
   if "static" in order and "elastic" not in order:
     order.insert(order.index("static"), "elastic")   # static is derived from elastic's choices
-  with open(path, "a", encoding="utf-8") as f:
-    for way in order:
-      gates = None
-      if way == "static":
-        gates = static_gates([done[("elastic", it.key)] for it in items])
-      todo = [it for it in items if (way, it.key) not in done]
-      if not todo:
-        continue
-      log(f"{way}: {len(todo)} of {len(items)} items to generate")
-      groups: dict[tuple, list[Item]] = {}
-      for it in todo:
-        groups.setdefault((it.max_new_tokens, it.stop_ids), []).append(it)
-      bar = tqdm(total=len(todo), desc=way, unit="item", file=sys.stderr,
-                 dynamic_ncols=True)
+  for way in order:
+    gates = None
+    if way == "static":
+      gates = static_gates([done[("elastic", it.key)] for it in items])
+    todo = [it for it in items if (way, it.key) not in done]
+    if not todo:
+      continue
+    log(f"{way}: {len(todo)} of {len(items)} items to generate")
+    groups: dict[tuple, list[Item]] = {}
+    for it in todo:
+      groups.setdefault((it.max_new_tokens, it.stop_ids), []).append(it)
+    # A failure closes the bar first, so that its one-line error starts on a line of its own.
+    with tqdm(total=len(todo), desc=way, unit="item", file=sys.stderr,
+              dynamic_ncols=True) as bar:
       for (max_new, stop_ids), group in groups.items():
         for start in range(0, len(group), batch_size):
           batch = group[start:start + batch_size]
@@ -133,10 +146,8 @@ def run(model, tokenizer, items: Sequence[Item], attention: Sequence[str], out_d
                    "cache_bytes": gen.cache_bytes // len(batch),
                    "dense_cache_bytes": gen.dense_cache_bytes // len(batch),
                    "time": time.time()}
-            f.write(json.dumps(rec) + "\n")
-            f.flush()
+            append_whole(f, (json.dumps(rec) + "\n").encode("utf-8"))
             done[(way, it.key)] = rec
           bar.update(len(batch))
-      bar.close()
   keys = {it.key for it in items}
   return {k: v for k, v in done.items() if k[1] in keys and k[0] in order}

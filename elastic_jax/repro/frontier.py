@@ -185,7 +185,7 @@ def _load(args):
   from elastic_jax.train.cli import config_path
   from elastic_jax.train.run_config import load_run_config
   rcfg = load_run_config(config_path(args.config)).router
-  model = ej.from_pretrained(args.model, args.dtype)
+  model = ej.from_pretrained(args.model, dtype=args.dtype)
   return model, Scorer(model.params, model.config, rcfg, attn_impl=args.attn_impl,
                        rows=args.rows)
 
@@ -247,6 +247,16 @@ def _bits(x) -> str:
   return "".join("1" if v else "0" for v in np.asarray(x).astype(bool).reshape(-1))
 
 
+def _model_name(path: str) -> str:
+  """The model as a record names it: the shipped backbone by its place in the package, any
+  other by its folder's name."""
+  from elastic_jax.resources import PACKAGE_DIR
+  default = os.path.join(PACKAGE_DIR, "repro", "backbone")
+  if os.path.abspath(path) == os.path.abspath(default):
+    return "the shipped backbone (elastic_jax/repro/backbone)"
+  return os.path.basename(os.path.normpath(path))
+
+
 def score(args) -> int:
   from elastic_jax import router_io
   from elastic_jax.repro.scoring import Scorer, eval_items, static_at
@@ -282,6 +292,7 @@ def score(args) -> int:
   items = eval_items(args.seed, args.samples, tasks, args.lengths_list, args.heldout_list,
                      wordings=args.wordings, evidence=args.evidence)
   results = {"items": [{"key": it.key, "task": it.task, "variant": it.variant} for it in items],
+             "model": _model_name(args.model),
              "seed": args.seed, "samples": args.samples, "wordings": args.wordings,
              "evidence": args.evidence, "methods": {}}
   t0 = time.time()
@@ -396,7 +407,7 @@ def representations(args) -> int:
   if not r.config.task_mlp:
     raise ElasticJaxError(f"{args.routers}: these routers have no Task MLP to compare")
   import elastic_jax as ej
-  model = ej.from_pretrained(args.model, args.dtype)
+  model = ej.from_pretrained(args.model, dtype=args.dtype)
   scorer = Scorer(model.params, model.config, r.config, attn_impl=args.attn_impl,
                   rows=args.rows)
   tasks = tuple(args.tasks.split(","))
@@ -457,7 +468,8 @@ def parse_args(argv=None):
                    help="the backbone")
     s.add_argument("--config", default="mixture.yaml",
                    help="run config whose router section sets the streaming heads' pattern")
-    s.add_argument("--dtype", default="float32")
+    s.add_argument("--dtype", default="auto",
+                   help="bfloat16, float32, float16 or auto (the checkpoint's own; default)")
     s.add_argument("--attn-impl", default="auto",
                    help="attention (reference compiles fastest at these sizes)")
     s.add_argument("--rows", type=int, default=64, help="rows per forward pass")
@@ -496,7 +508,8 @@ def parse_args(argv=None):
                      help="task-representation similarity before and after the Task MLP")
   v.add_argument("--routers", required=True, help="the routers (a router export)")
   v.add_argument("--model", default=os.path.join(PACKAGE_DIR, "repro", "backbone"))
-  v.add_argument("--dtype", default="float32")
+  v.add_argument("--dtype", default="auto",
+                 help="bfloat16, float32, float16 or auto (the checkpoint's own; default)")
   v.add_argument("--attn-impl", default="reference")
   v.add_argument("--rows", type=int, default=32, help="rows per forward pass")
   v.add_argument("--seed", type=int, default=1)

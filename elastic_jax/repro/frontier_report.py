@@ -4,6 +4,9 @@ Methods of a scores file (frontier.score): `full`, `sparse`, `task-set/TASK` (th
 minimal head set of one task), `S/as-trained` (a trained static gate's own decisions), and per
 elastic run R: `R/elastic`, `R/most-chosen`, `R/static:S` (static gate S's heads ranked by
 its logit margin, at R's average MSR) and `R/greedy-oracle`.
+
+Every figure's title names the model, the routers and the setting; where a record does not
+name the model, it is the frontier tools' default, the shipped backbone (DEFAULT_MODEL).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from elastic_jax.eval import mixture
 from elastic_jax.eval.report import interval, paired_difference
 
 VARIANTS = ("seen", "held-out")
+DEFAULT_MODEL = "the shipped backbone (elastic_jax/repro/backbone)"
 BASELINES = (("most-chosen", "static, elastic's most-chosen heads"),
              ("trained", "static, trained gate (best of the gates)"),
              ("duo", "DuoAttention's recipe"), ("prulong", "PruLong's recipe"),
@@ -35,6 +39,8 @@ class Scores:
                       for name, m in raw["methods"].items()}
     except (KeyError, TypeError, ValueError) as e:
       raise ElasticJaxError(f"not a frontier scores file ({type(e).__name__}: {e})") from None
+    self.model = raw.get("model")
+    self.setting = _setting(raw)
     self.task = np.array([it["task"] for it in self.items])
     self.variant = np.array([it["variant"] for it in self.items])
     present = set(self.task.tolist())
@@ -82,6 +88,23 @@ class Scores:
 
   def elastic_runs(self) -> list[str]:
     return [n[:-len("/elastic")] for n in self.methods if n.endswith("/elastic")]
+
+
+def _setting(raw: dict) -> str:
+  """A scores file's setting, for figure titles: the items' prompt lengths per variant (read
+  off their keys, TASK/VARIANT/LENGTH/INDEX), samples, seed, wordings and evidence."""
+  lengths: dict[str, set[str]] = {}
+  for it in raw.get("items", ()):
+    parts = str(it.get("key", "")).split("/")
+    if len(parts) == 4 and parts[2].isdigit():
+      lengths.setdefault(parts[1], set()).add(parts[2])
+  parts = [", ".join(f"{v} {','.join(sorted(lengths[v], key=int))} tokens" for v in VARIANTS
+                     if v in lengths),
+           f"{raw['samples']} items per task and variant" if raw.get("samples") else "",
+           f"seed {raw['seed']}" if raw.get("seed") is not None else "",
+           f"{raw['wordings']} wordings" if raw.get("wordings") else "",
+           f"evidence {raw['evidence']}" if raw.get("evidence") else ""]
+  return "; ".join(p for p in parts if p)
 
 
 def _fmt_diff(d: dict) -> str:
@@ -177,19 +200,23 @@ def task_set_table(s: Scores) -> str:
   return "\n".join(lines)
 
 
-def plot(s: Scores, runs: list[str], path: str, title: str) -> str:
-  """Sensitive-task accuracy against average MSR, one panel per variant, every method."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  from elastic_jax.eval.report import save_figure
+def plot(s: Scores, runs: list[str], path: str, title: str, model: str | None = None,
+         routers: str | None = None, setting: str | None = None) -> str:
+  """Sensitive-task accuracy against average MSR, one panel per variant, every method. model,
+  routers, setting: for the title (default: the scores file's model, else DEFAULT_MODEL; the
+  elastic runs; the scores file's setting)."""
+  from elastic_jax.eval.report import figure_title, pyplot, save_figure
   import os
+  plt = pyplot()
   sens = s.sensitive
-  fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
-  lowest = min(s.msr(f"{r}/elastic") for r in runs)
+  fig, axes = plt.subplots(1, 2, figsize=(11.5, 4.4), sharey=True, layout="constrained")
   series = [("elastic", lambda r: f"{r}/elastic", "o-", "C0")]
   series += [(label, (lambda k: lambda r: baseline_of(s, r, k))(kind), "s--", f"C{i + 1}")
              for i, (kind, label) in enumerate(present_baselines(s, runs))]
+  xs = [s.msr("sparse")] + [s.msr(n) for _, name_of, _, _ in series
+                            for n in map(name_of, runs) if n]
+  if "task-oracle" in s.methods:
+    xs.append(s.msr("task-oracle"))
   for ax, variant in zip(axes, VARIANTS):
     for label, name_of, style, color in series:
       pts = sorted((s.msr(n), s.accuracy(n, variant, sens)) for n in map(name_of, runs) if n)
@@ -199,46 +226,56 @@ def plot(s: Scores, runs: list[str], path: str, title: str) -> str:
                label="full attention (MSR 0)")
     if "task-oracle" in s.methods:
       ax.scatter([s.msr("task-oracle")], [s.accuracy("task-oracle", variant, sens)],
-                 marker="*", s=110, color="C4", zorder=3,
+                 marker="*", s=110, color="C6", zorder=3,
                  label="each task's minimal set (a router that knows the task)")
     ax.scatter([s.msr("sparse")], [s.accuracy("sparse", variant, sens)], marker="X", s=70,
                color="0.5", label="all heads streaming", zorder=3)
-    ax.set_xlim(min(0.6, lowest - 0.05), 1.02)
+    ax.set_xlim(min(0.6, min(xs) - 0.05), 1.02)
     ax.set_title(f"{variant}", fontsize=10)
-    ax.set_xlabel("average MSR over the five tasks (share of heads streaming)")
+    ax.set_xlabel("average MSR over the tasks (share of heads sparse)")
     ax.grid(alpha=0.3)
   axes[0].set_ylabel(f"accuracy on {', '.join(sens)} (%)")
   handles, labels = axes[0].get_legend_handles_labels()
-  fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(0.99, 0.95), fontsize=8)
-  fig.suptitle(title, fontsize=10)
-  return save_figure(fig, os.path.dirname(path) or ".", os.path.basename(path))
+  fig.legend(handles, labels, loc="outside lower center", ncols=min(3, len(labels)), fontsize=8)
+  fig.suptitle(figure_title(title, model or s.model or DEFAULT_MODEL,
+                            routers or "elastic runs " + ", ".join(runs), setting or s.setting),
+               fontsize=10)
+  path = save_figure(fig, os.path.dirname(path) or ".", os.path.basename(path))
+  plt.close(fig)
+  return path
 
 
-def training_plot(record: dict, runs: list[str], path: str) -> str:
+def training_plot(record: dict, runs: list[str], path: str,
+                  title: str = "Routing decisions during training",
+                  model: str | None = None, setting: str | None = None) -> str:
   """Per run, the share of the batch's routing decisions whose margin is saturated (mean over
   layers) and the robust tasks' MSR during training, from a training record (one entry per
-  run: its logged steps)."""
+  run: its logged steps). model, setting: for the title (default: DEFAULT_MODEL; the task
+  mixture's training batches)."""
   import os
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  from elastic_jax.eval.report import save_figure
-  fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+  from elastic_jax.eval.report import figure_title, pyplot, save_figure
+  plt = pyplot()
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), layout="constrained")
   robust = ("summarization", "code", "icl")
   for i, run in enumerate(runs):
     steps = record[run]["steps"]
     x = [r["step"] for r in steps]
     sat = [np.mean(r["saturated"]) if r.get("saturated") else np.nan for r in steps]
     rob = [np.mean([r["msr_task"].get(t, np.nan) for t in robust]) for r in steps]
-    axes[0].plot(x, sat, color=f"C{i}", label=run)
-    axes[1].plot(x, rob, color=f"C{i}", label=run)
-  axes[0].set_ylabel("saturated decisions (share)")
-  axes[1].set_ylabel("robust tasks' MSR (training batches)")
+    axes[0].plot(x, sat, color=f"C{i % 10}", label=run)
+    axes[1].plot(x, rob, color=f"C{i % 10}", label=run)
+  axes[0].set_ylabel("saturated decisions (share, 0-1)")
+  axes[1].set_ylabel("robust tasks' MSR (share sparse)")
   for ax in axes:
-    ax.set_xlabel("step")
+    ax.set_xlabel("training step")
     ax.grid(alpha=0.3)
-  axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-  return save_figure(fig, os.path.dirname(path) or ".", os.path.basename(path))
+  handles, labels = axes[1].get_legend_handles_labels()
+  fig.legend(handles, labels, fontsize=8, loc="outside lower center", ncols=min(4, len(labels)))
+  fig.suptitle(figure_title(title, model or DEFAULT_MODEL, ", ".join(runs),
+                            setting or "the task mixture's training batches"), fontsize=10)
+  path = save_figure(fig, os.path.dirname(path) or ".", os.path.basename(path))
+  plt.close(fig)
+  return path
 
 
 def task_similarity(features_nlkh: np.ndarray, tasks: list[str]) -> tuple[list[str], np.ndarray]:
@@ -268,25 +305,31 @@ def task_similarity(features_nlkh: np.ndarray, tasks: list[str]) -> tuple[list[s
 
 
 def similarity_plot(names: list[str], before: np.ndarray, after: np.ndarray, path: str,
-                    title: str) -> str:
+                    title: str, model: str | None = None, routers: str | None = None,
+                    setting: str | None = None) -> str:
   """The paper's Fig. 5 at this scale: task-representation similarity before and after the
-  Task MLP, one heatmap each, the values written in their cells."""
+  Task MLP, one heatmap each, the values written in their cells. model, routers, setting: for
+  the title (default: DEFAULT_MODEL; the shipped routers)."""
   import os
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  from elastic_jax.eval.report import save_figure
-  fig, axes = plt.subplots(1, 2, figsize=(9.5, 4.2))
+  from elastic_jax.eval.report import figure_title, pyplot, save_figure
+  plt = pyplot()
+  side = 2.2 + 0.55 * len(names)
+  fig, axes = plt.subplots(1, 2, figsize=(2 * side + 1.5, side + 1.2), layout="constrained")
   for ax, m, label in ((axes[0], before, "pooled keys (before the Task MLP)"),
                        (axes[1], after, "after the Task MLP")):
     im = ax.imshow(m, vmin=-1, vmax=1, cmap="RdBu_r")
-    ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
+    ax.set_xticks(range(len(names)), names, rotation=90, fontsize=8)
     ax.set_yticks(range(len(names)), names if ax is axes[0] else [], fontsize=8)
     for i in range(len(names)):
       for j in range(len(names)):
         ax.text(j, i, f"{m[i, j]:.2f}", ha="center", va="center", fontsize=7,
                 color="white" if abs(m[i, j]) > 0.6 else "black")
     ax.set_title(label, fontsize=9)
-  fig.colorbar(im, ax=axes, shrink=0.8, label="mean cosine similarity (centred)")
-  fig.suptitle(title, fontsize=10)
-  return save_figure(fig, os.path.dirname(path) or ".", os.path.basename(path))
+    ax.set_xlabel("task of the second item")
+  axes[0].set_ylabel("task of the first item")
+  fig.colorbar(im, ax=axes, shrink=0.8, label="mean cosine similarity (centred, -1 to 1)")
+  fig.suptitle(figure_title(title, model or DEFAULT_MODEL, routers or "the shipped routers",
+                            setting), fontsize=10)
+  path = save_figure(fig, os.path.dirname(path) or ".", os.path.basename(path))
+  plt.close(fig)
+  return path

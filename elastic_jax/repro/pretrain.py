@@ -26,7 +26,7 @@ of each piece: teacher-forced exact match per task, variant (seen templates 0-1,
 template 2) and prompt length, with chance (one over the candidates in the context) beside
 it, and an all-streaming row (every head sink + local, --sparse-window tokens) that the
 sensitive tasks must fail. At --total-steps the backbone goes to OUT/hf (Hugging Face layout,
-bfloat16 safetensors, the mixture's tokenizer, pretrain.json and pretrain_metrics.jsonl).
+float32 safetensors, the mixture's tokenizer, pretrain.json and pretrain_metrics.jsonl).
 """
 
 from __future__ import annotations
@@ -497,16 +497,16 @@ def load_state(out: str, params, opt):
 
 
 def save_backbone(params, cfg, raw, out: str, info: dict, metrics_path: str) -> str:
-  """The backbone as a bf16 HF directory with the mixture's tokenizer, pretrain.json and the
-  metrics of the run."""
+  """The backbone as a float32 HF directory (its trained weights, so that dtype "auto" loads
+  them as they are) with the mixture's tokenizer, pretrain.json and the metrics of the run."""
   import jax
   import jax.numpy as jnp
   import elastic_jax as ej
   from elastic_jax.files import atomic_write_text
-  model = ej.ElasticModel(cfg, jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16),
+  model = ej.ElasticModel(cfg, jax.tree.map(lambda x: jnp.asarray(x, jnp.float32),
                                             jax.device_get(params)), raw)
   target = os.path.join(out, "hf")
-  ej.save_pretrained(model, target, dtype="bfloat16", overwrite=True)
+  ej.save_pretrained(model, target, dtype="float32", overwrite=True)
   mixture.build_tokenizer(target)
   atomic_write_text(os.path.join(target, "pretrain.json"), json.dumps(info, indent=1) + "\n")
   shutil.copyfile(metrics_path, os.path.join(target, "pretrain_metrics.jsonl"))

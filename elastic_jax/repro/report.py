@@ -5,10 +5,11 @@
       --out docs/results_table.md [--plots docs/] [--kernel-times 0:232,0.75:65.4,1:8.12]
 
 Each --run is LABEL=DIR, DIR an `eval.py mixture` output directory (report.json and
-predictions.jsonl). The methods are that directory's ways of attending; LABEL names the routers behind
-them: `full` and `sparse` rows come from the first run that has them, `elastic` and `static`
-rows are named after LABEL (e.g. the elastic attention of the static-trained routers is the
-trained static gate). Cells: accuracy % (MSR) per task type, seen and held-out variants.
+predictions.jsonl; another benchmark's run is refused), each LABEL once. The methods are that
+directory's ways of attending; LABEL names the routers behind them: `full` and `sparse` rows
+come from the first run that has them, `elastic` and `static` rows are named after LABEL (e.g.
+the elastic attention of the static-trained routers is the trained static gate). Cells:
+accuracy % (MSR) per task type, seen and held-out variants.
 
 Then, where the runs evaluated the same items (same --seed, --samples, --lengths and
 --heldout-lengths): elastic against every other method, paired over those items, with 95%
@@ -40,12 +41,26 @@ VARIANTS = ("seen", "held-out")
 
 
 def read_run(directory: str) -> dict:
+  """An `eval.py mixture` run's report.json; refused in one sentence when it is another
+  benchmark's, or has no finished task of the mixture."""
   path = os.path.join(directory, "report.json")
   try:
     with open(path, encoding="utf-8") as f:
-      return json.load(f)
+      rep = json.load(f)
   except (OSError, ValueError) as e:
     raise ElasticJaxError(f"{path}: cannot read an eval report ({e})") from None
+  benchmark = rep.get("benchmark") if isinstance(rep, dict) else None
+  if benchmark not in (None, "mixture"):
+    raise ElasticJaxError(f"{path}: a report of `eval.py {benchmark}`, not of `eval.py "
+                          "mixture`, the only runs this table is made from")
+  cells = {f"{t}@{v}" for t in mixture.TASKS for v in VARIANTS}
+  bodies = rep.get("attention") if isinstance(rep, dict) else None
+  if not isinstance(bodies, dict) or not any(
+      isinstance(b, dict) and cells & set(b.get("tasks") or ()) for b in bodies.values()):
+    raise ElasticJaxError(f"{path}: holds no finished task of the mixture "
+                          f"({', '.join(mixture.TASKS)}), so it is no `eval.py mixture` report "
+                          "this table can be made from")
+  return rep
 
 
 def rows_of(runs: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
@@ -218,97 +233,137 @@ def parse_kernel_times(text: str) -> list[tuple[float, float]]:
   except ValueError:
     raise ElasticJaxError(f"--kernel-times {text!r}: expected MSR:ms pairs, e.g. "
                      "0:232,0.75:65.4,1:8.12") from None
+  if not all(np.isfinite(x) for pair in pts for x in pair):
+    raise ElasticJaxError(f"--kernel-times {text!r}: MSRs and times must be finite numbers")
   if pts[0][0] != 0.0 or pts[-1][0] != 1.0 or any(ms <= 0 for _, ms in pts):
     raise ElasticJaxError("--kernel-times needs MSR 0 and 1 and positive times")
   return pts
 
 
+def describe(runs: list[tuple[str, dict]]) -> tuple[str, str, str]:
+  """(model, routers, setting) of the runs, for figure titles: the models their reports name,
+  the runs' labels (which name the routers) and the mixture's prompt lengths and item count,
+  read off the items' keys (TASK/VARIANT/LENGTH/INDEX)."""
+  models = sorted({str(rep.get("model")) for _, rep in runs if rep.get("model")})
+  lengths: dict[str, set[str]] = {}
+  items: set[str] = set()
+  for _, rep in runs:
+    for scores in rep.get("item_scores", {}).values():
+      for key in scores:
+        parts = key.split("/")
+        items.add(key)
+        if len(parts) == 4:
+          lengths.setdefault(parts[1], set()).add(parts[2])
+  sizes = ", ".join(f"{v} {','.join(sorted(lengths[v], key=int))} tokens" for v in VARIANTS
+                    if v in lengths and all(x.isdigit() for x in lengths[v]))
+  setting = "task mixture" + (f": {sizes}" if sizes else "") + (
+      f"; {len(items)} items" if items else "")
+  return (", ".join(models) or None, ", ".join(label for label, _ in runs), setting)
+
+
 def _regime_panels(runs, x_of, xlabel: str, title: str, out_dir: str, name: str,
-                   log_x: bool = False) -> str:
+                   log_x: bool = False, about: tuple | None = None) -> str:
   """Accuracy of each method (sensitive and robust tasks, one panel each, seen and held-out
-  variants averaged) against x_of(its task rows); one legend beside the panels, so labels
-  never sit on the points."""
-  from elastic_jax.eval.report import save_figure
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+  variants averaged) against x_of(its task rows); one legend below the panels, so labels
+  never sit on the points. about: (model, routers, setting) for the title (default: the
+  runs' own, `describe`)."""
+  from elastic_jax.eval.report import figure_title, pyplot, save_figure
+  plt = pyplot()
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), sharey=True, layout="constrained")
+  legend: dict[str, object] = {}
   for ax, group, panel in ((axes[0], mixture.SENSITIVE, "sensitive tasks (kv, hop)"),
                            (axes[1], tuple(t for t in mixture.TASKS
                                            if t not in mixture.SENSITIVE),
                             "robust tasks (summary, pattern, fewshot)")):
     markers = iter("osD^v<>phX*")
-    for method, body in rows_of(runs):
+    for i, (method, body) in enumerate(rows_of(runs)):
       pts = [body["tasks"].get(f"{t}@{v}") for t in group for v in VARIANTS]
       pts = [p for p in pts if p]
+      marker = next(markers, "o")
       if not pts:
         continue
-      ax.scatter([x_of(pts)], [np.mean([p["score"] for p in pts])], s=40,
-                 marker=next(markers, "o"), label=method)
+      mark = ax.scatter([x_of(pts)], [np.mean([p["score"] for p in pts])], s=40,
+                        marker=marker, color=f"C{i % 10}", label=method)
+      legend.setdefault(method, mark)
     ax.set_title(panel, fontsize=10)
     ax.set_xlabel(xlabel, fontsize=8 if "\n" in xlabel else None)
     if log_x:
       ax.set_xscale("log")
     else:
       ax.set_xlim(-0.05, 1.05)
-  axes[0].set_ylabel("accuracy %")
-  handles, labels = axes[0].get_legend_handles_labels()
-  fig.legend(handles, labels, fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
-  fig.suptitle(title, fontsize=11)
+  axes[0].set_ylabel("accuracy (%)")
+  fig.legend(list(legend.values()), list(legend), fontsize=8, loc="outside lower center",
+             ncols=min(3, len(legend)))
+  fig.suptitle(figure_title(title, *(about or describe(runs))), fontsize=10)
   path = save_figure(fig, out_dir, name)
   plt.close(fig)
   return path
 
 
-def plot_kernel_speed(runs, kernel: list[tuple[float, float]], label: str, out_dir: str) -> str:
+def plot_kernel_speed(runs, kernel: list[tuple[float, float]], label: str, out_dir: str,
+                      model: str | None = None, routers: str | None = None,
+                      setting: str | None = None) -> str:
   """Accuracy (sensitive and robust tasks) against the attention speed-up over full that the
   method's average MSR buys at the scale the kernel times were measured (interpolated
-  between measured MSRs)."""
+  between measured MSRs). model, routers, setting: for the title (default: the runs' own)."""
   ms, ts = np.array([p[0] for p in kernel]), np.array([p[1] for p in kernel])
   speedup = lambda pts: ts[0] / float(np.interp(np.mean([p["msr"] for p in pts]), ms, ts))
-  return _regime_panels(runs, speedup, "attention speed-up over full at the method's MSR\n"
-                        + label, "quality against measured attention speed", out_dir,
-                        "quality_vs_speed.png", log_x=True)
+  return _regime_panels(runs, speedup, "attention speed-up over full at the method's MSR (x)"
+                        + (f"\n{label}" if label else ""),
+                        "Quality against measured attention speed", out_dir,
+                        "quality_vs_speed.png", log_x=True,
+                        about=_about(runs, model, routers, setting))
 
 
-def plot(runs: list[tuple[str, dict]], elastic_dir: str | None, out_dir: str) -> list[str]:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  from elastic_jax.eval.report import save_figure
-  os.makedirs(out_dir, exist_ok=True)
-  written = [_regime_panels(runs, lambda pts: np.mean([p["esr"] for p in pts]),
-                            "ESR: share of causal attention pruned (last layer)",
-                            "quality against attention pruned", out_dir,
-                            "quality_vs_sparsity.png")]
-  if elastic_dir:
-    recs = []
-    with open(os.path.join(elastic_dir, "predictions.jsonl"), encoding="utf-8") as f:
+def _about(runs, model, routers, setting) -> tuple:
+  own = describe(runs)
+  return (model or own[0], routers or own[1], setting or own[2])
+
+
+def read_elastic_records(directory: str) -> list[dict]:
+  """The elastic attention's prediction records of a run (its predictions.jsonl)."""
+  path = os.path.join(directory, "predictions.jsonl")
+  recs = []
+  try:
+    with open(path, encoding="utf-8") as f:
       for line in f:
         if line.strip():
           r = json.loads(line)
-          if r["attention"] == "elastic":
+          if r.get("attention") == "elastic":
             recs.append(r)
-    fig, axes = plt.subplots(2, len(mixture.TASKS), figsize=(2.6 * len(mixture.TASKS), 5),
-                             squeeze=False)
-    im = None
-    for j, task in enumerate(mixture.TASKS):
-      for i, variant in enumerate(VARIANTS):
+  except (OSError, ValueError) as e:
+    raise ElasticJaxError(f"{path}: cannot read the run's predictions ({e})") from None
+  return recs
+
+
+def plot(runs: list[tuple[str, dict]], elastic_dir: str | None, out_dir: str,
+         model: str | None = None, routers: str | None = None,
+         setting: str | None = None) -> list[str]:
+  """quality_vs_sparsity.png and, from elastic_dir's predictions, routing_map.png. model,
+  routers, setting: for the titles (default: the runs' own, `describe`; the routing map's
+  routers: those of the run labelled elastic)."""
+  from elastic_jax.eval.report import figure_title, heatmap_grid, pyplot, save_figure
+  plt = pyplot()
+  os.makedirs(out_dir, exist_ok=True)
+  about = _about(runs, model, routers, setting)
+  written = [_regime_panels(runs, lambda pts: np.mean([p["esr"] for p in pts]),
+                            "ESR (share of causal attention pruned, last layer)",
+                            "Quality against attention pruned", out_dir,
+                            "quality_vs_sparsity.png", about=about)]
+  if elastic_dir:
+    recs = read_elastic_records(elastic_dir)
+    panels = []
+    for variant in VARIANTS:
+      for task in mixture.TASKS:
         g = [np.asarray(r["gates"], float) for r in recs if r["task"] == f"{task}@{variant}"]
-        ax = axes[i, j]
-        if not g:
-          ax.axis("off")
-          continue
-        im = ax.imshow(np.mean(g, 0).T, vmin=0, vmax=1, cmap="viridis", origin="lower",
-                       aspect="auto")
-        ax.set_title(f"{task} ({variant})", fontsize=9)
-        ax.set_xlabel("layer", fontsize=8)
-        if j == 0:
-          ax.set_ylabel("KV head", fontsize=8)
-    if im is not None:
-      fig.colorbar(im, ax=axes, shrink=0.8, label="share of inputs sent to full attention")
-    written.append(save_figure(fig, out_dir, "routing_map.png"))
-    plt.close(fig)
+        panels.append((f"{task} ({variant})", np.mean(g, 0) if g else None))
+    if any(v is not None for _, v in panels):
+      fig = heatmap_grid(plt, panels, len(mixture.TASKS),
+                         figure_title("Routing map of the elastic attention", about[0],
+                                      routers or "elastic", about[2]),
+                         "share of inputs sent to full attention (0-1)")
+      written.append(save_figure(fig, out_dir, "routing_map.png"))
+      plt.close(fig)
   return written
 
 
@@ -341,8 +396,13 @@ def main(argv=None) -> int:
     label, sep, directory = spec.partition("=")
     if not sep or not directory:
       raise ElasticJaxError(f"--run {spec!r}: expected LABEL=DIR")
+    if label in dirs:
+      raise ElasticJaxError(f"--run {spec!r}: the label {label!r} is given twice (also "
+                            f"{label}={dirs[label]}); give every run its own label")
     runs.append((label, read_run(directory)))
     dirs[label] = directory
+  if args.plots and "elastic" in dirs:
+    read_elastic_records(dirs["elastic"])       # readable before anything is written
   text = table(runs)
   extra = [x for x in (paired_table(runs), targets_table(targets(runs))) if x]
   text = "\n".join([text, *extra])

@@ -58,8 +58,8 @@ def _read_table(path: str):
   try:
     import pyarrow.parquet as pq
   except ImportError:
-    raise ElasticJaxError("reading the authors' parquet data needs pyarrow (pip install "
-                          "pyarrow)") from None
+    raise ElasticJaxError("reading the authors' parquet data needs pyarrow: pip install "
+                          "'elastic-jax[data]'") from None
   files = (sorted(glob.glob(os.path.join(path, "*.parquet"))) if os.path.isdir(path)
            else [path])
   if not files or not all(os.path.isfile(f) for f in files):

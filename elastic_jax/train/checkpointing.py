@@ -201,16 +201,14 @@ def state_checksum(state) -> str:
   return h.hexdigest()
 
 
-_OS_ERRORS = ("No space left on device", "Disk quota exceeded", "Read-only file system",
-              "Permission denied", "Input/output error")
-
-
 def _reason(e: BaseException) -> str:
-  """One short line from an orbax / tensorstore exception."""
+  """One short line from an orbax / tensorstore exception: the system's words for a write the
+  place refused (`files.write_failure`: a full disk, a read-only folder), else its first line."""
+  from elastic_jax.files import write_failure
+  found = write_failure(e)
+  if found is not None:
+    return found[0]
   text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-  for os_error in _OS_ERRORS:
-    if os_error in text:
-      return os_error
   text = text.split(" [tensorstore_spec", 1)[0].split("[tensorstore_spec", 1)[0].strip()
   if len(text) > 300:
     text = text[:297] + "..."

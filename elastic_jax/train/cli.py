@@ -14,8 +14,10 @@ checkpoint.every_steps, the last checkpoint.keep kept; SIGTERM saves and stops),
 (held-out MSR per task) and export/ (the routers, ours and the authors' layout; with
 export.full_model=true also the backbone with the routers merged in). Running the same
 command again resumes from the latest checkpoint (checkpoint.resume=auto). data.train_path
-takes our JSONL or the authors' parquet data. A --config given by name (mixture_cpu.yaml) is
-looked up among the shipped configs.
+takes our JSONL or the authors' parquet data. A --config given by name (mixture_cpu.yaml), or
+as configs/NAME.yaml where no such file is, is the shipped config of that name. An export
+folder holding files that no train run exported there is refused (export.overwrite=true
+replaces it). --print-config prints the resolved config as YAML that --config reads back.
 
 Many hosts: start one process per host with --distributed (SLURM and TPU pods are detected;
 elsewhere give --coordinator HOST:PORT --num-processes N --process-id I).
@@ -24,42 +26,46 @@ elsewhere give --coordinator HOST:PORT --num-processes N --process-id I).
 from __future__ import annotations
 
 import argparse
-import os
 
 from elastic_jax.errors import ElasticJaxError
-from elastic_jax.resources import CONFIGS_DIR
 
 DEFAULT_CONFIG = "mixture_cpu.yaml"
 
 
-def parse_args(argv=None):
-  p = argparse.ArgumentParser(prog="train.py", description=__doc__,
+def build_parser() -> argparse.ArgumentParser:
+  from elastic_jax.cli import prog_name, with_prog
+  prog = prog_name("train.py")
+  p = argparse.ArgumentParser(prog=prog, description=with_prog(__doc__, "train.py", prog),
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--config", default=DEFAULT_CONFIG,
-                 help=f"YAML run config: a path, or the name of a shipped one (default "
-                      f"{DEFAULT_CONFIG})")
-  p.add_argument("overrides", nargs="*", metavar="section.key=value")
+                 help=f"YAML run config: a path, or a shipped one by name (tiny.yaml, or "
+                      f"configs/tiny.yaml from any directory; default {DEFAULT_CONFIG})")
+  p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                 help="change keys of the config, the value read as YAML (train.steps=300, "
+                      "objective.targets=[0.7,0.7,1,1,1], data.train_path=null)")
   p.add_argument("--print-config", action="store_true",
-                 help="print every key of the resolved config with its comment, then stop")
+                 help="print the resolved config as YAML, every key with its comment (what "
+                      "--config reads back), then stop")
   p.add_argument("--resume", action="store_true",
                  help="require a checkpoint to resume from (checkpoint.resume=require)")
   p.add_argument("--distributed", action="store_true",
                  help="call jax.distributed.initialize() (multi-host runs)")
   p.add_argument("--coordinator", help="HOST:PORT of process 0 (with --distributed)")
-  p.add_argument("--num-processes", type=int)
-  p.add_argument("--process-id", type=int)
-  return p.parse_args(argv)
+  p.add_argument("--num-processes", type=int,
+                 help="number of processes of a multi-host run (with --coordinator)")
+  p.add_argument("--process-id", type=int,
+                 help="this process's index, 0 .. --num-processes - 1 (with --coordinator)")
+  return p
+
+
+def parse_args(argv=None):
+  return build_parser().parse_args(argv)
 
 
 def config_path(name: str) -> str:
-  """A path as given, else a shipped config of that name."""
-  if os.path.exists(name):
-    return name
-  shipped = os.path.join(CONFIGS_DIR, os.path.basename(name))
-  if os.path.basename(name) == name and os.path.isfile(shipped):
-    return shipped
-  raise ElasticJaxError(f"{name}: no such config file (nor a shipped config of that name in "
-                        f"{CONFIGS_DIR})")
+  """A path as given, else a shipped config of that name (`tiny.yaml`, `configs/tiny.yaml`)."""
+  from elastic_jax.cli import config_file
+  return config_file(name)
 
 
 def main(argv=None) -> int:
@@ -69,7 +75,8 @@ def main(argv=None) -> int:
   overrides = list(args.overrides) + (["checkpoint.resume=require"] if args.resume else [])
   cfg = load_run_config(config_path(args.config), overrides)  # before any device is touched
   if args.print_config:
-    print(describe_config(cfg))
+    from elastic_jax.cli import prog_name
+    print(describe_config(cfg, prog_name("train.py")), end="")
     return 0
   if args.distributed or args.coordinator:
     import jax

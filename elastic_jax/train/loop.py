@@ -12,6 +12,7 @@ from it is saved.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -26,15 +27,17 @@ from jax.sharding import NamedSharding, PartitionSpec
 from elastic_jax import router_io
 from elastic_jax.config import ModelConfig, read_config_file, read_hf_config
 from elastic_jax.errors import ElasticJaxError
-from elastic_jax.files import DirectoryLock
+from elastic_jax.files import DirectoryLock, atomic_write_text
 from elastic_jax.model import forward_routed_jit
 from elastic_jax.router import msr
 from elastic_jax.tasks import TASK_TYPES
 from elastic_jax.train.checkpointing import PreemptionGuard, TrainCheckpointer, train_fingerprint
 from elastic_jax.train.metrics import Metrics, progress_line, say, step_record
 from elastic_jax.train.run_config import RunConfig, dump_run_config, resolve_model_path
-from elastic_jax.train.setup import (abstract_train_state, batch_sharding, data_fingerprint,
-                                     load_backbone, make_data, mesh_layout, preflight, to_global)
+from elastic_jax.train.setup import (EXPORT_MANIFEST, abstract_train_state, batch_sharding,
+                                     check_export_target, data_fingerprint, export_targets,
+                                     files_under, load_backbone, make_data, mesh_layout,
+                                     preflight, read_export_manifest, to_global)
 from elastic_jax.train.step import all_finite, init_train_state, train_step
 
 
@@ -105,7 +108,7 @@ def _train(cfg: RunConfig) -> dict[str, Any]:
   train_path, eval_path = cfg.data.train_path, cfg.data.eval_path
   data = make_data(cfg, mcfg.vocab_size, train_path)
   say(f"backbone {mcfg.family}: {mcfg.num_layers} layers x {mcfg.num_kv_heads} KV heads, "
-      f"{cfg.model.dtype}, loaded in {time.perf_counter() - t0:.1f}s; mesh "
+      f"{jax.tree.leaves(backbone)[0].dtype}, loaded in {time.perf_counter() - t0:.1f}s; mesh "
       f"{dict(mesh.shape)} over {jax.device_count()} devices, {jax.process_count()} "
       f"process(es)")
 
@@ -197,9 +200,9 @@ def _train(cfg: RunConfig) -> dict[str, Any]:
       summary["eval_msr"] = evaluate_msr(cfg, mcfg, backbone, state.trainable["router"],
                                          eval_data, eval_batches, eval_shardings, rules)
     if jax.process_index() == 0:
-      with open(os.path.join(cfg.log_dir, "eval.json"), "w") as f:
-        json.dump({"step": summary["step"], "msr_task": summary["eval_msr"],
-                   "targets": dict(zip(TASK_TYPES, cfg.objective.targets))}, f, indent=1)
+      atomic_write_text(os.path.join(cfg.log_dir, "eval.json"), json.dumps(
+          {"step": summary["step"], "msr_task": summary["eval_msr"],
+           "targets": dict(zip(TASK_TYPES, cfg.objective.targets))}, indent=1))
   if jax.process_index() == 0:
     summary["export"] = export(cfg, mcfg, backbone, jax.device_get(state.trainable))
   return summary
@@ -208,18 +211,48 @@ def _train(cfg: RunConfig) -> dict[str, Any]:
 def export(cfg: RunConfig, mcfg: ModelConfig, backbone, trainable: dict) -> dict[str, str]:
   """Writes what cfg.export asks for under cfg.export_dir (router_io's layouts; the full
   model in the authors' layout); returns {layout: path}. A layout that cannot hold these
-  routers is said, not written."""
+  routers is said, not written. Each folder is written whole or not at all, and replaces only
+  what a train run exported there (`setup.check_export_target`); a failure (a full disk) says
+  so in one sentence, keeping the checkpoint the routers come from."""
+  export_dir = cfg.export_dir
+  created = not os.path.exists(export_dir)
+  try:
+    return _export(cfg, mcfg, backbone, trainable)
+  except BaseException as e:
+    with contextlib.suppress(OSError):
+      if created and set(os.listdir(export_dir)) <= {EXPORT_MANIFEST}:
+        with contextlib.suppress(FileNotFoundError):   # leave no empty export folder behind
+          os.remove(os.path.join(export_dir, EXPORT_MANIFEST))
+        os.rmdir(export_dir)
+    if not isinstance(e, ElasticJaxError):
+      raise
+    raise ElasticJaxError(f"{e}; the trained routers are kept in the last checkpoint "
+                          f"({cfg.checkpoint_dir}), and the same command exports them again"
+                          ) from None
+
+
+def _export(cfg: RunConfig, mcfg: ModelConfig, backbone, trainable: dict) -> dict[str, str]:
   routers = router_io.Routers(trainable["router"], cfg.router, trainable["lambdas"])
+  targets = export_targets(cfg)
+  manifest = read_export_manifest(cfg.export_dir)
   paths = {}
+
+  def write(layout: str, save) -> None:
+    target = targets[layout]
+    check_export_target(cfg, layout, target, manifest)
+    paths[layout] = save(target)
+    manifest[os.path.basename(target)] = files_under(target)
+    atomic_write_text(os.path.join(cfg.export_dir, EXPORT_MANIFEST),
+                      json.dumps(manifest, indent=1) + "\n")
+
   if cfg.export.ours:
-    paths["ours"] = router_io.save_routers(os.path.join(cfg.export_dir, "elastic_jax"),
-                                           routers, mcfg, targets=cfg.objective.targets)
+    write("ours", lambda d: router_io.save_routers(d, routers, mcfg,
+                                                   targets=cfg.objective.targets))
   problem = router_io.authors_layout_problem(cfg.router)
   if cfg.export.authors and problem:
     say(f"note: export.authors skipped: {problem}")
   elif cfg.export.authors:
-    paths["authors"] = router_io.save_routers_authors(
-        os.path.join(cfg.export_dir, "authors"), routers, mcfg)
+    write("authors", lambda d: router_io.save_routers_authors(d, routers, mcfg))
   if cfg.export.full_model:
     from elastic_jax.elastic_model import ElasticModel, save_pretrained
     path = resolve_model_path(cfg.model)
@@ -228,7 +261,9 @@ def export(cfg: RunConfig, mcfg: ModelConfig, backbone, trainable: dict) -> dict
                          source_dir=None if cfg.model.random_init else path,
                          router_params=routers.params, router_config=routers.config,
                          lambdas=routers.lambdas)
-    paths["full_model"] = os.path.join(cfg.export_dir, "full_model")
-    save_pretrained(model, paths["full_model"], overwrite=True)
-  return paths
 
+    def save_full(d):
+      save_pretrained(model, d, overwrite=True)
+      return d
+    write("full_model", save_full)
+  return paths

@@ -3,6 +3,7 @@ for tools."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -12,6 +13,7 @@ import jax
 import numpy as np
 
 from elastic_jax.errors import ElasticJaxError
+from elastic_jax.files import append_whole, repair_jsonl_tail, write_error
 from elastic_jax.tasks import TASK_TYPES
 from elastic_jax.train.run_config import RunConfig
 
@@ -30,21 +32,33 @@ class Metrics:
     self.jsonl = self.tb = None
     if jax.process_index() != 0:
       return
-    os.makedirs(cfg.log_dir, exist_ok=True)
-    if cfg.log.jsonl:
-      self.jsonl = open(os.path.join(cfg.log_dir, "metrics.jsonl"), "a")
+    self.path = os.path.join(cfg.log_dir, "metrics.jsonl")
+    try:
+      os.makedirs(cfg.log_dir, exist_ok=True)
+      if cfg.log.jsonl:
+        repair_jsonl_tail(self.path)       # a line a killed run left half-written
+        self.jsonl = open(self.path, "ab", buffering=0)
+    except OSError as e:
+      raise ElasticJaxError(f"log.dir '{cfg.log_dir}': cannot be created or written there "
+                            f"({e.strerror or e})") from None
     if cfg.log.tensorboard:
       try:
         from tensorboardX import SummaryWriter
       except ImportError:
-        raise ElasticJaxError("log.tensorboard needs the tensorboardX package (pip install "
-                              "tensorboardX), or set log.tensorboard=false") from None
+        raise ElasticJaxError("log.tensorboard needs tensorboardX: pip install "
+                              "'elastic-jax[tensorboard]', or set log.tensorboard=false"
+                              ) from None
       self.tb = SummaryWriter(os.path.join(cfg.log_dir, "tensorboard"))
 
   def write(self, record: dict[str, Any]) -> None:
     if self.jsonl:
-      self.jsonl.write(json.dumps(record) + "\n")
-      self.jsonl.flush()
+      try:
+        append_whole(self.jsonl, (json.dumps(record) + "\n").encode("utf-8"))
+      except OSError as e:
+        error = write_error(self.path, e, "; checkpoints written before are kept")
+        if error is None:
+          raise
+        raise error from None
     if self.tb:
       for k, v in _flatten(record).items():
         if k != "step" and isinstance(v, (int, float)):
@@ -53,7 +67,9 @@ class Metrics:
   def close(self) -> None:
     for f in (self.jsonl, self.tb):
       if f is not None:
-        f.close()
+        with contextlib.suppress(OSError):    # a full disk is said where the write failed
+          f.close()
+    self.jsonl = self.tb = None
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

@@ -51,7 +51,8 @@ class ModelSource:
   """The frozen backbone."""
   path: str                          # HF or converted model dir, or a config JSON (e.g.
                                      # tiny_qwen3.json, looked up in configs/) for random init
-  dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"  # backbone parameters
+  dtype: Literal["bfloat16", "float32", "float16", "auto"] = "bfloat16"  # backbone parameters;
+                                     # auto: the checkpoint's own dtype
   attn_impl: AttnImpl = "auto"       # attention kernels (elastic_jax.attention); auto = fused
   remat: bool = True                 # rematerialise each layer in the backward pass
 
@@ -167,6 +168,8 @@ class ExportConfig:
   full_model: bool = False           # also the backbone with the routers merged in, the
                                      # authors' full-model layout (EXPORT_DIR/full_model)
   dir: str | None = None             # null = RUN_DIR/export
+  overwrite: bool = False            # replace an export folder holding files that no train
+                                     # run exported there (else the run refuses it up front)
 
 
 # Fields of the reused dataclasses that follow another key (dotted key -> the key it follows).
@@ -611,25 +614,32 @@ def _field_comments(cls) -> dict[str, str]:
   return comments
 
 
-def describe_config(cfg: RunConfig) -> str:
-  """Every key of `cfg` with its value and its one-line comment (train.py --print-config)."""
-  out = []
+def describe_config(cfg: RunConfig, command: str = "train.py") -> str:
+  """`cfg` as YAML with each key's comment on a `#` line above it (train.py --print-config):
+  `load_run_config` reads the text back to the same config."""
+  import textwrap
+  out = [f"# The resolved run configuration; {command} --config FILE reads it back."]
 
-  def walk(obj, prefix):
+  def comment(note: str, indent: str) -> None:
+    if note:
+      out.extend(textwrap.wrap(note, 98 - len(indent), initial_indent=indent + "# ",
+                               subsequent_indent=indent + "# ", break_on_hyphens=False))
+
+  def walk(obj, prefix, indent):
     notes = _field_comments(type(obj))
     for f in dataclasses.fields(obj):
       if not f.init:
         continue
       value = getattr(obj, f.name)
-      key = _join(prefix, f.name)
+      comment(notes.get(f.name, ""), indent)
       if dataclasses.is_dataclass(value):
-        out.append(f"{key}:{'  # ' + notes[f.name] if notes.get(f.name) else ''}")
-        walk(value, key)
+        out.append(f"{indent}{f.name}:")
+        walk(value, _join(prefix, f.name), indent + "  ")
       else:
-        shown = yaml.safe_dump(_to_plain(value, key), default_flow_style=True).strip()
-        shown = shown.removesuffix("\n...").removesuffix(" ...").strip()
-        note = notes.get(f.name, "")
-        out.append(f"  {key} = {shown}" + (f"   # {note}" if note else ""))
+        line = yaml.dump({f.name: _to_plain(value, _join(prefix, f.name))}, Dumper=_Dumper,
+                         sort_keys=False, default_flow_style=False, width=10**6,
+                         allow_unicode=True)
+        out.extend(indent + text for text in line.rstrip("\n").split("\n"))
 
-  walk(cfg, "")
-  return "\n".join(out)
+  walk(cfg, "", "")
+  return "\n".join(out) + "\n"

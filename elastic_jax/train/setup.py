@@ -33,8 +33,8 @@ def preflight(cfg: RunConfig) -> ModelConfig:
     try:
       import tensorboardX  # noqa: F401 - only whether it is installed
     except ImportError:
-      raise ElasticJaxError("log.tensorboard needs the tensorboardX package (pip install "
-                            "tensorboardX), or set log.tensorboard=false") from None
+      raise ElasticJaxError("log.tensorboard needs tensorboardX: pip install "
+                            "'elastic-jax[tensorboard]', or set log.tensorboard=false") from None
   for data_path, key in ((cfg.data.train_path, "data.train_path"),
                          (cfg.data.eval_path, "data.eval_path")):
     if data_path is not None and not os.path.exists(data_path):
@@ -55,16 +55,75 @@ def preflight(cfg: RunConfig) -> ModelConfig:
       check_apart(out, inputs, "an input of the run (model, data or tokenizer)")
     except ElasticJaxError as e:
       raise ElasticJaxError(f"{what} {e}") from None
+  for layout, target in export_targets(cfg).items():
+    check_export_target(cfg, layout, target, read_export_manifest(cfg.export_dir))
   if cfg.export.full_model:
     if jax.process_count() > 1:
       raise ElasticJaxError("export.full_model runs in a single process; on many hosts, merge "
                             "the exported routers afterwards with python -m elastic_jax.convert "
                             "MODEL OUT --to-hf --routers EXPORT_DIR/elastic_jax")
-    problem = router_io.authors_layout_problem(cfg.router)
-    if problem:
-      raise ElasticJaxError(f"export.full_model: {problem}")
   return mcfg
 
+
+
+# EXPORT_DIR/.exports.json: the files each export folder received from a train run, so that a
+# later run replaces its own exports (a resumed run exports again) but not what a user keeps
+# there.
+EXPORT_MANIFEST = ".exports.json"
+# What exports wrote before the record was kept, recognised by their files.
+_EXPORT_FILES = {"ours": {"routers.json", "routers.safetensors"},
+                 "authors": {"routers.safetensors", "config_extra.json"}}
+
+
+def export_targets(cfg: RunConfig) -> dict[str, str]:
+  """{layout: folder} of what cfg.export writes at the end of the run."""
+  targets = {}
+  if cfg.export.ours:
+    targets["ours"] = os.path.join(cfg.export_dir, "elastic_jax")
+  if cfg.export.authors and router_io.authors_layout_problem(cfg.router) is None:
+    targets["authors"] = os.path.join(cfg.export_dir, "authors")
+  if cfg.export.full_model:
+    targets["full_model"] = os.path.join(cfg.export_dir, "full_model")
+  return targets
+
+
+def files_under(directory: str) -> list[str]:
+  """The files under `directory`, as sorted paths relative to it."""
+  out = []
+  for root, dirs, files in os.walk(directory):
+    for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+      out.append(os.path.relpath(os.path.join(root, name), directory))
+  return sorted(out)
+
+
+def read_export_manifest(export_dir: str) -> dict[str, list[str]]:
+  """{folder name: its files} of the exports a train run wrote in `export_dir`."""
+  import json
+  try:
+    with open(os.path.join(export_dir, EXPORT_MANIFEST), encoding="utf-8") as f:
+      manifest = json.load(f)
+  except (OSError, ValueError):
+    return {}
+  return manifest if isinstance(manifest, dict) else {}
+
+
+def check_export_target(cfg: RunConfig, layout: str, target: str,
+                        manifest: dict[str, list[str]]) -> None:
+  """Refuses an export folder that holds files no train run exported there (a user's), unless
+  export.overwrite: the export replaces its folder whole."""
+  if not os.path.lexists(target) or cfg.export.overwrite:
+    return
+  if os.path.isdir(target) and not os.path.islink(target):
+    files = set(files_under(target))
+    ours = set(manifest.get(os.path.basename(target), ())) | _EXPORT_FILES.get(layout, set())
+    if files <= ours:
+      return
+    example = f" (e.g. {sorted(files - ours)[0]})"
+  else:
+    example = " (not a folder)"
+  key = "export.ours" if layout == "ours" else f"export.{layout}"
+  raise ElasticJaxError(f"{key}: {target} holds what no train run exported there{example}; "
+                        "move it away, or set export.overwrite=true to replace it")
 
 
 def mesh_layout(cfg: RunConfig, devices=None):
@@ -99,13 +158,17 @@ def load_backbone(cfg: RunConfig, mesh) -> tuple[ModelConfig, dict]:
   """The frozen backbone, placed on the mesh by its logical axes (random for a config JSON)."""
   path = resolve_model_path(cfg.model)
   if cfg.model.random_init:
-    mcfg, _ = read_config_file(path)
-    _, _, shardings = backbone_shardings(mcfg, cfg.model.dtype, mesh)
-    init = jax.jit(lambda key: init_params(mcfg, key, cfg.model.dtype), out_shardings=shardings)
+    mcfg, raw = read_config_file(path)
+    dtype = cfg.model.dtype
+    if dtype == "auto":            # the config's own dtype, else float32
+      named = raw.get("torch_dtype") or raw.get("dtype")
+      dtype = named if named in ("bfloat16", "float32", "float16") else "float32"
+    _, _, shardings = backbone_shardings(mcfg, dtype, mesh)
+    init = jax.jit(lambda key: init_params(mcfg, key, dtype), out_shardings=shardings)
     return mcfg, init(jax.random.key(cfg.seed + 7919))
   from elastic_jax.elastic_model import from_pretrained
-  model = from_pretrained(path, cfg.model.dtype, show_progress=jax.process_index() == 0)
-  _, _, shardings = backbone_shardings(model.config, cfg.model.dtype, mesh)
+  model = from_pretrained(path, dtype=cfg.model.dtype, show_progress=jax.process_index() == 0)
+  _, _, shardings = backbone_shardings(model.config, model.dtype, mesh)
   return model.config, jax.device_put(model.params, shardings)
 
 
