@@ -51,7 +51,7 @@ class ModelSource:
   """The frozen backbone."""
   path: str                          # HF or converted model dir, or a config JSON (e.g.
                                      # tiny_qwen3.json, looked up in configs/) for random init
-  dtype: Literal["bfloat16", "float32", "float16", "auto"] = "bfloat16"  # backbone parameters;
+  dtype: Literal["bfloat16", "float32", "float16", "auto"] = "auto"  # backbone parameters;
                                      # auto: the checkpoint's own dtype
   attn_impl: AttnImpl = "auto"       # attention kernels (elastic_jax.attention); auto = fused
   remat: bool = True                 # rematerialise each layer in the backward pass
