@@ -12,7 +12,7 @@ import pytest
 import elastic_jax as ej
 from elastic_jax.eval import mixture
 from elastic_jax.generate import SamplingConfig, generate
-from elastic_jax.repro import frontier_report, scoring
+from elastic_jax.repro import frontier, frontier_report, scoring
 from elastic_jax.resources import PACKAGE_DIR
 
 BACKBONE = os.path.join(PACKAGE_DIR, "repro", "backbone")
@@ -160,3 +160,24 @@ def test_task_similarity_separates_clusters():
   assert names == ["kv", "summary"]
   assert sim[0, 0] > 0.9 and sim[1, 1] > 0.9 and sim[0, 1] < -0.5
   np.testing.assert_allclose(sim, sim.T)
+
+
+def test_report_sets_score_files_of_the_same_items_side_by_side(tmp_path, capsys):
+  """Two rounds' files combine for the runs asked for; a run name both hold with other
+  results, or files of other items, are refused."""
+  records = os.path.join(os.path.dirname(PACKAGE_DIR), "docs", "records")
+  r1, r2 = (os.path.join(records, f"frontier_round{i}.json") for i in (1, 2))
+  if not os.path.isfile(r1):
+    pytest.skip("the records are not in an installed package")
+  out = tmp_path / "kept.md"
+  assert frontier.main(["report", r1, r2, "--runs", "boundary100,e80-nocap-lr5e-4",
+                        "--out", str(out)]) == 0
+  text = out.read_text()
+  assert "| boundary100 (0.832) |" in text and "| e80-nocap-lr5e-4 (0.871) |" in text
+  with pytest.raises(ej.ElasticJaxError, match="elastic is also in an earlier file"):
+    frontier.main(["report", r1, r2])
+  other = json.load(open(r2))
+  other["items"] = other["items"][1:]
+  (tmp_path / "other.json").write_text(json.dumps(other))
+  with pytest.raises(ej.ElasticJaxError, match="scores other items"):
+    frontier.main(["report", r1, str(tmp_path / "other.json"), "--runs", "boundary100"])

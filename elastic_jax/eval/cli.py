@@ -431,6 +431,7 @@ def run_benchmark(args) -> int:
     meta = {"benchmark": args.command, "model": name, "attention_requested": attention,
             "device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
             "items": len(items), "patterns": rcfg.patterns,
+            **({"routers": os.path.normpath(args.routers)} if args.routers else {}),
             **({"xa_threshold": rcfg.xa_threshold} if rcfg.uses_xattention else {})}
     targets = _targets(model, benchmark, items)
     paths = report.write(summary, records, out, f"{args.command}: {name}", meta, targets)

@@ -362,15 +362,42 @@ def score(args) -> int:
 def report(args) -> int:
   from elastic_jax.files import atomic_write_text
   from elastic_jax.repro import frontier_report as fr
+  merged = None
+  for path in args.scores:   # several files of the same items: their methods side by side
+    try:
+      with open(path, encoding="utf-8") as f:
+        raw = json.load(f)
+      raw["items"], raw["methods"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      raise ElasticJaxError(f"{path}: cannot read a scores file ({type(e).__name__}: {e})"
+                            ) from None
+    if args.runs and len(args.scores) > 1:   # only what the chosen runs' rows need
+      keep = set(args.runs.split(","))
+      raw["methods"] = {n: b for n, b in raw["methods"].items()
+                        if n.split("/")[0] in keep or n in ("full", "sparse", "task-oracle")
+                        or n.startswith("task-set/")}
+    if merged is None:
+      merged = raw
+      continue
+    if raw["items"] != merged["items"]:
+      raise ElasticJaxError(f"{path}: scores other items than {args.scores[0]} (another seed, "
+                            "sample count or task list); only files of the same items combine")
+    for name, body in raw["methods"].items():
+      if name in merged["methods"] and body != merged["methods"][name]:
+        if name in ("full", "sparse") or name.startswith(("task-set/", "task-oracle")):
+          continue       # the endpoints scored again with each file: the first file's stay
+        raise ElasticJaxError(f"{path}: method {name} is also in an earlier file, with other "
+                              "results; rename one run")
+      merged["methods"].setdefault(name, body)
+  where = ", ".join(args.scores)
   try:
-    with open(args.scores, encoding="utf-8") as f:
-      s = fr.Scores(json.load(f))
-  except (OSError, ValueError) as e:
-    raise ElasticJaxError(f"{args.scores}: cannot read a scores file ({e})") from None
+    s = fr.Scores(merged)
+  except (ValueError, KeyError, TypeError) as e:
+    raise ElasticJaxError(f"{where}: cannot read a scores file ({e})") from None
   runs = args.runs.split(",") if args.runs else s.elastic_runs()
   missing = [r for r in runs if f"{r}/elastic" not in s.methods]
   if missing:
-    raise ElasticJaxError(f"{args.scores}: no elastic run named {', '.join(missing)} (it has "
+    raise ElasticJaxError(f"{where}: no elastic run named {', '.join(missing)} (it has "
                           f"{', '.join(s.elastic_runs())})")
   runs = sorted(runs, key=lambda r: s.msr(f"{r}/elastic"))
   parts = [f"## {args.title}", "",
@@ -498,7 +525,8 @@ def parse_args(argv=None):
   s.add_argument("--evidence", choices=("far", "near"), default="far",
                  help="near: the sensitive tasks' needed facts inside the streaming window")
   r = sub.add_parser("report", help="tables and the plot of a scores file")
-  r.add_argument("scores", help="score's JSON")
+  r.add_argument("scores", nargs="+",
+                 help="score's JSON; several files of the same items are shown together")
   r.add_argument("--runs", help="elastic runs to show, comma-separated (default: all)")
   r.add_argument("--title", default="The accuracy-sparsity frontier")
   r.add_argument("--tables", action="store_true", help="also every budget's full table")
