@@ -100,6 +100,27 @@ class ElasticModel:
     ours: a router export in `routers/` beside the backbone)."""
     save_pretrained(self, directory, **kwargs)
 
+  def generate(self, prompts, attention: str | None = None, **kwargs):
+    """Generates after each prompt; returns a `Generation` (`.texts` when a tokenizer is at
+    hand, `.tokens` always).
+
+    prompts: a text, a list of texts (tokenized with the model directory's tokenizer, or
+      `tokenizer`), token ids as an array [T] or [B, T], or a list of token-id lists.
+    attention: "elastic" (the default when the model has routers), "full" (the default
+      otherwise), "forced" (with `gates`) or "sparse".
+    max_new_tokens: one limit for every prompt, or one per prompt. It takes precedence over
+      `sampling.max_new_tokens`, as every argument of the call does over the config.
+    sampling: a `SamplingConfig` (temperature, top_p, seed, stop strings, ...).
+    eos_ids: token ids that end a sequence (default: the tokenizer's EOS).
+    The other keywords (attn_impl, return_logits, tokens_per_sync, layer_loop, prefill_chunk,
+    pack, gates) are `elastic_jax.generate.generate`'s.
+    """
+    unknown = sorted(set(kwargs) - set(_GENERATE_KEYWORDS))
+    if unknown:
+      raise ElasticJaxError(f"generate() got unknown keyword{'s' if len(unknown) > 1 else ''} "
+                            f"{', '.join(unknown)}; it takes {', '.join(_GENERATE_KEYWORDS)}")
+    return _generate(self, prompts, attention, **kwargs)
+
   @property
   def tokenizer(self):
     """The tokenizer of the model's directory (loaded once), for text prompts."""
@@ -315,29 +336,6 @@ def _prompt_list(prompts) -> list:
                            else " mixing texts and token ids"))
 
 
-def _generate_public(self: "ElasticModel", prompts, attention: str | None = None, **kwargs):
-  """Generates after each prompt; returns a `Generation` (`.texts` when a tokenizer is at
-  hand, `.tokens` always).
-
-  prompts: a text, a list of texts (tokenized with the model directory's tokenizer, or
-    `tokenizer`), token ids as an array [T] or [B, T], or a list of token-id lists.
-  attention: "elastic" (the default when the model has routers), "full" (the default
-    otherwise), "forced" (with `gates`) or "sparse".
-  max_new_tokens: one limit for every prompt, or one per prompt. It takes precedence over
-    `sampling.max_new_tokens`, as every argument of the call does over the config.
-  sampling: a `SamplingConfig` (temperature, top_k, top_p, seed, stop strings, ...).
-  eos_ids: token ids that end a sequence (default: the tokenizer's EOS).
-  The other keywords (attn_impl, return_logits, tokens_per_sync, layer_loop, prefill_chunk,
-  pack, gates) are `elastic_jax.generate.generate`'s.
-  """
-  unknown = sorted(set(kwargs) - set(_GENERATE_KEYWORDS))
-  if unknown:
-    raise ElasticJaxError(f"generate() got unknown keyword{'s' if len(unknown) > 1 else ''} "
-                          f"{', '.join(unknown)}; it takes {', '.join(_GENERATE_KEYWORDS)}")
-  return _generate(self, prompts, attention, **kwargs)
-
-
-ElasticModel.generate = _generate_public
 
 
 ROUTERS_DIR = "routers"   # our full-model layout: a router export beside the backbone

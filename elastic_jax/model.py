@@ -172,7 +172,8 @@ class Attention(nn.Module):
     if ctx.return_kv:
       stats = dict(stats, k=kk, v=v)
     if self.attention == "full":
-      # A mesh and rules that split "seq" make this sequence parallel (parallel.py).
+      # A mesh and rules that split "seq" make this sequence parallel
+      # (attention/sequence_parallel.py).
       # One unpadded input per row (or right padding only): no segment ids, so the fused
       # causal kernel (cuDNN on a GPU) applies.
       out = sequence_parallel.for_context(get_attention(self.attn_impl), hybrid=False)(
