@@ -13,19 +13,13 @@ interpret mode (where wgmma runs synchronously) and natively. `MosaicTiles(multi
 launches the two programs of one KV head and query tile as a cluster that shares each K/V tile
 (TMA multicast); Pallas's GPU interpreter has no multicast copy, so it is checked natively
 only (against the reference in the tests; on an H100 its outputs were also bit-equal to the
-default schedule's, plain, packed and XA rows). None is faster than the default schedule
-on an H100 (2026-12-05, benchmarks/README.md): persistent programs run full heads at
-0.92-0.94x its speed; the overlap at 0.97-1.01x; multicast at 1.00-1.01x, though it halves
-the traffic out of L2 (Nsight Compute: L2 at 39% of its peak without it, so L2 was not what
-held full heads back; the training forward has not run with it natively). The overlap was
-at 0.69-0.70x while it rescaled the accumulator and cast P to bf16 with a product in flight:
-ptxas then serialised every wgmma (warning C7513). It now does both after the PV product's
-wait, as FlashAttention-3 does, and the warning is gone. `MosaicTiles(q_registers=True)`
-feeds QK^T its Q tile from registers (loaded once per work item), so that the tensor cores
-read only K out of shared memory; natively only (interpret mode keeps Q in shared memory).
-On an H100 it is bit-equal to the default schedule and reads 19% less from shared memory,
-but the tensor pipe stays active 73% of cycles and the time within the run's spread
-(`benchmarks/README.md`): shared memory is not what idles the tensor cores either.
+default schedule's, plain, packed and XA rows). The overlap rescales the accumulator and casts P to bf16 after the PV product's wait, as
+FlashAttention-3 does (with a product in flight, ptxas serialises every wgmma: warning C7513).
+`MosaicTiles(q_registers=True)` feeds QK^T its Q tile from registers (loaded once per work
+item), so that the tensor cores read only K out of shared memory; natively only (interpret
+mode keeps Q in shared memory). Which schedule is fastest is measured, not assumed:
+`benchmarks/attention.py --mosaic-tiles` times them side by side, and its records
+(benchmarks/records/attention.md) show none of these beating the default schedule so far.
 
 The routing is read at run time, one launch for all heads: every program loads its KV head's
 mode from a small int32 array and walks that head's own list of KV tiles,
@@ -282,8 +276,8 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
       hp = hp * 2 + lax.axis_index("pair")
     # Heavy first: programs launch in grid order, and the last query tiles have the most
     # causal tiles to visit, so they start first and the short ones fill the tail. Light first
-    # measured 0.5-3% slower on full heads (benchmarks/README.md, 2026-12-06), though the
-    # Triton kernels want light first.
+    # measured slower on full heads (benchmarks/records/attention.md), though the Triton
+    # kernels want light first.
     qt = num_q_tiles - 1 - lax.axis_index("qt")
   else:
     b, hp, qt = item

@@ -23,14 +23,10 @@ column), S x D / depth steps each (`ScoringTiles.depth`: a step's share of head_
 programs start heaviest first. Padding: T up to whole tiles of stride
 rows and columns; padded keys and queries are masked.
 
-Natively on an H200 (2026-12-05, 32/8 heads, D 128, bf16; benchmarks/README.md) its block
-masses are within 9.6e-7 of `block_mass`'s and select the same blocks at 32K and 128K
-tokens; with the finish and the selection it takes 0.89-1.09 ms at 32K tokens against
-`block_mass`'s 1.16-1.41 ms, and 9.5-9.9 ms at 128K against 13.2-13.7 ms (before the kernel
-wrote its rows' tile sums, which lets the finish read the partial sums once, 1.02 and 10.40
-ms in the same pair of runs), so `xattention.select(attn_impl="auto")` runs it on a Hopper
-GPU. The default tiles were the fastest of nine tried on an H100 and of five on the H200
-(columns 128 or 256, depth 32, 64 or 128, two to eight slots).
+Natively its block masses agree with `block_mass`'s to float32 rounding and select the same
+blocks, and it is faster than `block_mass` at 32K and 128K tokens on Hopper GPUs, so
+`xattention.select(attn_impl="auto")` runs it there (`benchmarks/xattention.py`; the figures
+and the tile sweep that chose the defaults: benchmarks/records/xattention.md).
 
 Its layout constraints (`applies`): bf16 or fp16, head_dim a multiple of the step's depth,
 G even (the two warpgroups' query heads share a KV head), tiles of columns whose key blocks

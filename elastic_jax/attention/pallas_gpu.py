@@ -371,11 +371,9 @@ class Tiles:
                                 num_stages=self.num_stages)
 
 
-# Defaults chosen with `benchmarks/attention.py --tiles/--train-tiles` on an H200 (D = 128,
-# bf16, 2026-12-02). Forward at 32K: 128x64x3 (8 warps) beat 128x64x2, 128x32x3 and 64x64x3x4
-# by 14-35%; 128x128 tiles exceed shared memory. Training at 16K: 64x64x2x4 / 128x32x2x8 /
-# 32x128x2x8 took 20.5 ms against 33.4 ms for 64x64x2 everywhere and 23.8 ms for
-# 128x32x3x4 / 128x32x3x8 / 32x128x3x8; three stages of 64x64 exceed shared memory.
+# Defaults chosen with `benchmarks/attention.py --tiles/--train-tiles` (D = 128, bf16; the
+# sweep: benchmarks/records/attention.md, "Tile tuning"). 128x128 forward tiles and three
+# stages of 64x64 in training exceed shared memory.
 FORWARD_TILES = Tiles(128, 64, 3)
 TRAIN_FORWARD_TILES = Tiles(64, 64, 2, 4)
 DQ_TILES = Tiles(128, 32, 2, 8)

@@ -238,12 +238,9 @@ def select(q_btnh, k_btkh, xa: XAttention, segment_ids_bt=None, attn_impl: str =
   "pallas_gpu" (the Triton scoring kernel; unpacked rows), "auto" (the Mosaic GPU kernel on a
   Hopper GPU where it takes the call and its partial sums, which grow as T^2, stay within
   `MOSAIC_SCORING_BYTES`; else the plain-jnp scoring, whose memory past 128K tokens does not
-  grow with the length). Scoring and selection on an H200 on 2026-12-05, 32 query and 8 KV
-  heads, D 128, bf16 (`benchmarks/xattention.py`, benchmarks/README.md): the Mosaic GPU
-  kernel 0.89-1.09 ms at 32K tokens and 9.5-9.9 ms at 128K, `block_mass` 1.16-1.41 and
-  13.2-13.7 ms, the Triton kernel 1.67-1.92 and 18.8-19.1 ms; the three select the same
-  blocks (on an H100 the same evening, all but 0.0002% at 32K: masses within 4.8e-7 of each
-  other can fall on either side of the threshold).
+  grow with the length). The three select the same blocks up to float32 ties at the
+  threshold; their times side by side: `benchmarks/xattention.py` and its records
+  (benchmarks/records/xattention.md).
   """
   if attn_impl not in ("reference", "mosaic_gpu", "pallas_gpu", "auto"):
     raise ValueError(f"XAttention scoring implementation '{attn_impl}' is unknown")
