@@ -247,10 +247,11 @@ def choose_layer_loop(params: Params, cache_bytes: int) -> str:
 
 def decode_impl_for(attn_impl: str) -> str:
   """The decode attention (`attention.decode`) that goes with a prefill implementation."""
-  name, _, mode = attn_impl.partition(":")
-  kernel = {"pallas_gpu": "triton", "mosaic_gpu": "triton", "pallas_tpu": "tpu"}.get(name)
+  from elastic_jax.attention import DECODE_KERNELS, parse_impl
+  name, interpret = parse_impl(attn_impl)
+  kernel = DECODE_KERNELS.get(name)
   if kernel:
-    return kernel + (":" + mode if mode else "")
+    return kernel + (":interpret" if interpret else "")
   return "auto" if name == "auto" else "reference"
 
 

@@ -85,7 +85,8 @@ def packs(attn_impl: str) -> bool:
   """Whether packing a batch's prompts in one row saves work under `attn_impl`: the fused
   kernels skip the tiles between segments; the plain-jnp reference scores every pair of the
   row, which grows with the square of the batch."""
-  name = attn_impl.partition(":")[0]
+  from elastic_jax.attention import parse_impl
+  name, _ = parse_impl(attn_impl)
   if name == "auto":
     return jax.default_backend() in ("gpu", "tpu")
   return name not in ("reference", "dense")

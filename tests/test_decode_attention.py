@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from elastic_jax.attention import decode
 from elastic_jax.attention.reference import Streaming
+from elastic_jax.errors import ElasticJaxError
 from elastic_jax.kv_cache import stream_width
 
 ST = Streaming(sink_blocks=1, local_blocks=3, block=8)
@@ -102,6 +103,10 @@ def test_decode_attention_matches_history(impl):
   _check(decode.attention(impl, *args, **KW), want, written)
   if impl == "triton:interpret":   # several key splits per slot, small key blocks
     _check(decode.triton(*args, **KW, splits=5, block=16, interpret=True), want, written)
+    # the prefill kernel's name takes the same decode kernel (attention.parse_impl)
+    _check(decode.attention("mosaic_gpu:interpret", *args, **KW), want, written)
+    with pytest.raises(ElasticJaxError, match="the only suffix is ':interpret'"):
+      decode.attention("triton:fast", *args, **KW)
 
 
 @pytest.mark.parametrize("kind", ["no full slot", "no streaming slot"])

@@ -98,18 +98,27 @@ def _lookup(table, impl, what):
                           f"{', '.join(sorted(table))})") from None
 
 
-def _split_interpret(impl: str) -> tuple[str, bool]:
-  """"NAME:interpret" runs kernel NAME in Pallas's interpret mode (on a CPU, for tests)."""
+KERNELS = ("pallas_gpu", "mosaic_gpu", "pallas_tpu")
+# The decode kernel of each backend, under the names decode.attention also takes.
+DECODE_KERNELS = {"pallas_gpu": "triton", "mosaic_gpu": "triton", "pallas_tpu": "tpu"}
+
+
+def parse_impl(impl: str, kernels=KERNELS) -> tuple[str, bool]:
+  """(name, interpret) of an implementation name: "NAME:interpret" runs kernel NAME in
+  Pallas's interpret mode (on a CPU, for tests). The one place the suffix is read (hybrid,
+  causal, prefill, generation and decode all call it); `kernels`: the names that take it."""
+  if not isinstance(impl, str):
+    raise ElasticJaxError(f"attention implementation must be a name, got {impl!r}")
   name, sep, flag = impl.partition(":")
   if sep and flag != "interpret":
     raise ElasticJaxError(f"attention implementation '{impl}': the only suffix is ':interpret'")
-  if sep and name not in KERNELS:
+  if sep and name not in kernels:
     raise ElasticJaxError(f"attention implementation '{impl}': ':interpret' applies to the "
-                          f"kernels ({', '.join(KERNELS)})")
+                          f"kernels ({', '.join(kernels)})")
   return name, bool(sep)
 
 
-KERNELS = ("pallas_gpu", "mosaic_gpu", "pallas_tpu")
+_split_interpret = parse_impl
 
 
 def get_attention(impl: str):
@@ -130,5 +139,6 @@ def get_hybrid_attention(impl: str):
   return hybrid_attention
 
 
-__all__ = ["Streaming", "causal_attention", "dense_causal_attention", "hybrid_attention",
-           "get_attention", "get_hybrid_attention"]
+__all__ = ["DECODE_KERNELS", "KERNELS", "Streaming", "causal_attention",
+           "dense_causal_attention", "hybrid_attention", "get_attention", "get_hybrid_attention",
+           "parse_impl"]

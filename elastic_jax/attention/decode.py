@@ -343,9 +343,12 @@ def tpu(q_rows, k_rows, v_rows, full_k, full_v, start, full_row, full_pos, st_k,
 
 def attention(impl: str, *args, **kwargs):
   """Decode attention on `impl` ("reference", "triton", "tpu", "auto", each kernel with
-  ":interpret"); auto: the backend's kernel where it applies, else the reference. Arguments
+  ":interpret"; the prefill kernels' names "pallas_gpu", "mosaic_gpu", "pallas_tpu" take their
+  backend's decode kernel); auto: the backend's kernel where it applies, else the reference. Arguments
   as `reference`'s."""
-  name, _, mode = impl.partition(":")
+  from elastic_jax.attention import DECODE_KERNELS, parse_impl
+  name, interpret = parse_impl(impl, kernels=IMPLS[1:] + tuple(DECODE_KERNELS))
+  name = DECODE_KERNELS.get(name, name)   # the prefill kernels' names take their decode kernel
   (q_rows, k_rows, v_rows, full_k, full_v, start, full_row, full_pos, st_k, st_v, layer,
    st_row, st_pos) = args
   if name == "auto":
@@ -361,7 +364,7 @@ def attention(impl: str, *args, **kwargs):
   if name not in IMPLS:
     raise ValueError(f"decode attention '{impl}' is not one of {', '.join(IMPLS)} or auto")
   kernel = functools.partial({"triton": triton, "tpu": tpu}[name], **kwargs,
-                             interpret=mode == "interpret")
+                             interpret=interpret)
   f, s_n = full_row.shape[0], st_row.shape[0]
   if f == 0 or full_k.shape[0] == 0:     # no full slot in any layer: an empty stand-in
     (out_full, out_st), (_, _, st_k, st_v) = kernel(
