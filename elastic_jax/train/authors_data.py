@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from elastic_jax.errors import ElasticJaxError
+from elastic_jax.train.encoded import Encoded
 
 AUTHORS_TASKS = ("Single QA", "MultiHop QA", "Summarization", "Code", "In-Context Learning")
 SUMMARY_INSTRUCTION = ("You are given several news passages. Write a one-page summary of all "
@@ -156,7 +157,6 @@ def encode(path: str, tokenizer, seq_len: int, overlong: str = "truncate_middle"
            use_chat_template: bool | str = "auto"):
   """The records of the authors' parquet data as (Encoded, stats), as encode_records gives
   for JSONL. Encoded.targets marks the tokens the loss predicts."""
-  from elastic_jax.train.data import Encoded
   has_template = bool(getattr(tokenizer, "chat_template", None))
   if use_chat_template is True and not has_template:
     raise ElasticJaxError("use_chat_template is True but the tokenizer has no chat template")

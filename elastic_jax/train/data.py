@@ -46,6 +46,8 @@ from elastic_jax.files import text_lines
 from elastic_jax.progress import progress
 from elastic_jax.tasks import KNOWN_TASKS, TASK_IDS, TASK_TYPES
 from elastic_jax.tokenizer import load_tokenizer, render_user_turn
+from elastic_jax.train import authors_data
+from elastic_jax.train.encoded import Encoded
 
 log = logging.getLogger(__name__)
 
@@ -154,24 +156,6 @@ def prompt_format(tokenizer, use_chat_template: bool | str = "auto") -> PromptFo
   start = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), 0)
   return PromptFormat(tuple(full[:start]), tuple(_ids(tokenizer, [PLAIN_SEPARATOR])[0]),
                       PLAIN_SEPARATOR, False)
-
-
-@dataclasses.dataclass
-class Encoded:
-  """Kept records as one flat token array. tokens[starts[i]:starts[i + 1]] is record i."""
-  tokens: np.ndarray              # [total] int32
-  starts: np.ndarray              # [N + 1] int64
-  prompt_len: np.ndarray          # [N] int32
-  task_ids: np.ndarray            # [N] int32
-  targets: np.ndarray | None = None  # [total] bool, tokens the loss predicts; None: every
-                                     # token after the prompt (the answer and its EOS)
-
-  @property
-  def lengths(self) -> np.ndarray:
-    return np.diff(self.starts)
-
-  def __len__(self) -> int:
-    return len(self.prompt_len)
 
 
 def encode_records(records: list[Record], tokenizer, seq_len: int, fmt: PromptFormat,
@@ -296,7 +280,6 @@ class TrainData:
       tokenizer = load_tokenizer(os.fspath(tokenizer))
     self.tokenizer = tokenizer
     self.format = prompt_format(self.tokenizer, use_chat_template)
-    from elastic_jax.train import authors_data
     # The data's own names of its tasks ({task type: name}), for progress lines.
     self.task_names: dict[str, str] = {}
     if authors_data.is_authors_data(path):
