@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from elastic_jax.attention.pallas_gpu import _LOG2E, _online_update as _online
+from elastic_jax.attention.pallas_gpu import LOG2E, online_update
 from elastic_jax.attention.reference import MASK_VALUE, Streaming
 
 IMPLS = ("reference", "triton", "tpu")
@@ -127,7 +127,7 @@ def _triton_kernel(meta_ref, row_ref, pos_ref, q_ref, k_ref, v_ref, fk_in, fv_in
   row = jnp.maximum(row, 0)
   q = q_ref[row]
   gp, d = q.shape
-  qk_scale = scale * _LOG2E
+  qk_scale = scale * LOG2E
   init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), MASK_VALUE, jnp.float32),
           jnp.zeros((gp,), jnp.float32))
   pos = jnp.where(live, pos_ref[i], -1)
@@ -139,7 +139,7 @@ def _triton_kernel(meta_ref, row_ref, pos_ref, q_ref, k_ref, v_ref, fk_in, fv_in
     def body(j, c):
       s = jnp.dot(q, load(j, 0).T, preferred_element_type=jnp.float32) * qk_scale
       idx = j * blk + jnp.arange(blk)
-      return _online(c, s, visible(idx)[None, :], load(j, 1))
+      return online_update(c, s, visible(idx)[None, :], load(j, 1))
     return lax.fori_loop(lo // blk, jnp.maximum(lo, hi + blk - 1) // blk, body, c)
 
   def new_key(c, owns, out_refs, out_at, cache_refs, cache_at):
@@ -269,8 +269,8 @@ def _tpu_kernel(meta_ref, pos_ref, q_ref, fk_ref, fv_ref, sk_ref, sv_ref, o_ref,
     l_ref[...] = jnp.zeros_like(l_ref)
 
   def update(k, v, ok):
-    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * (scale * _LOG2E)
-    acc, m, l = _online((acc_ref[...], m_ref[...][:, 0], l_ref[...][:, 0]), s, ok, v)
+    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * (scale * LOG2E)
+    acc, m, l = online_update((acc_ref[...], m_ref[...][:, 0], l_ref[...][:, 0]), s, ok, v)
     acc_ref[...], m_ref[...], l_ref[...] = acc, m[:, None], l[:, None]
 
   @pl.when((i < num_full) & (j * block <= pos))

@@ -90,7 +90,7 @@ _LOG2E = math.log2(math.e)
 _COMPUTE_WGS = 2
 _PLAN_WIDTH = 8     # entries per query tile of common.packed_plan's q_plan
 _ROW_FIELDS = 3     # per packed row: segment start, end of the sink, start of the window
-_SMEM_BYTES = 227 * 1024   # shared memory a Hopper thread block may use
+SMEM_BYTES = 227 * 1024   # shared memory a Hopper thread block may use
 _NO_WINDOW = np.iinfo(np.int32).max   # an XA row's window start (`_row_bounds`): beyond any row
 
 
@@ -165,7 +165,7 @@ def applies(q_shape, k_shape, dtype, streaming: Streaming,
   smem = ((_COMPUTE_WGS * tiles.block_q + 2 * tiles.slots * tiles.block_kv) * d * 2
           + _COMPUTE_WGS * tiles.block_q * 4 * (_ROW_FIELDS + 1) + 1024)
   return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-          and d % 64 == 0 and smem <= _SMEM_BYTES and (groups == 1 or groups % 2 == 0)
+          and d % 64 == 0 and smem <= SMEM_BYTES and (groups == 1 or groups % 2 == 0)
           and streaming.block % tiles.block_kv == 0 and streaming.block % rows == 0
           and tiles.block_kv % rows == 0 and tiles.block_q % 64 == 0
           and tiles.block_kv % 64 == 0 and tiles.slots >= 2 and tiles.persistent >= 0

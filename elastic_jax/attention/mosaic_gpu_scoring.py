@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from elastic_jax.attention.mosaic_gpu import _SMEM_BYTES
+from elastic_jax.attention.mosaic_gpu import SMEM_BYTES
 from elastic_jax.attention.reference import MASK_VALUE
 from elastic_jax.attention.xattention import XAttention, masses_from_tiles, num_blocks
 
@@ -99,7 +99,7 @@ def applies(q_shape, k_shape, dtype, xa: XAttention,
           and d % tiles.depth == 0 and tiles.depth % 32 == 0 and n % kh == 0
           and (n // kh) % 2 == 0 and tiles.rows == 64 and tiles.cols % per_block == 0
           and blocks > 0 and blocks % 16 == 0 and tiles.cols % 64 == 0
-          and _smem_bytes(jnp.dtype(dtype).itemsize, blocks, tiles) <= _SMEM_BYTES)
+          and _smem_bytes(jnp.dtype(dtype).itemsize, blocks, tiles) <= SMEM_BYTES)
 
 
 def partial_sums_bytes(q_shape, xa: XAttention,

@@ -46,7 +46,7 @@ from elastic_jax.attention.common import (MODE_FULL, MODE_MIX, MODE_SPARSE, dkv_
 assert (MODE_SPARSE, MODE_FULL, MODE_MIX) == (0, 1, 2)  # the order of lax.switch below
 from elastic_jax.attention.reference import MASK_VALUE, Streaming, split_patterns
 
-_LOG2E = math.log2(math.e)
+LOG2E = math.log2(math.e)
 
 
 def _kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, num_kv_heads, groups,
@@ -63,7 +63,7 @@ def _kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, num_kv
   d = q.shape[-1]
   q_start = qi * block_q
   q_idx = q_start + jnp.arange(block_q)
-  qk_scale = scale * _LOG2E
+  qk_scale = scale * LOG2E
 
   def scores(j):
     k = k_ref[pl.ds(j * block_k, block_k), :]
@@ -72,7 +72,7 @@ def _kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, num_kv
     causal = (k_idx[None, :] <= q_idx[:, None]) & (k_idx[None, :] < seq_len)
     return s, causal, causal & streaming.allows(q_idx[:, None], k_idx[None, :])
 
-  update, finish = _online_update, _online_finish
+  update, finish = online_update, _online_finish
   init = lambda: _online_init(block_q, d)
 
   sink_end, win_start, causal_end = tile_ranges(q_start, block_q, block_k, streaming)
@@ -203,7 +203,7 @@ def _dq_kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, num
   d_fa, d_sa = d_fa_ref[...], d_sa_ref[...]
   q_start = qi * block_q
   q_idx = q_start + jnp.arange(block_q)
-  qk_scale = scale * _LOG2E
+  qk_scale = scale * LOG2E
 
   def tile(j, acc, fa: bool, sa: bool):
     k = k_ref[pl.ds(j * block_k, block_k), :]
@@ -272,7 +272,7 @@ def _dkv_kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, nu
   r = gate_ref[slot]
   k, v = k_ref[...], v_ref[...]
   k_idx = kj * block_k + jnp.arange(block_k)
-  qk_scale = scale * _LOG2E
+  qk_scale = scale * LOG2E
   lo, hi_sparse = q_tile_range(kj, block_q, block_k, num_q_tiles, streaming)
 
   def tile(g, i, c, fa: bool, sa: bool):
@@ -664,7 +664,7 @@ def _online_init(rows: int, d: int):
           jnp.zeros((rows,), jnp.float32))
 
 
-def _online_update(carry, s, ok, v):
+def online_update(carry, s, ok, v):
   """One key tile into the online softmax; ok None: every entry counts (no mask)."""
   acc, m, l = carry
   if ok is not None:
@@ -747,7 +747,7 @@ def _packed_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, *refs, scale
   rows = pl.ds(q_start, block_q)
   seg_q, pos_q, r = seg_ref[rows], pos_ref[rows], gate_ref[rows]
   q_idx = q_start + jnp.arange(block_q)
-  qk_scale = scale * _LOG2E
+  qk_scale = scale * LOG2E
 
   def tile(j):
     cols = pl.ds(j * block_k, block_k)
@@ -760,7 +760,7 @@ def _packed_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, *refs, scale
   def one(use_ssa):
     def body(j, c):
       s, full, ssa, v = tile(j)
-      return _online_update(c, s, ssa if use_ssa else full, v)
+      return online_update(c, s, ssa if use_ssa else full, v)
     if _xa_alone(pair, not use_ssa, use_ssa):
       return _kept_tiles_only(body, keep_ref, block_k, xa_block)
     return body
@@ -768,7 +768,7 @@ def _packed_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, *refs, scale
   def plain(j, c):                       # a tile wholly visible to every row: no mask
     cols = pl.ds(j * block_k, block_k)
     s = jnp.dot(q, k_ref[cols, :].T, preferred_element_type=jnp.float32) * qk_scale
-    return _online_update(c, s, None, v_ref[cols, :])
+    return online_update(c, s, None, v_ref[cols, :])
 
   def visit(lo, hi, c, use_ssa):
     """Tiles [lo, hi): masked, except those of the plan's no-mask range."""
@@ -780,11 +780,11 @@ def _packed_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, *refs, scale
 
   def both(j, c):
     s, full, ssa, v = tile(j)
-    return _online_update(c[0], s, full, v), _online_update(c[1], s, ssa, v)
+    return online_update(c[0], s, full, v), online_update(c[1], s, ssa, v)
 
   def full_only(j, c):
     s, full, _, v = tile(j)
-    return _online_update(c[0], s, full, v), c[1]
+    return online_update(c[0], s, full, v), c[1]
 
   lo2 = jnp.maximum(win_lo, sink_hi)
   init = lambda: _online_init(block_q, d)
@@ -831,7 +831,7 @@ def _packed_dq_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, *refs, sc
   lse_fa, lse_sa = lse_fa_ref[...][:, None], lse_sa_ref[...][:, None]
   d_fa, d_sa = d_fa_ref[...][:, None], d_sa_ref[...][:, None]
   q_idx = q_start + jnp.arange(block_q)
-  qk_scale = scale * _LOG2E
+  qk_scale = scale * LOG2E
 
   def walk(lo, hi, acc, fa, sa):
     def body(j, acc):
@@ -873,7 +873,7 @@ def _packed_dkv_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, *refs, s
   cols = pl.ds(kj * block_k, block_k)
   seg_k, pos_k = seg_ref[cols], pos_ref[cols]
   k_idx = kj * block_k + jnp.arange(block_k)
-  qk_scale = scale * _LOG2E
+  qk_scale = scale * LOG2E
 
   def walk(lo, hi, c, fa, sa):
     for g in range(groups):

@@ -104,14 +104,14 @@ def make(task: str, rng: np.random.Generator, length: int, template: int, *,
     raise ElasticJaxError(f"task '{task}' is not a family task ({', '.join(FAMILY_TASKS)})")
   filler = mx.FILLER_IDS if filler is None else filler
   fact, question = wording or FAMILY_TEMPLATES[task][template]
-  fill = mx._fill
+  fill = mx.fill_template
   if task == "cwe":
     if evidence != "far":
       raise ElasticJaxError("cwe has no evidence to move: its answer counts the whole list")
     marker = mx.encode(fact)
     q = mx.encode(question)
     slots = max(COMMON * 3 + 4, (length - len(marker) - len(q)) // 2)
-    common = mx._distinct(rng, mx.NAME_IDS, COMMON)
+    common = mx.distinct_ids(rng, mx.NAME_IDS, COMMON)
     rare_pool = np.setdiff1d(mx.NAME_IDS, common)
     per = max(3, slots // (4 * COMMON))          # each common name's count
     n_rare = slots - per * COMMON
@@ -137,28 +137,28 @@ def make(task: str, rng: np.random.Generator, length: int, template: int, *,
   if task == "vt":
     n_chain = int(rng.integers(3, 6))
     n_other = int(np.clip(length // 128, 1, 4))
-    names = mx._distinct(rng, mx.NAME_IDS, n_chain * (1 + n_other))
-    values = mx._distinct(rng, mx.NUMBER_IDS, 1 + n_other)
+    names = mx.distinct_ids(rng, mx.NAME_IDS, n_chain * (1 + n_other))
+    values = mx.distinct_ids(rng, mx.NUMBER_IDS, 1 + n_other)
     chains = [names[i * n_chain:(i + 1) * n_chain] for i in range(1 + n_other)]
     pieces = [_chain_pieces(fact, c, v, fill) for c, v in zip(chains, values)]
     q = fill(question, v=values[0])
     answer = np.asarray(chains[0], np.int32)
     n_fill = max(8, length - sum(len(p) for ch in pieces for p in ch) - len(q))
-    context = _place(rng, mx._filler(rng, n_fill, filler), pieces, evidence)
+    context = _place(rng, mx.filler_tokens(rng, n_fill, filler), pieces, evidence)
     # A guess among the chains (then read in order) is right one time in 1 + n_other.
     return mx.Sample(task, template, context, q, answer, candidates=1 + n_other)
   # mv and mq: kv facts, one key with several values (mv) or several asked keys (mq).
   n_facts = int(np.clip(length // 96, 3, 40))
-  keys = mx._distinct(rng, mx.NAME_IDS, n_facts)
+  keys = mx.distinct_ids(rng, mx.NAME_IDS, n_facts)
   if task == "mv":
     n_vals = int(rng.integers(2, 5))
-    vals = mx._distinct(rng, mx.NUMBER_IDS, n_vals)
+    vals = mx.distinct_ids(rng, mx.NUMBER_IDS, n_vals)
     others = mx.NUMBER_IDS[rng.integers(0, mx.NUM_NUMBERS, n_facts - 1)]
     own = [fill(fact, k=keys[0], v=v) for v in vals]            # read in this order
     rest = [[fill(fact, k=k, v=v)] for k, v in zip(keys[1:], others)]
     q = fill(question, k=keys[0])
     n_fill = max(8, length - sum(map(len, own)) - sum(len(p[0]) for p in rest) - len(q))
-    context = _place(rng, mx._filler(rng, n_fill, filler), [own] + rest, evidence)
+    context = _place(rng, mx.filler_tokens(rng, n_fill, filler), [own] + rest, evidence)
     return mx.Sample(task, template, context, q, np.asarray(vals, np.int32))
   n_asked = int(rng.integers(2, 4))
   vals = mx.NUMBER_IDS[rng.integers(0, mx.NUM_NUMBERS, n_facts)]
@@ -169,9 +169,9 @@ def make(task: str, rng: np.random.Generator, length: int, template: int, *,
   n_fill = max(8, length - sum(map(len, pieces)) - len(q))
   groups = [[pieces[j] for j in asked]] + [[p] for j, p in enumerate(pieces) if j not in asked]
   if evidence == "far":
-    context = mx._insert(rng, mx._filler(rng, n_fill, filler), pieces, mx.FACT_ZONE)
+    context = mx.insert_pieces(rng, mx.filler_tokens(rng, n_fill, filler), pieces, mx.FACT_ZONE)
   else:
-    context = _place(rng, mx._filler(rng, n_fill, filler), groups, evidence)
+    context = _place(rng, mx.filler_tokens(rng, n_fill, filler), groups, evidence)
   return mx.Sample(task, template, context, q, np.asarray(vals[asked], np.int32))
 
 
@@ -234,11 +234,11 @@ def pretraining_wording(task: str, rng: np.random.Generator, heldout: bool = Fal
 
 def _random_wording(task: str, rng: np.random.Generator):
   from elastic_jax.eval import mixture as mx
-  w = lambda lo, hi: mx._random_words(rng, lo, hi)
+  w = lambda lo, hi: mx.random_words(rng, lo, hi)
   qend = ("?", ":", ".")[int(rng.integers(3))]
   if task == "cwe":
     return f"{w(1, 1)} :", f"{w(1, 4)} {qend}"
-  fact, question = mx._random_wording("hop" if task == "vt" else "kv", rng)
+  fact, question = mx.random_wording("hop" if task == "vt" else "kv", rng)
   if task == "vt":
     return fact, f"{w(1, 4)} {{v}} {w(0, 2)} {qend}"
   if task == "mq":

@@ -211,11 +211,11 @@ class Sample:
             "template": self.template}
 
 
-def _fill(t: str, **kw) -> np.ndarray:
+def fill_template(t: str, **kw) -> np.ndarray:
   return encode(t.format(**{k: VOCAB[v] for k, v in kw.items()}))
 
 
-def _filler(rng: np.random.Generator, n: int, pool: np.ndarray = FILLER_IDS) -> np.ndarray:
+def filler_tokens(rng: np.random.Generator, n: int, pool: np.ndarray = FILLER_IDS) -> np.ndarray:
   """n tokens of filler sentences (about 9 words each, ending with a full stop)."""
   ids = pool[rng.integers(0, len(pool), n)]
   ids[rng.random(n) < 1 / 9] = DOT
@@ -224,7 +224,7 @@ def _filler(rng: np.random.Generator, n: int, pool: np.ndarray = FILLER_IDS) -> 
   return ids
 
 
-def _insert(rng: np.random.Generator, base: np.ndarray, pieces: list[np.ndarray],
+def insert_pieces(rng: np.random.Generator, base: np.ndarray, pieces: list[np.ndarray],
             zone: float) -> np.ndarray:
   """`pieces` inserted at distinct random sentence starts within the first `zone` of base."""
   starts = np.flatnonzero(base[:max(1, int(zone * len(base)))] == DOT) + 1
@@ -239,7 +239,7 @@ def _insert(rng: np.random.Generator, base: np.ndarray, pieces: list[np.ndarray]
   return np.concatenate(out)
 
 
-def _distinct(rng: np.random.Generator, pool: np.ndarray, n: int) -> np.ndarray:
+def distinct_ids(rng: np.random.Generator, pool: np.ndarray, n: int) -> np.ndarray:
   return pool[rng.choice(len(pool), size=n, replace=False)]
 
 
@@ -268,21 +268,21 @@ def make_sample(task: str, rng: np.random.Generator, length: int, template: int,
   if task in SENSITIVE:
     n_facts = int(np.clip(length // 96, 2, 40)) if n_facts is None else max(2, n_facts)
     if task == "kv":
-      keys = _distinct(rng, NAME_IDS, n_facts)
+      keys = distinct_ids(rng, NAME_IDS, n_facts)
       vals = NUMBER_IDS[rng.integers(0, NUM_NUMBERS, n_facts)]
-      pieces = [_fill(fact, k=k, v=v) for k, v in zip(keys, vals)]
+      pieces = [fill_template(fact, k=k, v=v) for k, v in zip(keys, vals)]
       asked = rng.choice(n_facts, size=1 + min(extra_queries, n_facts - 1), replace=False)
-      qa = [(_fill(question, k=keys[i]), vals[i:i + 1]) for i in asked]
+      qa = [(fill_template(question, k=keys[i]), vals[i:i + 1]) for i in asked]
     else:
       n_chains = max(1, n_facts // 2)
-      names = _distinct(rng, NAME_IDS, 2 * n_chains)
+      names = distinct_ids(rng, NAME_IDS, 2 * n_chains)
       vals = NUMBER_IDS[rng.integers(0, NUM_NUMBERS, n_chains)]
       pieces = []
       for c in range(n_chains):
         a, b = names[2 * c], names[2 * c + 1]
-        pieces += [_fill(fact, a=a, b=b), _fill(fact, a=b, b=vals[c])]
+        pieces += [fill_template(fact, a=a, b=b), fill_template(fact, a=b, b=vals[c])]
       asked = rng.choice(n_chains, size=1 + min(extra_queries, n_chains - 1), replace=False)
-      qa = [(_fill(question, a=names[2 * c]), np.array([names[2 * c + 1], vals[c]], np.int32))
+      qa = [(fill_template(question, a=names[2 * c]), np.array([names[2 * c + 1], vals[c]], np.int32))
             for c in asked]
     body = sum(len(p) for p in pieces)
     n_fill = max(8, length - body - len(qa[0][0]))
@@ -291,10 +291,10 @@ def make_sample(task: str, rng: np.random.Generator, length: int, template: int,
         raise ElasticJaxError("evidence 'near' places one question's facts; ask one")
       need = [asked[0]] if task == "kv" else [2 * asked[0], 2 * asked[0] + 1]
       far = [p for i, p in enumerate(pieces) if i not in need]
-      context = np.concatenate([_insert(rng, _filler(rng, n_fill, filler), far, FACT_ZONE)]
+      context = np.concatenate([insert_pieces(rng, filler_tokens(rng, n_fill, filler), far, FACT_ZONE)]
                                + [pieces[i] for i in need])
     else:
-      context = _insert(rng, _filler(rng, n_fill, filler), pieces, FACT_ZONE)
+      context = insert_pieces(rng, filler_tokens(rng, n_fill, filler), pieces, FACT_ZONE)
     return Sample(task, template, context, qa[0][0], qa[0][1], tuple(qa[1:]),
                   n_facts if task == "kv" else len(pieces) // 2)
   if task == "summary":   # the passage's headline: its first three words
@@ -304,20 +304,20 @@ def make_sample(task: str, rng: np.random.Generator, length: int, template: int,
   elif task == "pattern":
     period = int(rng.integers(2, 5))
     n = int(rng.integers(8, 13))
-    line = np.resize(_distinct(rng, NAME_IDS, period), n + 3)
+    line = np.resize(distinct_ids(rng, NAME_IDS, period), n + 3)
     tail = np.concatenate([encode(fact), line[:n]])
     answer, q = line[n:], encode(question)
   else:  # fewshot: "marker : " then the pairs
     marker, pair = fact.split(" ", 2)[:2], fact.split(" ", 2)[2]
     n = int(rng.integers(3, 6))
-    keys = _distinct(rng, NAME_IDS, n)
+    keys = distinct_ids(rng, NAME_IDS, n)
     vals = NUMBER_IDS[rng.integers(0, NUM_NUMBERS, n)]
     tail = np.concatenate([encode(" ".join(marker))]
-                          + [_fill(pair, k=k, v=v) for k, v in zip(keys, vals)])
+                          + [fill_template(pair, k=k, v=v) for k, v in zip(keys, vals)])
     i = int(rng.integers(0, n))
-    answer, q = vals[i:i + 1], _fill(question, k=keys[i])
+    answer, q = vals[i:i + 1], fill_template(question, k=keys[i])
   n_fill = max(8, length - len(tail) - len(q))
-  context = np.concatenate([_filler(rng, n_fill, filler), tail])
+  context = np.concatenate([filler_tokens(rng, n_fill, filler), tail])
   return Sample(task, template, context, q, np.asarray(answer, np.int32),
                 candidates=n if task == "fewshot" else 0)
 
@@ -334,16 +334,16 @@ TEMPLATE_WORD_IDS = np.array([IDS[w] for w in TEMPLATE_WORDS], np.int32)
 PRETRAIN_FILLER = np.concatenate([FILLER_IDS, TEMPLATE_WORD_IDS[:NUM_FILLER // 9]])
 
 
-def _random_words(rng: np.random.Generator, lo: int, hi: int) -> str:
+def random_words(rng: np.random.Generator, lo: int, hi: int) -> str:
   pool = TEMPLATE_WORDS
   return " ".join(pool[int(i)] for i in rng.integers(0, len(pool), int(rng.integers(lo, hi + 1))))
 
 
-def _random_wording(task: str, rng: np.random.Generator) -> tuple[str, str]:
+def random_wording(task: str, rng: np.random.Generator) -> tuple[str, str]:
   """A wording made of random words: 0-2 words, the key, 1-3 words, the value (a quarter of
   the time the value first), an end mark; a question of 1-4 words, the key, 0-2 words and a
   mark. Markers of the robust tasks: a word and a colon."""
-  w = functools.partial(_random_words, rng)
+  w = functools.partial(random_words, rng)
   end, qend = (".", ";", ",")[int(rng.integers(3))], ("?", ":", ".")[int(rng.integers(3))]
   if task in SENSITIVE:
     k, v = ("{k}", "{v}") if task == "kv" else ("{a}", "{b}")
@@ -359,14 +359,14 @@ def _random_wording(task: str, rng: np.random.Generator) -> tuple[str, str]:
 def pretraining_wording(task: str, rng: np.random.Generator,
                         heldout: bool = False) -> tuple[str, str]:
   """A (fact, question) wording of `task` for pretraining: half of the time one of
-  PRETRAIN_FACTS x PRETRAIN_QUESTIONS, else random words (`_random_wording`). Never the
+  PRETRAIN_FACTS x PRETRAIN_QUESTIONS, else random words (`random_wording`). Never the
   held-out template's wording unless `heldout` (then it is among the fixed ones)."""
   if task in families.FAMILY_TASKS:
     return families.pretraining_wording(task, rng, heldout)
   avoid = TEMPLATES[task][HELDOUT_TEMPLATE]
   while True:
     if rng.random() < 0.5:
-      wording = _random_wording(task, rng)
+      wording = random_wording(task, rng)
     else:
       facts = PRETRAIN_FACTS[task] + ((avoid[0],) if heldout else ())
       fact = facts[int(rng.integers(len(facts)))]
@@ -390,7 +390,7 @@ def copy_sample(rng: np.random.Generator, length: int,
   trains the look-back heads that bind a value to the token before it (docs/results.md)."""
   pool = np.concatenate([NAME_IDS, NUMBER_IDS])
   string = pool[rng.choice(len(pool), int(rng.integers(10, 21)), replace=False)]
-  context = _insert(rng, _filler(rng, max(8, length - len(string)), filler), [string],
+  context = insert_pieces(rng, filler_tokens(rng, max(8, length - len(string)), filler), [string],
                     FACT_ZONE)
   return Sample("copy", -1, context, string[:2], string[2:])
 
