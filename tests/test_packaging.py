@@ -8,7 +8,6 @@ import glob
 import os
 import subprocess
 import sys
-import sysconfig
 import zipfile
 
 import pytest
@@ -32,20 +31,14 @@ def wheel(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory, wheel):
-  root = tmp_path_factory.mktemp("venv")
-  env_dir = root / "venv"
+  """`pip install WHEEL` (no extras) into a fresh environment, its dependencies from the
+  package index: the core install a user gets, which the tests below run from."""
+  env_dir = tmp_path_factory.mktemp("venv") / "core"
   subprocess.run([sys.executable, "-m", "venv", str(env_dir)], check=True, timeout=300)
-  py = env_dir / "bin" / "python"
-  # The dependencies come from this environment's site-packages (a path entry: its editable
-  # copy of elastic_jax is not seen); elastic_jax itself from the wheel.
-  site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()"
-                         "['purelib'])"], capture_output=True, text=True, check=True).stdout
-  with open(os.path.join(site.strip(), "deps.pth"), "w") as f:
-    f.write(sysconfig.get_paths()["purelib"] + "\n")
-  proc = subprocess.run([str(py), "-m", "pip", "install", "--no-deps", "-q",
-                         "--disable-pip-version-check", wheel], capture_output=True,
-                        text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-2000:]
+  proc = subprocess.run([str(env_dir / "bin" / "python"), "-m", "pip", "install", "-q",
+                         "--no-compile", "--disable-pip-version-check", wheel],
+                        capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
   return env_dir
 
 
@@ -109,16 +102,10 @@ def test_wheel_ships_the_license_and_declares_no_optional_package(wheel):
     assert f"Provides-Extra: {extra}" in meta
 
 
-def test_core_install_loads_and_generates(wheel, tmp_path):
-  """pip install WHEEL (no extras) into a fresh environment, its dependencies from the index:
-  the shipped backbone loads and generates from token ids; the extras' packages are absent."""
-  env_dir = tmp_path / "core"
-  subprocess.run([sys.executable, "-m", "venv", str(env_dir)], check=True, timeout=300)
-  py = str(env_dir / "bin" / "python")
-  proc = subprocess.run([py, "-m", "pip", "install", "-q", "--no-compile",
-                         "--disable-pip-version-check", wheel], capture_output=True, text=True,
-                        timeout=900)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+def test_core_install_loads_and_generates(venv, tmp_path):
+  """In the core install (no extras): the shipped backbone loads and generates from token
+  ids; the extras' packages are absent."""
+  env_dir, py = venv, str(venv / "bin" / "python")
   script = (
       "import importlib.util, os, sys\n"
       "import elastic_jax as ej\n"
