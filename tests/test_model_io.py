@@ -182,6 +182,10 @@ def test_convert_layout_flag_and_more_bad_input(tmp_path, capsys):
   err = capsys.readouterr().err.strip().splitlines()
   assert rc != 0 and len(err) == 1 and "its SSA block is 128 tokens" in err[0]
   assert not os.path.exists(tmp_path / "a")
+  (tmp_path / "b").mkdir()              # the command speaks its own flags, the API Python
+  rc = run_cli(lambda: convert_main([BACKBONE, str(tmp_path / "b"), "--quiet"]))
+  err = capsys.readouterr().err
+  assert rc != 0 and "pass --overwrite" in err and "overwrite=True" not in err
   # the attention operator: positions without segment_ids, a gate as a plain list
   import jax.numpy as jnp
   q = jnp.ones((1, 8, 2, 4), jnp.float32)

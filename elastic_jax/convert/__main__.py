@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 
@@ -69,6 +70,8 @@ def main(argv=None) -> int:
     raise ElasticJaxError("--routers and --no-routers exclude each other")
   from elastic_jax.files import check_apart
   check_apart(args.out, [args.src, args.routers], "an input (SRC_DIR or --routers)")
+  if os.path.exists(args.out) and not args.overwrite:   # said in the command's own words
+    raise ElasticJaxError(f"{args.out}: already exists (pass --overwrite to replace it)")
   model = ej.from_pretrained(args.src, dtype=args.dtype, allow_pickle=args.allow_pickle,
                              show_progress=not args.quiet, routers=args.routers)
   t1 = time.perf_counter()
