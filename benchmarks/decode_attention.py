@@ -1,8 +1,8 @@
-"""The decode attention kernel (`elastic_jax/attention/decode.py`) natively: its outputs and the
+"""The decode attention kernel (`elastic_jax/generation/decode.py`) natively: its outputs and the
 keys/values it writes against the float32 jnp reference, and its time beside the reference's
 on the same inputs (the caches donated and fed back, as the decode loop runs it).
 
-    python benchmarks/decode_attention.py [--impl triton] [--dry-run]
+    python benchmarks/decode_attention.py [--impl pallas_gpu] [--dry-run]
 
 Three layer shapes of an 8B model (head dim 128, 4 query heads per KV head): a 128K full layer
 at batch 1 (8 full slots); an MSR 0.75 layer at 128K (2 full, 6 streaming slots at positions
@@ -21,8 +21,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from elastic_jax import kv_cache
-from elastic_jax.attention import decode
+from elastic_jax.generation import kv_cache
+from elastic_jax.generation import decode
 from elastic_jax.attention.reference import Streaming
 
 
@@ -79,7 +79,7 @@ def case(impl, streaming, pool, capacity, n_full, n_stream, n_layers, group, hea
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--impl", default="triton", help="decode.attention implementation")
+  p.add_argument("--impl", default="pallas_gpu", help="decode.attention implementation")
   p.add_argument("--repeats", type=int, default=20)
   p.add_argument("--dry-run", action="store_true")
   args = p.parse_args(argv)

@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from elastic_jax import kv_cache
+from elastic_jax.generation import kv_cache
 from elastic_jax import router as rt
 from elastic_jax.config import config_from_hf_dict
-from elastic_jax.generate import _decode_tokens
+from elastic_jax.generation.generate import _decode_tokens
 from elastic_jax.model import init_params, split_layers
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

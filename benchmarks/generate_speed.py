@@ -42,10 +42,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from elastic_jax import aot, kv_cache  # noqa: E402
+from elastic_jax.generation import aot, kv_cache  # noqa: E402
 from elastic_jax import router as rt  # noqa: E402
 from elastic_jax.config import config_from_hf_dict  # noqa: E402
-from elastic_jax.generate import (SamplingConfig, _decode_tokens, capacity_bucket,  # noqa: E402
+from elastic_jax.generation.generate import (SamplingConfig, _decode_tokens, capacity_bucket,  # noqa: E402
                                   decode_impl_for, generate)
 from elastic_jax.model import init_params, split_layers  # noqa: E402
 

@@ -20,7 +20,7 @@ then launched a few times: for a profiler to look at, and its time and TFLOP/s.
         --trace trace_dir     # each warpgroup's regions, in-kernel clocks (MosaicTiles.trace)
     python benchmarks/kernel_profile.py --dry-run        # CPU, interpret mode, tiny shapes
 
-Kernels (elastic_jax/attention/mosaic_gpu.py, mosaic_gpu_backward.py):
+Kernels (elastic_jax/attention/mosaic_gpu/, mosaic_gpu_backward.py):
   forward        the inference forward, gates of 0 or 1 (`hybrid_forward_hard`)
   xa             the same with XAttention heads walking random kept blocks of --density
                  ("fa-xa": the streaming heads become XA heads; `xa_forward_hard`)

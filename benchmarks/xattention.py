@@ -82,7 +82,7 @@ from elastic_jax.attention.reference import dense_hybrid_attention, hybrid_atten
 from elastic_jax.attention.xattention import (  # noqa: E402
     XAttention, block_mass, block_mass_pallas, forced_blocks, kept_fraction, select,
     select_blocks)
-from elastic_jax.attention.mosaic_gpu_scoring import block_mass_mosaic  # noqa: E402
+from elastic_jax.attention.mosaic_gpu.scoring import block_mass_mosaic  # noqa: E402
 
 SEGMENT = 512          # tokens per topic segment of the structured inputs
 ROPE_THETA = 5e5

@@ -113,7 +113,7 @@ class ElasticModel:
     sampling: a `SamplingConfig` (temperature, top_p, seed, stop strings, ...).
     eos_ids: token ids that end a sequence (default: the tokenizer's EOS).
     The other keywords (attn_impl, return_logits, tokens_per_sync, layer_loop, prefill_chunk,
-    pack, gates) are `elastic_jax.generate.generate`'s.
+    pack, gates) are `elastic_jax.generation.generate.generate`'s.
     """
     unknown = sorted(set(kwargs) - set(_GENERATE_KEYWORDS))
     if unknown:
@@ -268,10 +268,10 @@ def _generate(self: "ElasticModel", prompts, attention: str | None = None, *,
               prefill_chunk: int | None = 8192, pack: bool | None = None):
   """Generates after each prompt: texts (tokenized with the model directory's tokenizer, or
   `tokenizer`) or lists of token ids. attention: how heads attend (default elastic when the
-  model has routers, else full); the rest as `elastic_jax.generate.generate`. EOS ids are the
+  model has routers, else full); the rest as `elastic_jax.generation.generate.generate`. EOS ids are the
   tokenizer's by default. max_new_tokens: one limit for every prompt, or a list of one per
   prompt. Returns a `Generation` (`.texts` when a tokenizer is at hand)."""
-  from elastic_jax.generate import SamplingConfig, generate
+  from elastic_jax.generation.generate import SamplingConfig, generate
   prompts = _prompt_list(prompts)
   texts = isinstance(prompts[0], str)
   if texts or tokenizer is None and self.source_dir is not None and eos_ids is None:

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from elastic_jax import kv_cache
+from elastic_jax.generation import kv_cache
 from elastic_jax.attention import sequence_parallel
 from elastic_jax import router as rt
 from elastic_jax.attention import get_attention, get_hybrid_attention, xattention

@@ -49,7 +49,7 @@ def main():
 
 
 def rope_report(python, root):
-  from elastic_jax.generate import SamplingConfig
+  from elastic_jax.generation.generate import SamplingConfig
   jobs = []
   for seed, (name, (family, overrides)) in enumerate(rope.MODELS.items()):
     jobs.append({"op": "make", "family": family, "config": {**rope.BASE, **overrides},

@@ -326,7 +326,7 @@ def test_convert_refusals_keep_the_source(world):
 
 def test_python_api_bad_input(world):
   from elastic_jax import hybrid_attention
-  from elastic_jax.generate import generate
+  from elastic_jax.generation.generate import generate
   with pytest.raises(ej.ElasticJaxError, match="needs a directory path.*, got None"):
     ej.from_pretrained(None)
   m = ej.from_pretrained(world / "m", dtype="float32", show_progress=False)

@@ -14,10 +14,11 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from elastic_jax.attention import decode
+from elastic_jax.attention import pallas_gpu
+from elastic_jax.generation import decode
 from elastic_jax.attention.reference import Streaming
 from elastic_jax.errors import ElasticJaxError
-from elastic_jax.kv_cache import stream_width
+from elastic_jax.generation.kv_cache import stream_width
 
 ST = Streaming(sink_blocks=1, local_blocks=3, block=8)
 SINK, RING = 8, 24
@@ -95,25 +96,28 @@ KW = dict(sink_len=SINK, ring=RING, streaming=ST, scale=D ** -0.5)
 FULL_POS, ST_POS = [3, 50, -1, 95], [5, 20, 31, 77, -1, 140]
 
 
-@pytest.mark.parametrize("impl", ["reference", "triton:interpret", "tpu:interpret"])
+@pytest.mark.parametrize("impl", ["reference", "pallas_gpu:interpret", "pallas_tpu:interpret"])
 def test_decode_attention_matches_history(impl):
-  if impl == "tpu:interpret" and not jax.devices("cpu"):
+  if impl == "pallas_tpu:interpret" and not jax.devices("cpu"):
     pytest.skip("Pallas TPU interpret mode needs a CPU device")
   args, want, written = _case(0, FULL_POS, ST_POS)
   _check(decode.attention(impl, *args, **KW), want, written)
-  if impl == "triton:interpret":   # several key splits per slot, small key blocks
-    _check(decode.triton(*args, **KW, splits=5, block=16, interpret=True), want, written)
+  if impl == "pallas_gpu:interpret":   # several key splits per slot, small key blocks
+    _check(pallas_gpu.decode.decode_attention(*args, **KW, splits=5, block=16, interpret=True),
+           want, written)
     # the prefill kernel's name takes the same decode kernel (attention.parse_impl)
     _check(decode.attention("mosaic_gpu:interpret", *args, **KW), want, written)
     with pytest.raises(ElasticJaxError, match="the only suffix is ':interpret'"):
-      decode.attention("triton:fast", *args, **KW)
+      decode.attention("pallas_gpu:fast", *args, **KW)
+    with pytest.warns(DeprecationWarning, match="now called 'pallas_gpu'"):   # decode's old name
+      _check(decode.attention("triton:interpret", *args, **KW), want, written)
 
 
 @pytest.mark.parametrize("kind", ["no full slot", "no streaming slot"])
 def test_decode_attention_with_one_kind_of_slot(kind):
   full_pos, st_pos = ([], [9, 60]) if kind == "no full slot" else ([7, 40], [])
   args, want, written = _case(1, full_pos, st_pos)
-  for impl in ("reference", "triton:interpret"):
+  for impl in ("reference", "pallas_gpu:interpret"):
     got = decode.attention(impl, *args, **KW)
     assert got[0][0].shape == (len(full_pos), G, D) and got[0][1].shape == (len(st_pos), G, D)
     _check(got, want, written)

@@ -13,7 +13,7 @@ import pytest
 
 import elastic_jax as ej
 from elastic_jax.config import config_from_hf_dict
-from elastic_jax.generate import SamplingConfig
+from elastic_jax.generation.generate import SamplingConfig
 from elastic_jax.model import init_params
 from elastic_jax.router import RouterConfig, init_router_params
 from elastic_jax.router_io import Routers, save_routers

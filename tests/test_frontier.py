@@ -11,7 +11,7 @@ import pytest
 
 import elastic_jax as ej
 from elastic_jax.eval import mixture
-from elastic_jax.generate import SamplingConfig, generate
+from elastic_jax.generation.generate import SamplingConfig, generate
 from elastic_jax.repro import frontier, frontier_report, scoring
 from elastic_jax.resources import PACKAGE_DIR
 

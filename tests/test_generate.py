@@ -13,9 +13,9 @@ import pytest
 
 from elastic_jax.config import config_from_hf_dict
 from elastic_jax.errors import ElasticJaxError
-from elastic_jax.generate import SamplingConfig, generate
-from elastic_jax import kv_cache
-from elastic_jax.kv_cache import assign_slots
+from elastic_jax.generation.generate import SamplingConfig, generate
+from elastic_jax.generation import kv_cache
+from elastic_jax.generation.kv_cache import assign_slots
 from elastic_jax.model import forward_routed_jit, init_params
 from elastic_jax.router import RouterConfig, init_router_params
 

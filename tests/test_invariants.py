@@ -21,8 +21,8 @@ from elastic_jax.attention import Streaming
 from elastic_jax.config import config_from_hf_dict
 from elastic_jax.elastic_model import ElasticModel
 from elastic_jax.errors import ElasticJaxError
-from elastic_jax.generate import SamplingConfig, _sample, capacity_bucket, generate
-from elastic_jax import kv_cache
+from elastic_jax.generation.generate import SamplingConfig, _sample, capacity_bucket, generate
+from elastic_jax.generation import kv_cache
 from elastic_jax.model import abstract_params, forward_routed_jit
 from elastic_jax.router import (RouterConfig, esr, gate_from_logits, init_router_params, msr,
                                 streaming_kept_fraction)

@@ -262,7 +262,7 @@ def test_packed_xa_forward_matches_reference(monkeypatch, patterns, n, k, rows, 
   else:   # eagerly, so that the run-time choice runs one branch: this kernel's
     ran = []
     real = mosaic_gpu.packed_xa_forward_hard
-    monkeypatch.setattr(mosaic_gpu, "packed_xa_forward_hard",
+    monkeypatch.setattr(mosaic_gpu.hybrid, "packed_xa_forward_hard",
                         lambda *a, **kw: ran.append(1) or real(*a, **kw))
     fn = mosaic_gpu.make_packed_xa_hybrid(tiles)
     with jax.disable_jit():

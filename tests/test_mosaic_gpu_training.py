@@ -37,7 +37,7 @@ def strict_reads(monkeypatch):
 def kernel_calls(monkeypatch):
   """The names of the Mosaic training entry points called during a test, in order: the dQ
   and dK/dV launches and the packed XA training forward (a test asserts its path ran)."""
-  from elastic_jax.attention import mosaic_gpu_backward
+  from elastic_jax.attention.mosaic_gpu import backward as mosaic_gpu_backward
   calls = []
   for module, name in ((mosaic_gpu_backward, "dq_call"), (mosaic_gpu_backward, "dkv_call"),
                        (mosaic_gpu, "packed_xa_forward_train")):
@@ -137,7 +137,7 @@ def test_backward_walks_visit_each_needed_tile_once_with_its_terms(st):
   program and mode the ranges visit distinct tiles, exactly those holding a (query, key) pair
   that one of the head's terms needs (token-level masks), and each with exactly the terms that
   need it (FA for full and mixed heads, SSA for streaming and mixed ones)."""
-  from elastic_jax.attention import mosaic_gpu_backward as mb
+  from elastic_jax.attention.mosaic_gpu import backward as mb
   t = 1536
   pos = np.arange(t)
   causal = pos[None] <= pos[:, None]
@@ -180,7 +180,7 @@ def test_xa_backward_walks_visit_each_needed_tile_once_with_its_terms(pair, xa_b
   a key block's column) and flagged ranges through their per-tile tests, every program and
   mode visits distinct tiles, exactly those holding a pair one of its terms needs (token-level
   masks of random kept blocks, some above the diagonal), each with exactly those terms."""
-  from elastic_jax.attention import mosaic_gpu_backward as mb
+  from elastic_jax.attention.mosaic_gpu import backward as mb
   from elastic_jax.attention.common import xa_operands
   st, t, tile = Streaming(1, 2, 128), 1536, 64
   nb = t // xa_block
@@ -387,7 +387,7 @@ def test_packed_xa_walks_cover_the_needed_tiles_and_skip_other_segments(pair, xa
   of a dQ program's first row, no query block past the one holding the end of a dK/dV
   program's key segment (the lists' spans skip other segments' blocks that the selection
   forces, block 0 among them)."""
-  from elastic_jax.attention import mosaic_gpu_backward as mb
+  from elastic_jax.attention.mosaic_gpu import backward as mb
   from elastic_jax.attention.common import packed_plan
   from elastic_jax.attention.xattention import XAttention, forced_blocks
   st, tile, bt = Streaming(1, 1, 128), 64, mb.BackwardTiles()

@@ -15,7 +15,7 @@ import jax
 import elastic_jax as ej
 from elastic_jax.config import config_from_hf_dict, rope_attention_factor, rope_inv_freq
 from elastic_jax.errors import ElasticJaxError
-from elastic_jax.generate import SamplingConfig
+from elastic_jax.generation.generate import SamplingConfig
 from elastic_jax.model import init_params
 
 BASE = dict(vocab_size=89, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -12,8 +12,8 @@ import pytest
 
 from elastic_jax.attention import Streaming, hybrid_attention
 from elastic_jax.attention.reference import dense_hybrid_attention
-from elastic_jax.attention import mosaic_gpu_scoring
-from elastic_jax.attention.mosaic_gpu_scoring import ScoringTiles, block_mass_mosaic
+from elastic_jax.attention.mosaic_gpu import scoring as mosaic_gpu_scoring
+from elastic_jax.attention.mosaic_gpu.scoring import ScoringTiles, block_mass_mosaic
 from elastic_jax.attention.xattention import (XAttention, block_lists, block_mass,
                                               block_mass_pallas, forced_blocks, kept_fraction,
                                               select, select_blocks)

@@ -350,3 +350,11 @@ def pad_packed(segment_ids_bt, positions_bt, tp: int):
   if extra:
     pos = pos.at[:, t:].set(jnp.arange(extra, dtype=jnp.int32)[None])
   return seg, pos
+
+
+def largest_block(n: int, cap: int) -> int:
+  """The largest power-of-two block <= cap dividing n (16 at least)."""
+  b = cap
+  while b > 16 and n % b:
+    b //= 2
+  return b

@@ -224,38 +224,46 @@ def select_blocks(mass_bkij: jax.Array, threshold: float,
   return forced | taken
 
 
-# The most memory select(attn_impl="auto") gives the Mosaic GPU scoring kernel's partial sums
-# (2 GiB: up to 128K tokens with 64 query heads, about 180K with 32).
-MOSAIC_SCORING_BYTES = 2 << 30
+# The XAttention scoring kernels by implementation name, registered by `registry` from the
+# backends' records (`backend.XAScorer`); "reference" is `block_mass` here.
+SCORERS: dict = {}
+
+
+def register_scorer(name: str, scorer) -> None:
+  """Make `select(..., attn_impl=name)` run `scorer` (a `backend.XAScorer`)."""
+  SCORERS[name] = scorer
 
 
 def select(q_btnh, k_btkh, xa: XAttention, segment_ids_bt=None, attn_impl: str = "reference"
            ) -> jax.Array:
   """Scoring then selection: kept blocks [B, K, nb, nb] bool (no gradient flows through).
 
-  attn_impl: "reference" (plain jnp, `block_mass`), "mosaic_gpu" (the Mosaic GPU scoring
-  kernel, `mosaic_gpu_scoring`; unpacked rows in its layout, interpret mode off a GPU),
-  "pallas_gpu" (the Triton scoring kernel; unpacked rows), "auto" (the Mosaic GPU kernel on a
-  Hopper GPU where it takes the call and its partial sums, which grow as T^2, stay within
-  `MOSAIC_SCORING_BYTES`; else the plain-jnp scoring, whose memory past 128K tokens does not
-  grow with the length). The three select the same blocks up to float32 ties at the
+  attn_impl: "reference" (plain jnp, `block_mass`); a backend's name, its scoring kernel where
+  it takes the call (`mosaic_gpu`: the Mosaic GPU kernel, unpacked rows in its layout;
+  `pallas_gpu`: the Triton kernel, unpacked rows), interpret mode off a GPU, else the
+  reference; "auto": the kernel the backends prefer on this machine (the Mosaic GPU kernel on
+  a Hopper GPU while its partial sums, which grow as T^2, stay within
+  `mosaic_gpu.scoring.AUTO_BYTES`), else the plain-jnp scoring, whose memory past 128K tokens
+  does not grow with the length. All select the same blocks up to float32 ties at the
   threshold; their times side by side: `benchmarks/xattention.py` and its records
   (benchmarks/records/xattention.md).
   """
-  if attn_impl not in ("reference", "mosaic_gpu", "pallas_gpu", "auto"):
-    raise ValueError(f"XAttention scoring implementation '{attn_impl}' is unknown")
-  from elastic_jax.attention import mosaic_gpu_scoring, on_hopper
+  if attn_impl not in ("reference", "auto") and attn_impl not in SCORERS:
+    raise ValueError(f"XAttention scoring implementation '{attn_impl}' is unknown (known: "
+                     f"{', '.join(['reference', 'auto', *SCORERS])})")
   q_btnh, k_btkh = jax.lax.stop_gradient(q_btnh), jax.lax.stop_gradient(k_btkh)
   on_gpu = jax.default_backend() == "gpu"
-  takes = segment_ids_bt is None and mosaic_gpu_scoring.applies(
-      q_btnh.shape, k_btkh.shape, q_btnh.dtype, xa)
+  packed = segment_ids_bt is not None
+
+  def takes(scorer):
+    return scorer.takes(q_btnh.shape, k_btkh.shape, q_btnh.dtype, xa, packed)
+
   if attn_impl == "auto":
-    small = mosaic_gpu_scoring.partial_sums_bytes(q_btnh.shape, xa) <= MOSAIC_SCORING_BYTES
-    attn_impl = "mosaic_gpu" if takes and small and on_gpu and on_hopper() else "reference"
-  if attn_impl == "mosaic_gpu" and takes:
-    mass = mosaic_gpu_scoring.block_mass_mosaic(q_btnh, k_btkh, xa, interpret=not on_gpu)
-  elif attn_impl == "pallas_gpu" and segment_ids_bt is None:
-    mass = block_mass_pallas(q_btnh, k_btkh, xa, interpret=not on_gpu)
+    attn_impl = next((name for name, s in SCORERS.items()
+                      if on_gpu and takes(s) and s.preferred(q_btnh.shape, xa)), "reference")
+  scorer = SCORERS.get(attn_impl)
+  if scorer is not None and takes(scorer):
+    mass = scorer.block_mass(q_btnh, k_btkh, xa, interpret=not on_gpu)
   else:
     mass = block_mass(q_btnh, k_btkh, xa, segment_ids_bt)
   forced = forced_blocks(q_btnh.shape[1], xa, segment_ids_bt, q_btnh.shape[0])

@@ -21,10 +21,9 @@ from __future__ import annotations
 import numpy as np
 
 from elastic_jax.errors import ElasticJaxError
+from elastic_jax.eval import words as mx
+from elastic_jax.eval.words import FAMILY_TASKS, FAMILY_TYPE  # noqa: F401  (the families' names)
 
-FAMILY_TASKS = ("mv", "mq", "vt", "cwe")
-FAMILY_TYPE = {"mv": "Single QA", "mq": "Single QA", "vt": "MultiHop QA",
-               "cwe": "MultiHop QA"}
 
 # Per task and template: (fact or list marker, question). mq's question is (head, one key,
 # joiner, tail), joined over the asked keys.
@@ -68,8 +67,7 @@ def _strings(x):
 def _check_words():
   """Every word of these wordings is a template word of the mixture (so no filler word gains a
   second meaning and the vocabulary is unchanged)."""
-  from elastic_jax.eval import mixture
-  words = set(mixture.TEMPLATE_WORDS) | set(mixture.PUNCT)
+  words = set(mx.TEMPLATE_WORDS) | set(mx.PUNCT)
   texts = _strings(list(FAMILY_TEMPLATES.values()) + list(FAMILY_PRETRAIN_QUESTIONS.values())
                    + list(CWE_MARKERS))
   for text in texts:
@@ -99,7 +97,6 @@ def make(task: str, rng: np.random.Generator, length: int, template: int, *,
   wording: a (fact, question) pair in place of the template's (pretraining's). evidence:
   "near" puts the facts the answer needs at the context's end (mixture.make_sample; not for
   cwe, whose evidence is the whole list)."""
-  from elastic_jax.eval import mixture as mx
   if task not in FAMILY_TASKS:
     raise ElasticJaxError(f"task '{task}' is not a family task ({', '.join(FAMILY_TASKS)})")
   filler = mx.FILLER_IDS if filler is None else filler
@@ -179,7 +176,6 @@ def _place(rng, base, groups, evidence):
   """groups[0] holds the facts the answer needs: with evidence "near" they go, in order, to
   the end of the context and the other groups into its first 80%; else every group into
   the first 80% (_insert_groups)."""
-  from elastic_jax.eval import mixture as mx
   if evidence == "far":
     return _insert_groups(rng, base, groups, mx.FACT_ZONE)
   return np.concatenate([_insert_groups(rng, base, groups[1:], mx.FACT_ZONE)] + groups[0])
@@ -189,7 +185,6 @@ def _insert_groups(rng, base, groups, zone):
   """Pieces inserted at random sentence starts within the first `zone` of base, each group's
   pieces in the group's order (a chain reads forward, mv's values in the answer's order),
   the groups interleaved at random."""
-  from elastic_jax.eval import mixture as mx
   flat = [p for g in groups for p in g]
   starts = np.flatnonzero(base[:max(1, int(zone * len(base)))] == mx.DOT) + 1
   starts = np.concatenate([[0], starts])
@@ -215,7 +210,6 @@ def pretraining_wording(task: str, rng: np.random.Generator, heldout: bool = Fal
   """A wording of a family task for pretraining: half of the time a fixed one (kv's or hop's
   pretraining facts, FAMILY_PRETRAIN_QUESTIONS), else random template words; never the
   held-out template's unless `heldout`."""
-  from elastic_jax.eval import mixture as mx
   avoid = FAMILY_TEMPLATES[task][2]
   while True:
     if rng.random() < 0.5:
@@ -233,7 +227,6 @@ def pretraining_wording(task: str, rng: np.random.Generator, heldout: bool = Fal
 
 
 def _random_wording(task: str, rng: np.random.Generator):
-  from elastic_jax.eval import mixture as mx
   w = lambda lo, hi: mx.random_words(rng, lo, hi)
   qend = ("?", ":", ".")[int(rng.integers(3))]
   if task == "cwe":
@@ -250,7 +243,6 @@ def _random_wording(task: str, rng: np.random.Generator):
 def check_wordings() -> None:
   """Raises if a wording uses a word that is not a template word, or if pretraining could
   draw a family's held-out wording."""
-  from elastic_jax.eval import mixture as mx
   _check_words()
   for task in FAMILY_TASKS:
     fact, question = FAMILY_TEMPLATES[task][2]

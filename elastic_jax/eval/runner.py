@@ -23,7 +23,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from elastic_jax.errors import ElasticJaxError
-from elastic_jax.generate import SamplingConfig, generate
+from elastic_jax.generation.generate import SamplingConfig, generate
 from elastic_jax.files import append_whole, repair_jsonl_tail, write_error
 
 ORDER = ("full", "elastic", "sparse", "static")   # static is derived from elastic's choices

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from elastic_jax import aot, kv_cache
+from elastic_jax.generation import aot, kv_cache
 from elastic_jax.config import ModelConfig
 from elastic_jax.model import (Context, DecoderLayer, Params, RMSNorm, forward_routed,
                                output_head, rope_tables)

@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from elastic_jax import aot
-from elastic_jax.attention import decode
+from elastic_jax.generation import aot
+from elastic_jax.generation import decode
 from elastic_jax.attention.reference import Streaming
 
 

@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from elastic_jax import aot, kv_cache, prefill
+from elastic_jax.attention.registry import KERNELS, parse_impl
 from elastic_jax.config import ModelConfig
 from elastic_jax.errors import ElasticJaxError
+from elastic_jax.generation import aot, kv_cache, prefill
 from elastic_jax.heads import FORWARD, check_attention
 from elastic_jax.model import Params, decode_step, unstack_layers
 from elastic_jax.router import RouterConfig, esr, msr
@@ -246,12 +247,11 @@ def choose_layer_loop(params: Params, cache_bytes: int) -> str:
 
 
 def decode_impl_for(attn_impl: str) -> str:
-  """The decode attention (`attention.decode`) that goes with a prefill implementation."""
-  from elastic_jax.attention import DECODE_KERNELS, parse_impl
+  """The decode attention (`generation.decode`) that goes with a prefill implementation: a
+  backend's name takes its backend's decode kernel (`attention.registry.decode_kernel`)."""
   name, interpret = parse_impl(attn_impl)
-  kernel = DECODE_KERNELS.get(name)
-  if kernel:
-    return kernel + (":interpret" if interpret else "")
+  if name in KERNELS:
+    return name + (":interpret" if interpret else "")
   return "auto" if name == "auto" else "reference"
 
 

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from elastic_jax.attention.mosaic_gpu import SMEM_BYTES
+from elastic_jax.attention.mosaic_gpu.forward import SMEM_BYTES
 from elastic_jax.attention.reference import MASK_VALUE
 from elastic_jax.attention.xattention import XAttention, masses_from_tiles, num_blocks
 
@@ -64,6 +64,9 @@ except ImportError:  # pragma: no cover
 _LOG2E = math.log2(math.e)
 _COMPUTE_WGS = 2
 _SUM_SCALE = 2.0 ** 14     # exp(score - m) <= 1, scaled into float16's normal range
+# The most memory `xattention.select(attn_impl="auto")` gives this kernel's partial sums
+# (2 GiB: up to 128K tokens with 64 query heads, about 180K with 32).
+AUTO_BYTES = 2 << 30
 
 
 @dataclasses.dataclass(frozen=True)
