@@ -22,7 +22,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from elastic_jax.attention.reference import PATTERN_PAIRS, Streaming, split_patterns
+from elastic_jax.attention.patterns import PATTERN_PAIRS, Pattern, split_patterns
+from elastic_jax.attention.reference import Streaming
 from elastic_jax.attention.xattention import XAttention
 from elastic_jax.config import ModelConfig
 
@@ -247,11 +248,11 @@ def esr(last_layer_gates_bsk: jax.Array, lengths_bs: jax.Array, streaming: Strea
   the XAttention settings an XA head's kept fraction is that of the blocks it really
   attended, `xa_kept_bsk` (`xattention.kept_fraction`)."""
   hi_pattern, lo_pattern = split_patterns(patterns)
-  if "xa" in (hi_pattern, lo_pattern) and xa_kept_bsk is None:
+  if Pattern.XA in (hi_pattern, lo_pattern) and xa_kept_bsk is None:
     raise ValueError(f"the ESR of patterns '{patterns}' needs the XA heads' kept fractions")
-  pruned = {"full": 0.0,
-            "stream": (1.0 - streaming_kept_fraction(lengths_bs, streaming))[..., None],
-            "xa": None if xa_kept_bsk is None else 1.0 - xa_kept_bsk}
+  pruned = {Pattern.FULL: 0.0,
+            Pattern.STREAM: (1.0 - streaming_kept_fraction(lengths_bs, streaming))[..., None],
+            Pattern.XA: None if xa_kept_bsk is None else 1.0 - xa_kept_bsk}
   r = last_layer_gates_bsk
   return (r * pruned[hi_pattern] + (1.0 - r) * pruned[lo_pattern]).mean(-1)
 

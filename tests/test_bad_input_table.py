@@ -382,7 +382,7 @@ def test_python_api_bad_input(world):
   st, g2, ids = Streaming(1, 1, 128), jax.numpy.ones((1, 2)), jax.numpy.ones((1, 128), int)
   for fn, args, words in (
       (mosaic_gpu.make_hybrid(), (q64, k64[:, :64], k64[:, :64], g2, st, True),
-       "do not fit: q is [B, T, N, D] and k, v [B, T, K, D]"),
+       "do not fit: q is [B, T, N, H] and k, v [B, T, K, H]"),
       (pallas_gpu.make_hybrid(), (q64[:, :, :1], k64, k64, g2, st, True), "do not fit"),
       (pallas_tpu.fused_hybrid(), (q64, k64.astype(jax.numpy.float32), k64, g2, st, True),
        "must share one floating dtype, got bfloat16, float32 and bfloat16"),
@@ -407,7 +407,7 @@ def test_python_api_bad_input(world):
       ((q16, k16, k16, g16), dict(patterns="fa-xa", xa_block=16,
                                   xa_keep=jax.numpy.ones((1, 2, 2, 2), bool)),
        "xa_keep has shape [1, 2, 2, 2]; [1, 2, 4, 4] expected for 64 tokens in blocks of 16"),
-      ((q16, k16[:, :32], k16[:, :32], g16), {}, "do not fit: q is [B, T, N, D]"),
+      ((q16, k16[:, :32], k16[:, :32], g16), {}, "do not fit: q is [B, T, N, H]"),
       ((q16, k16, k16, g16[:, 0]), {}, "the gate has shape [1, 2]; [1, 64, 2] expected")):
     with pytest.raises(ValueError) as err:
       reference(*args, Streaming(1, 1, 16), **kw)

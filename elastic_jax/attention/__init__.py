@@ -1,32 +1,34 @@
-"""Attention implementations behind two signatures.
+"""Attention: the plain-jnp specification, the kernel backends, and the registry that
+picks one by name.
 
-Causal: `attention(q, k, v, segment_ids)` with q [B, T, N, H], k/v [B, T, K, H],
-segment_ids [B, T] or None, returns [B, T, N, H].
-Hybrid: `hybrid(q, k, v, gate_btk, streaming, segment_ids, positions)` mixes full and
-streaming attention per KV head (see `reference.hybrid_attention`).
+Two signatures:
+  causal  `attention(q, k, v, segment_ids)`: q [B, T, N, H], k/v [B, T, K, H], segment_ids
+          [B, T] or None -> [B, T, N, H];
+  hybrid  `hybrid(q, k, v, gate_btk, streaming, segment_ids, positions)`: each KV head mixes
+          its pattern pair's two patterns by its gate (`reference.hybrid_attention`; the
+          patterns: `patterns.py`).
 
-Implementations:
-  reference  chunked online-softmax in plain jnp; memory-safe at long T (the spec).
-  dense      the textbook [T, T] softmax (causal only); short inputs and tests.
-  pallas_gpu the fused hybrid kernel for GPUs (hybrid only; Pallas Triton backend).
-  mosaic_gpu pallas_gpu with Hopper kernels in Pallas Mosaic GPU (wgmma, TMA): the inference
-             forward for hard gates and the shapes it takes (`mosaic_gpu.applies`), and
-             the training kernels where they take the shapes (`mosaic_gpu.trains`; in
-             interpret mode training keeps the Triton kernels, `mosaic_gpu.TRAINING`).
-  pallas_tpu the fused hybrid kernel for TPUs (hybrid only; Pallas Mosaic TPU).
-  auto       hybrid: mosaic_gpu on a Hopper GPU, pallas_gpu on other GPUs, pallas_tpu on a
-             TPU, the reference elsewhere;
-             causal: cuDNN on a GPU (bf16/fp16, unpacked), the reference elsewhere.
-             Elsewhere on a GPU or TPU (packed rows, float32): the backend's hybrid kernel
-             with every head full.
-The kernels run on CPU with `interpret=True` (implementation "NAME:interpret", e.g.
-"pallas_gpu:interpret") and have fused backward passes. Packed rows (segment ids and
-positions) run on the packed kernels (`pallas_gpu.make_packed_hybrid`, whose inference
-forward and training kernels mosaic_gpu replaces by its own where gates are hard (forward)
-and positions count up, and
-`pallas_tpu.fused_packed_hybrid`), under the XAttention settings too
-(`pallas_gpu.make_packed_xa_hybrid`, likewise replaced by `mosaic_gpu.make_packed_xa_hybrid`,
-and `pallas_tpu.fused_packed_hybrid(xa=True)`).
+Where things are:
+  registry.py          names -> implementations (`get_attention`, `get_hybrid_attention`,
+                       `decode_kernel`, "NAME:interpret"); the one place a name is read
+  backend.py           the record each backend gives the registry (`Backend`)
+  patterns.py          Pattern (full / stream / xa), the pairs, the kernels' Mode
+  reference.py         the spec: chunked online softmax in plain jnp (and `dense`)
+  decode_reference.py  the spec of decode over the per-head cache
+  xattention.py        XAttention's block scoring and selection
+  common.py            pieces the kernels share (tile ranges, packed-row plans, modes)
+  hybrid.py            the hybrid entry point the model calls (checks, XA selection)
+  sequence_parallel.py the same over a device mesh's sequence axis
+  pallas_gpu/          Pallas Triton kernels for any GPU: hybrid forward/backward, decode
+  mosaic_gpu/          Pallas Mosaic GPU kernels for Hopper: forward, backward, XA scoring
+  pallas_tpu/          Pallas Mosaic TPU kernels: hybrid forward/backward, decode
+
+Names: "reference", "dense" (causal only), "pallas_gpu", "mosaic_gpu", "pallas_tpu", and
+"auto" (Mosaic GPU on Hopper, Triton on other GPUs, the TPU kernels on a TPU, the reference on
+a CPU; causal layers take cuDNN on a GPU for half-precision unpacked rows). Every kernel runs
+on a CPU in Pallas's interpret mode ("pallas_gpu:interpret"), which the tests use. A new
+backend is a subfolder with its `Backend` record and one entry in `registry.BACKENDS`
+(docs/architecture.md).
 """
 
 from elastic_jax.attention.backend import Backend, on_hopper

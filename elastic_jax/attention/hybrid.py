@@ -8,7 +8,7 @@ import numpy as np
 
 from elastic_jax.attention import HYBRID_IMPLS, Streaming
 from elastic_jax.attention.common import segment_bounds
-from elastic_jax.attention.reference import PATTERN_PAIRS
+from elastic_jax.attention.patterns import PATTERN_PAIRS
 from elastic_jax.errors import ElasticJaxError
 
 

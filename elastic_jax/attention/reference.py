@@ -26,6 +26,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from elastic_jax.attention.patterns import (  # noqa: F401  (the pairs, read here by many)
+    PATTERN_PAIRS, Pattern, split_patterns)
+
 # Finite stand-in for -inf so that fully masked tiles give exp(...) = 0, never NaN. Every
 # kernel uses this one value.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -54,39 +57,24 @@ def _chunk_size(requested: int, t: int) -> int:
   return max(1, min(requested, t))
 
 
-# The pattern pairs (what a head routed full, r = 1, and one routed sparse, r = 0, run):
-# the `patterns` of a RouterConfig and of every attention function.
-PATTERN_PAIRS = ("fa-ssa", "fa-xa", "xa-ssa")
-
-
-def split_patterns(patterns: str) -> tuple[str, str]:
-  """(pattern of heads with r = 1, pattern of heads with r = 0) of a pattern pair
-  (docs/method.md §3): "fa-ssa" -> ("full", "stream"), "fa-xa" -> ("full", "xa"),
-  "xa-ssa" -> ("xa", "stream")."""
-  if patterns not in PATTERN_PAIRS:
-    raise ValueError(f"patterns '{patterns}' is not one of {', '.join(PATTERN_PAIRS)}")
-  hi, lo = patterns.split("-")
-  return {"fa": "full", "xa": "xa"}[hi], {"ssa": "stream", "xa": "xa"}[lo]
-
-
 def check_shapes(q, k, v, gate, segment_ids=None, positions=None, xa_keep=None,
                  xa_block: int = 128, *, gate_per_token: bool = True) -> None:
   """One ValueError sentence where the arrays do not fit together, from shapes only (so that it
   holds under jit too; the reference's gathers would clamp, the kernels read past them): q
-  [B, T, N, D] and k, v [B, T, K, D] with N a multiple of K; the gate [B, T, K] ([B, K] with
+  [B, T, N, H] and k, v [B, T, K, H] with N a multiple of K; the gate [B, T, K] ([B, K] with
   gate_per_token False; None: no gate); segment ids and positions [B, T]; kept XA blocks
   [B, K, nb, nb] in blocks of xa_block >= 1 tokens. The kernel builders' check adds dtypes
   (`common.check_kernel_call`)."""
   shape = lambda x: list(getattr(x, "shape", ()))
   if any(getattr(x, "ndim", None) != 4 for x in (q, k, v)):
-    raise ValueError(f"q, k and v must be [B, T, heads, D], got shapes {shape(q)}, {shape(k)} "
+    raise ValueError(f"q, k and v must be [B, T, heads, H], got shapes {shape(q)}, {shape(k)} "
                      f"and {shape(v)}")
   b, t, n, h = q.shape
   kh = k.shape[2]
   if (k.shape != v.shape or k.shape[:2] != (b, t) or k.shape[3] != h or kh == 0 or n % kh
           or 0 in q.shape):
     raise ValueError(f"q {shape(q)} and k, v {shape(k)}, {shape(v)} do not fit: q is [B, T, N, "
-                     "D] and k, v [B, T, K, D] with N a multiple of K")
+                     "H] and k, v [B, T, K, H] with N a multiple of K")
   want = (b, t, kh) if gate_per_token else (b, kh)
   if gate is not None and tuple(getattr(gate, "shape", ())) != want:
     raise ValueError(f"the gate has shape {shape(gate)}; {list(want)} expected")
@@ -110,12 +98,12 @@ def _attend(q_btnh, k_btkh, v_btkh, segment_ids_bt, positions_bt, streaming: Str
   The mix is formed per query chunk, so only one output array is ever materialised.
   """
   hi, lo = split_patterns(patterns)
-  if "xa" in (hi, lo) and streaming is not None and xa_keep is None:
+  if Pattern.XA in (hi, lo) and streaming is not None and xa_keep is None:
     raise ValueError(f"patterns '{patterns}' needs the kept XAttention blocks (xa_keep)")
   b, t, n, h = q_btnh.shape
   k = k_btkh.shape[2]
   check_shapes(q_btnh, k_btkh, v_btkh, gate_btk, segment_ids_bt, positions_bt,
-               xa_keep if "xa" in (hi, lo) and streaming is not None else None, xa_block)
+               xa_keep if Pattern.XA in (hi, lo) and streaming is not None else None, xa_block)
   g = n // k
   scale = h ** -0.5 if scale is None else scale
   if segment_ids_bt is None:
@@ -144,7 +132,7 @@ def _attend(q_btnh, k_btkh, v_btkh, segment_ids_bt, positions_bt, streaming: Str
   k_bksh = pad(k_btkh, nk * ck).transpose(0, 2, 1, 3)
   v_bksh = pad(v_btkh, nk * ck).transpose(0, 2, 1, 3)
   if streaming is None:
-    masks = ["full"]
+    masks = [Pattern.FULL]
   else:
     masks = ([hi] if gate_btk_given else []) + [lo]
 
@@ -167,9 +155,9 @@ def _attend(q_btnh, k_btkh, v_btkh, segment_ids_bt, positions_bt, streaming: Str
       new = []
       for name, (m_bkgq, l_bkgq, acc_bkgqh) in zip(masks, carry):
         ok = causal_bqs[:, None, None]
-        if name == "stream":
+        if name == Pattern.STREAM:
           ok = ok & streaming.allows(posq_bq[:, :, None], pos_k[:, j][:, None, :])[:, None, None]
-        elif name == "xa":   # the kept blocks of each KV head, by row position
+        elif name == Pattern.XA:   # the kept blocks of each KV head, by row position
           rows = jnp.take(xa_keep, jnp.minimum(q_idx // xa_block, xa_keep.shape[2] - 1), 2)
           tile = jnp.take(rows, jnp.minimum(k_idx // xa_block, xa_keep.shape[3] - 1), 3)
           ok = ok & tile[:, :, None]
@@ -273,11 +261,11 @@ def dense_hybrid_attention(q_btnh, k_btkh, v_btkh, gate_bk, streaming: Streaming
   s = jnp.einsum("bqkgh,bskh->bkgqs", q, up(k_btkh)) * scale
   pos = jnp.arange(t)
   causal = pos[None, :] <= pos[:, None]
-  masks = {"full": causal[None, None, None],
-           "stream": (causal & streaming.allows(pos[:, None], pos[None, :]))[None, None, None]}
+  streamed = causal & streaming.allows(pos[:, None], pos[None, :])
+  masks = {Pattern.FULL: causal[None, None, None], Pattern.STREAM: streamed[None, None, None]}
   if xa_keep is not None:
     blk = pos // xa_block
-    masks["xa"] = (causal[None, None] & xa_keep[:, :, blk][:, :, :, blk])[:, :, None]
+    masks[Pattern.XA] = (causal[None, None] & xa_keep[:, :, blk][:, :, :, blk])[:, :, None]
 
   def attend(ok):
     p = jax.nn.softmax(jnp.where(ok, s, MASK_VALUE), axis=-1)

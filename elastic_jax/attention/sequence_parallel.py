@@ -15,7 +15,7 @@ all-to-all, just enough that every device receives exactly the KV heads its quer
 Heads may in addition be split over a tensor axis (`head_axis`); the sequence split then
 applies to each tensor shard's heads.
 
-Shape letters: B batch, T tokens, N query heads, K KV heads, G = N / K, D head dim, P devices
+Shape letters: B batch, T tokens, N query heads, K KV heads, G = N / K, H head dim, P devices
 on the sequence axis.
 """
 
@@ -111,7 +111,7 @@ def _ulysses(local_fn: Callable, mesh, axis: Axes, batch_axes: Axes, head_axis: 
       if name in xs:
         xs[name] = jax.lax.all_gather(xs[name], ax, axis=1, tiled=True)
     out = local_fn(*(xs.get(name) for name in args))
-    return jax.lax.all_to_all(out, ax, 1, 2, tiled=True)  # back to [B, T/P, N, D]
+    return jax.lax.all_to_all(out, ax, 1, 2, tiled=True)  # back to [B, T/P, N, H]
 
   fn = jax.shard_map(body, mesh=mesh, in_specs=({name: specs[name] for name in given},),
                      out_specs=x_spec, check_vma=check_vma)
@@ -123,7 +123,7 @@ def sequence_parallel(attn_fn: Callable, mesh=None, *, axis: Axes = "sequence",
                       check_vma: bool = False) -> Callable:
   """Causal attention `attn_fn(q, k, v, segment_ids)` run sequence parallel over `axis`.
 
-  Returns a function of the same signature taking q [B, T, N, D], k/v [B, T, K, D] split over
+  Returns a function of the same signature taking q [B, T, N, H], k/v [B, T, K, H] split over
   tokens on `axis`, batch on `batch_axes` and (optionally) heads on `head_axis`; the output has
   q's layout. mesh: a Mesh or AbstractMesh; None takes the one of `jax.set_mesh`.
   check_vma: off by default, since the reference's `lax.cond` over key chunks mixes varying

@@ -4,7 +4,7 @@ For each KV head, every query block keeps the key blocks that carry most of its 
 estimated cheaply from antidiagonal sums:
   1. with stride S, q_r[i] = concat_t q[i*S + S-1-t] and k_r[j] = concat_t k[j*S + t], so that
      q_r[i] . k_r[j] sums the products along the antidiagonals of the (i, j) S x S tile;
-  2. P = softmax_j(q_r k_r^T / (sqrt(D) * S)) in float32, over the stride columns j <= i
+  2. P = softmax_j(q_r k_r^T / (sqrt(H) * S)) in float32, over the stride columns j <= i
      (and, in packed rows, of the query's segment);
   3. the block mass A[I, J] sums P over the (block/S)^2 tile of query block I and key block J;
   4. block 0 and the diagonal block are always kept (in packed rows also the block where the
@@ -20,7 +20,7 @@ diagonal, in one pass (`block_mass`): up to `unroll_chunks` chunks each against 
 causal prefix (memory O(rows * T/S) per head), past that in a loop of tiles of chunk_blocks x
 chunk_blocks blocks (memory O(rows * (rows + nb)) per head at any T).
 
-Shape letters: B batch, T tokens, N query heads, K KV heads, G = N / K, D head dim; I, J query
+Shape letters: B batch, T tokens, N query heads, K KV heads, G = N / K, H head dim; I, J query
 and key blocks (nb = ceil(T / block) of each).
 """
 
@@ -95,7 +95,7 @@ def block_mass(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention,
   ns = tp // s                             # stride rows
   real = -(-t // s)                        # stride rows holding at least one real token
   pad = lambda x: jnp.pad(x, [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2))
-  # q_r: [B, K, G, ns, S*D] with the S tokens of each stride row in reverse order.
+  # q_r: [B, K, G, ns, S*H] with the S tokens of each stride row in reverse order.
   q_r = pad(q_btnh).reshape(b, ns, s, kh, g, d)[:, :, ::-1]
   q_r = q_r.transpose(0, 3, 4, 1, 2, 5).reshape(b, kh, g, ns, s * d)
   k_r = pad(k_btkh).reshape(b, ns, s, kh, d).transpose(0, 3, 1, 2, 4).reshape(b, kh, ns, s * d)

@@ -67,7 +67,7 @@ def _common(p: argparse.ArgumentParser, benchmark) -> None:
                       "implementation or pattern pair made there (default: refuse to mix them)")
   p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
   p.add_argument("--attn-impl", default="auto", help="attention implementation (default auto)")
-  from elastic_jax.attention.reference import PATTERN_PAIRS
+  from elastic_jax.attention.patterns import PATTERN_PAIRS
   p.add_argument("--patterns", choices=PATTERN_PAIRS,
                  help="the pattern pair, what full- and sparse-routed heads run (default: the "
                       "routers', else fa-ssa); xa = XAttention's content-chosen blocks")
