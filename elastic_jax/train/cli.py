@@ -2,7 +2,7 @@
 
 Trains the Attention Routers (and the Lagrange multipliers) of a frozen backbone with the
 min-max sparsity objective. Everything is in the YAML config (configs/, and
-train/run_config.py for every key; --print-config lists them); dotted overrides change keys:
+train/config_schema.py for every key; --print-config lists them); dotted overrides change keys:
 
   train.py                        # configs/mixture_cpu.yaml: the reproduction, on a CPU
   train.py --config configs/tiny.yaml             # a smoke run: random backbone

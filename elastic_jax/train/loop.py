@@ -33,7 +33,8 @@ from elastic_jax.router import msr
 from elastic_jax.tasks import TASK_TYPES
 from elastic_jax.train.checkpointing import PreemptionGuard, TrainCheckpointer, train_fingerprint
 from elastic_jax.train.metrics import Metrics, progress_line, say, step_record
-from elastic_jax.train.run_config import RunConfig, dump_run_config, resolve_model_path
+from elastic_jax.train.config_loader import dump_run_config
+from elastic_jax.train.config_schema import RunConfig
 from elastic_jax.train.setup import (EXPORT_MANIFEST, abstract_train_state, batch_sharding,
                                      check_export_target, data_fingerprint, export_targets,
                                      files_under, load_backbone, make_data, mesh_layout,
@@ -255,7 +256,7 @@ def _export(cfg: RunConfig, mcfg: ModelConfig, backbone, trainable: dict) -> dic
     write("authors", lambda d: router_io.save_routers_authors(d, routers, mcfg))
   if cfg.export.full_model:
     from elastic_jax.elastic_model import ElasticModel, save_pretrained
-    path = resolve_model_path(cfg.model)
+    path = cfg.model.resolved_path
     raw = (read_config_file(path) if cfg.model.random_init else read_hf_config(path))[1]
     model = ElasticModel(mcfg, backbone, raw,
                          source_dir=None if cfg.model.random_init else path,

@@ -17,8 +17,7 @@ from elastic_jax.config import ModelConfig, read_config_file, read_hf_config
 from elastic_jax.errors import ElasticJaxError
 from elastic_jax.files import check_apart, check_creatable
 from elastic_jax.model import abstract_params, init_params
-from elastic_jax.train.run_config import (RunConfig, check_batch_layout, resolve_mesh_shape,
-                                          resolve_model_path)
+from elastic_jax.train.config_schema import RunConfig
 from elastic_jax.train.step import init_train_state
 from elastic_jax.train.synthetic import synthetic_batch
 
@@ -27,7 +26,7 @@ def preflight(cfg: RunConfig) -> ModelConfig:
   """Checks what can be checked before the backbone loads and before anything is written:
   the model's config, the logging backend, the tokenizer against the model's vocabulary,
   outputs apart from the inputs, the full-model export. Returns the model config."""
-  path = resolve_model_path(cfg.model)
+  path = cfg.model.resolved_path
   mcfg = (read_config_file(path) if cfg.model.random_init else read_hf_config(path))[0]
   if cfg.log.tensorboard:
     try:
@@ -63,7 +62,6 @@ def preflight(cfg: RunConfig) -> ModelConfig:
                             "the exported routers afterwards with python -m elastic_jax.convert "
                             "MODEL OUT --to-hf --routers EXPORT_DIR/elastic_jax")
   return mcfg
-
 
 
 # EXPORT_DIR/.exports.json: the files each export folder received from a train run, so that a
@@ -129,14 +127,9 @@ def check_export_target(cfg: RunConfig, layout: str, target: str,
 def mesh_layout(cfg: RunConfig, devices=None):
   """The run's mesh over `devices` (default: all): (axis sizes, mesh, sharding rules, number of
   micro-batch passes per step or None). Checks that the batch splits over it."""
-  n = jax.device_count() if devices is None else len(devices)
-  mesh_shape = resolve_mesh_shape(cfg.mesh, n)
-  check_batch_layout(cfg, mesh_shape)
+  mesh_shape = cfg.mesh_shape(jax.device_count() if devices is None else len(devices))
   mesh = sharding.make_mesh(mesh_shape, devices)
-  d = cfg.data
-  micro = (d.global_batch // d.micro_batch
-           if d.micro_batch and d.micro_batch < d.global_batch else None)
-  return mesh_shape, mesh, sharding.rules_for(mesh), micro
+  return mesh_shape, mesh, sharding.rules_for(mesh), cfg.data.micro_steps
 
 
 def backbone_shardings(mcfg: ModelConfig, dtype: str, mesh):
@@ -156,7 +149,7 @@ def abstract_train_state(cfg: RunConfig, mcfg: ModelConfig, mesh):
 
 def load_backbone(cfg: RunConfig, mesh) -> tuple[ModelConfig, dict]:
   """The frozen backbone, placed on the mesh by its logical axes (random for a config JSON)."""
-  path = resolve_model_path(cfg.model)
+  path = cfg.model.resolved_path
   if cfg.model.random_init:
     mcfg, raw = read_config_file(path)
     dtype = cfg.model.dtype
@@ -199,7 +192,6 @@ def to_global(local: dict[str, np.ndarray], shardings, micro: int | None) -> dic
       global_shape = (x.shape[0] * jax.process_count(), *x.shape[1:])
     out[k] = jax.make_array_from_process_local_data(shardings[k], x, global_shape)
   return out
-
 
 
 class SyntheticData:
@@ -259,5 +251,3 @@ def make_data(cfg: RunConfig, vocab: int, path: str | None, *, eval_split: bool 
 
 def data_fingerprint(data) -> str:
   return data.fingerprint if isinstance(data, SyntheticData) else data.state()["fingerprint"]
-
-
