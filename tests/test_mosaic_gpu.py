@@ -20,7 +20,8 @@ import pytest
 from mosaic_tools import INTERPRET, TOL, kept_blocks, packed_row, qkv, schedule_id
 
 from elastic_jax import hybrid_attention
-from elastic_jax.attention import Streaming, mosaic_gpu, mosaic_gpu_scoring
+from elastic_jax.attention import Streaming, mosaic_gpu
+from elastic_jax.attention.mosaic_gpu import scoring as mosaic_gpu_scoring
 from elastic_jax.attention.common import MODE_FULL, MODE_SPARSE
 from elastic_jax.attention import reference
 from elastic_jax.attention.reference import dense_hybrid_attention
@@ -264,7 +265,7 @@ def test_packed_xa_forward_matches_reference(monkeypatch, patterns, n, k, rows, 
     real = mosaic_gpu.packed_xa_forward_hard
     monkeypatch.setattr(mosaic_gpu.hybrid, "packed_xa_forward_hard",
                         lambda *a, **kw: ran.append(1) or real(*a, **kw))
-    fn = mosaic_gpu.make_packed_xa_hybrid(tiles)
+    fn = mosaic_gpu.make_hybrid(tiles, packed=True, xa=True)
     with jax.disable_jit():
       got = fn(q, kk, v, gate, seg, pos, keep, st, patterns, xa_block, INTERPRET)
     assert ran

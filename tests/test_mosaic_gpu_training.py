@@ -4,6 +4,7 @@ reference's outputs and gradients, and their walks against brute-force tile coun
 interpret mode on CPU (with reads past an array's end refused), native on a GPU.
 """
 
+import functools
 import warnings
 
 import jax
@@ -13,7 +14,8 @@ import pytest
 from mosaic_tools import INTERPRET, TOL, kept_blocks, packed_row, qkv, schedule_id
 
 from elastic_jax import hybrid_attention
-from elastic_jax.attention import Streaming, mosaic_gpu, mosaic_gpu_backward
+from elastic_jax.attention import Streaming, mosaic_gpu
+from elastic_jax.attention.mosaic_gpu import backward as mosaic_gpu_backward
 from elastic_jax.attention.common import MODE_FULL, MODE_MIX, MODE_SPARSE
 from elastic_jax.attention.reference import dense_hybrid_attention
 
@@ -40,7 +42,7 @@ def kernel_calls(monkeypatch):
   from elastic_jax.attention.mosaic_gpu import backward as mosaic_gpu_backward
   calls = []
   for module, name in ((mosaic_gpu_backward, "dq_call"), (mosaic_gpu_backward, "dkv_call"),
-                       (mosaic_gpu, "packed_xa_forward_train")):
+                       (mosaic_gpu.hybrid, "packed_xa_forward_train")):
     real = getattr(module, name)
     monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **kw:
                         calls.append(_name) or _real(*a, **kw))
@@ -59,7 +61,7 @@ def test_training_default_is_mosaic_natively_and_triton_in_interpret_mode(kernel
     extra = (seg, pos)
   else:
     gate, extra = jnp.asarray([[0.5, 0.0]], jnp.float32), ()
-  build = mosaic_gpu.make_packed_hybrid if packed else mosaic_gpu.make_hybrid
+  build = functools.partial(mosaic_gpu.make_hybrid, packed=packed)
   for training, interpret, mosaic in (("auto", False, True), ("auto", True, False),
                                       ("triton", False, False), ("mosaic", True, True)):
     fn = build(training=training)
@@ -244,10 +246,10 @@ def test_xa_backward_walks_visit_each_needed_tile_once_with_its_terms(pair, xa_b
 ])
 def test_mosaic_training_kernels_under_xattention(kernel_calls, strict_reads, b, t, n, k, d,
                                                   patterns, gates, xa_block):
-  """make_xa_hybrid(training="mosaic"): the training forward (the XA term's launch walking the
-  kept blocks) and the dQ and dK/dV kernels (rows and columns of the kept-block lists, mixed
-  heads' tiles switched per tile) against the float32 reference's output and gradients on the
-  same random kept blocks; the reference that keeps every block must be far off (the lists
+  """make_hybrid(xa=True, training="mosaic"): the training forward (the XA term's launch walking
+  the kept blocks) and the dQ and dK/dV kernels (rows and columns of the kept-block lists,
+  mixed heads' tiles switched per tile) against the float32 reference's output and gradients on
+  the same random kept blocks; the reference that keeps every block must be far off (the lists
   matter). Run eagerly as the other training tests; the Mosaic kernels must have run."""
   calls = kernel_calls
   st = Streaming(1, 1, 128)
@@ -255,7 +257,7 @@ def test_mosaic_training_kernels_under_xattention(kernel_calls, strict_reads, b,
   keep = kept_blocks(b, k, t, xa_block, seed=t + 3)
   gate = jnp.asarray(gates, jnp.float32)
   d_out = jax.random.normal(jax.random.key(t + 1), q.shape, jnp.float32).astype(jnp.bfloat16)
-  fn = mosaic_gpu.make_xa_hybrid(training="mosaic")
+  fn = mosaic_gpu.make_hybrid(training="mosaic", xa=True)
   with jax.disable_jit():
     out, vjp = jax.vjp(lambda *x: fn(*x, keep, st, patterns, xa_block, INTERPRET), q, kk, v,
                        gate)
@@ -279,8 +281,8 @@ def test_mosaic_training_kernels_under_xattention(kernel_calls, strict_reads, b,
 
 
 def test_mosaic_training_kernels_on_packed_rows(kernel_calls, strict_reads):
-  """make_packed_hybrid(training="mosaic") on a packed row (segment ids and positions): each
-  row's gate mixes its head's two outputs. Segments of 128, 384, 40 and 50 tokens (padded to
+  """make_hybrid(packed=True, training="mosaic") on a packed row (segment ids and positions):
+  each row's gate mixes its head's two outputs. Segments of 128, 384, 40 and 50 tokens (padded to
   640): tiles whose rows are full, streaming or routed differently; segments starting on a
   tile edge (the plan's unmasked tiles); a long mixed segment whose keys past the sink reach
   only their window's rows (the dK/dV walk stops there, the FA term goes on). Output and
@@ -293,7 +295,7 @@ def test_mosaic_training_kernels_on_packed_rows(kernel_calls, strict_reads):
   seg, pos, gate = packed_row([128, 384, 40, 50], [np.asarray(c) for c in gates], 2)
   q, kk, v = qkv(1, seg.shape[1], 2, 2, 64, jnp.bfloat16, seed=11)
   d_out = jax.random.normal(jax.random.key(12), q.shape, jnp.float32).astype(jnp.bfloat16)
-  fn = mosaic_gpu.make_packed_hybrid(training="mosaic")
+  fn = mosaic_gpu.make_hybrid(training="mosaic", packed=True)
   with jax.disable_jit():
     out, vjp = jax.vjp(lambda *x: fn(*x, seg, pos, st, INTERPRET), q, kk, v, gate)
     grads = vjp(d_out)
@@ -326,10 +328,10 @@ def test_mosaic_training_kernels_on_packed_rows(kernel_calls, strict_reads):
 def test_mosaic_training_kernels_on_packed_rows_under_xattention(kernel_calls, strict_reads,
                                                                  patterns, n, k, rows,
                                                                  xa_block, overlap):
-  """make_packed_xa_hybrid(training="mosaic"): packed rows under the XAttention settings with
-  random kept blocks plus those the selection forces (block 0 and each segment's first block,
-  so lists hold other segments' blocks that the walks must skip or mask). Output and
-  gradients against the float32 reference; the complementary kept blocks must be far off; the
+  """make_hybrid(packed=True, xa=True, training="mosaic"): packed rows under the XAttention
+  settings with random kept blocks plus those the selection forces (block 0 and each segment's
+  first block, so lists hold other segments' blocks that the walks must skip or mask). Output
+  and gradients against the float32 reference; the complementary kept blocks must be far off; the
   Mosaic training forward, dQ and dK/dV kernels must have run; traced under jit, both run-time
   branches must leave residuals of one layout. The Mosaic path takes these lengths (whole XA
   blocks once rounded up to 128) and not T = 300 with blocks of 256."""
@@ -349,8 +351,7 @@ def test_mosaic_training_kernels_on_packed_rows_under_xattention(kernel_calls, s
   keep = kept_blocks(b, k, t, xa_block, seed=5) | forced_blocks(
       t, XAttention(block=xa_block), seg, b)[:, None]
   d_out = jax.random.normal(jax.random.key(7), q.shape, jnp.float32).astype(jnp.bfloat16)
-  fn = mosaic_gpu.make_packed_xa_hybrid(_schedule(overlap),
-                                       training="mosaic")
+  fn = mosaic_gpu.make_hybrid(_schedule(overlap), training="mosaic", packed=True, xa=True)
   with jax.disable_jit():
     out, vjp = jax.vjp(lambda *x: fn(*x, seg, pos, keep, st, patterns, xa_block, INTERPRET),
                        q, kk, v, gate)
@@ -509,7 +510,7 @@ def test_packed_training_falls_back_where_positions_do_not_count_up():
   pos = pos.at[0, 400:].add(-150)          # a jump back inside the second segment
   q, kk, v = qkv(1, seg.shape[1], 2, 2, 64, jnp.bfloat16, seed=13)
   cot = jax.random.normal(jax.random.key(14), q.shape, jnp.float32)
-  fn = mosaic_gpu.make_packed_hybrid(training="mosaic")
+  fn = mosaic_gpu.make_hybrid(training="mosaic", packed=True)
   with jax.disable_jit():
     assert not bool(mosaic_gpu.positions_count_up(seg, pos))
     grads = jax.grad(lambda *x: jnp.sum(fn(*x, seg, pos, st, INTERPRET).astype(jnp.float32)

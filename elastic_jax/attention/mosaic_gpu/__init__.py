@@ -10,7 +10,7 @@ from elastic_jax.attention.mosaic_gpu.backward import (  # noqa: F401  (the back
     DEFAULT_BACKWARD_TILES, BackwardTiles)
 from elastic_jax.attention.mosaic_gpu.forward import (  # noqa: F401
     DEFAULT_TILES, SMEM_BYTES, TRACE_REGIONS, TRAINING, MosaicTiles, XAWalk, applies,
-    packed_walk, walk, xa_walk)
+    online_softmax, packed_walk, walk, xa_walk)
 from elastic_jax.attention.mosaic_gpu.hybrid import (  # noqa: F401
     forward_train, hard_gates, hybrid_attention, hybrid_forward, hybrid_forward_hard,
     make_hybrid, make_packed_hybrid, make_packed_xa_hybrid, make_xa_hybrid, packed_backward,

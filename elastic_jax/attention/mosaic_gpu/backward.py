@@ -42,7 +42,7 @@ listed tiles wholly inside the rows' segment (as the forward's, `mosaic_gpu.pack
 Interpret mode (`interpret=True`) runs the kernels on a CPU: there the register operands of
 wgmma take a trip through shared memory and accumulators are added after (no run_state).
 
-Shape letters: B batch, T tokens (Tp padded), N query heads, K KV heads, G = N / K, D head dim.
+Shape letters: B batch, T tokens (Tp padded), N query heads, K KV heads, G = N / K, H head dim.
 """
 
 from __future__ import annotations
@@ -633,16 +633,25 @@ def _dq_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwar
             flagged=rg.flagged, listed=rg.listed), dq)
     _write_out([(q_smem, dq * scale, dq_ref.at[b, rows_here, head])])   # Q's buffer is free
 
-  @pl.when(wg == _COMPUTE_WGS)
-  def _memory():
-    plgpu.set_max_registers(memory_registers(tiles), action="decrease")
+  pl.when(wg == _COMPUTE_WGS)(functools.partial(
+      _dq_producer, (k_ref, k_smem, k_ready), (v_ref, v_smem, v_ready), (k_free, v_free), b=b,
+      kv_head=kv_head, ranges=ranges, listed_tile=listed_tile, steps=steps, tiles=tiles))
 
-    def load(s, slot):
-      keys = pl.ds(_ranges_tile(s, ranges, listed_tile) * block_kv, block_kv)
-      plgpu.copy_gmem_to_smem(k_ref.at[b, keys, kv_head], k_smem.at[slot], k_ready.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[b, keys, kv_head], v_smem.at[slot], v_ready.at[slot])
 
-    _stream(load, (k_free, v_free), steps, slots)
+def _dq_producer(k_parts, v_parts, free, *, b, kv_head, ranges, listed_tile, steps,
+                 tiles: BackwardTiles):
+  """The dQ kernel's memory warpgroup: the walk's K and V tiles (each part: the operand in
+  device memory, its ring in shared memory, the ring's arrival barriers) into the ring, each
+  slot refilled once both compute warpgroups released it (`_stream`)."""
+  plgpu.set_max_registers(memory_registers(tiles), action="decrease")
+  block_kv = tiles.dq_block_kv
+
+  def load(s, slot):
+    keys = pl.ds(_ranges_tile(s, ranges, listed_tile) * block_kv, block_kv)
+    for src, smem, ready in (k_parts, v_parts):
+      plgpu.copy_gmem_to_smem(src.at[b, keys, kv_head], smem.at[slot], ready.at[slot])
+
+  _stream(load, free, steps, tiles.slots)
 
 
 def _write_out(results):
@@ -811,23 +820,39 @@ def _dkv_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwa
     _write_out([(k_smem, dk * scale, dk_ref.at[b, mine, kv_head]),
                 (v_smem, dv, dv_ref.at[b, mine, kv_head])])
 
-  @pl.when(wg == _COMPUTE_WGS)
-  def _memory():
-    plgpu.set_max_registers(memory_registers(tiles), action="decrease")
+  pl.when(wg == _COMPUTE_WGS)(functools.partial(
+      _dkv_producer, (q_ref, q_smem, q_ready), (rows_ref, rows_smem, rows_ready),
+      (bounds_ref, bounds_smem, bounds_ready) if packed else None, (do_ref, do_smem, do_ready),
+      q_free, b=b, kv_head=kv_head, groups=groups, per_head=per_head, ranges=ranges,
+      listed_tile=listed_tile, steps=steps, tiles=tiles))
 
-    def load(s, slot):
-      g = lax.div(s, jnp.maximum(per_head, 1))
-      rows = pl.ds(_ranges_tile(s - g * per_head, ranges, listed_tile) * block_q, block_q)
-      head = kv_head * groups + g
-      plgpu.copy_gmem_to_smem(q_ref.at[b, rows, head], q_smem.at[slot], q_ready.at[slot])
-      plgpu.copy_gmem_to_smem(rows_ref.at[b, head, :, rows], rows_smem.at[slot],
-                              rows_ready.at[slot])
-      if packed:
-        plgpu.copy_gmem_to_smem(bounds_ref.at[b, :, rows], bounds_smem.at[slot],
-                                bounds_ready.at[slot])
-      plgpu.copy_gmem_to_smem(do_ref.at[b, rows, head], do_smem.at[slot], do_ready.at[slot])
 
-    _stream(load, (q_free,), steps, slots)
+def _dkv_producer(q_parts, rows_parts, bounds_parts, do_parts, q_free, *, b, kv_head, groups,
+                  per_head, ranges, listed_tile, steps, tiles: BackwardTiles):
+  """The dK/dV kernel's memory warpgroup: for each of the KV head's G query heads in turn, the
+  walk's Q tiles with their row terms, packed rows' bounds (bounds_parts; None unpacked) and
+  dO tiles (each part: the operand in device memory, its ring in shared memory, the ring's
+  arrival barriers) into the ring, each slot refilled once both compute warpgroups released
+  it (`_stream`)."""
+  plgpu.set_max_registers(memory_registers(tiles), action="decrease")
+  block_q = tiles.dkv_block_q
+
+  def load(s, slot):
+    g = lax.div(s, jnp.maximum(per_head, 1))
+    rows = pl.ds(_ranges_tile(s - g * per_head, ranges, listed_tile) * block_q, block_q)
+    head = kv_head * groups + g
+    (q_ref, q_smem, q_ready), (rows_ref, rows_smem, rows_ready) = q_parts, rows_parts
+    plgpu.copy_gmem_to_smem(q_ref.at[b, rows, head], q_smem.at[slot], q_ready.at[slot])
+    plgpu.copy_gmem_to_smem(rows_ref.at[b, head, :, rows], rows_smem.at[slot],
+                            rows_ready.at[slot])
+    if bounds_parts is not None:
+      bounds_ref, bounds_smem, bounds_ready = bounds_parts
+      plgpu.copy_gmem_to_smem(bounds_ref.at[b, :, rows], bounds_smem.at[slot],
+                              bounds_ready.at[slot])
+    do_ref, do_smem, do_ready = do_parts
+    plgpu.copy_gmem_to_smem(do_ref.at[b, rows, head], do_smem.at[slot], do_ready.at[slot])
+
+  _stream(load, (q_free,), steps, tiles.slots)
 
 
 def _launch(kernel, scratch, operands, *, out_type, grid, grid_names, interpret):
@@ -846,7 +871,7 @@ def _launch(kernel, scratch, operands, *, out_type, grid, grid_names, interpret)
 
 def dq_call(q, k, v, do, row_terms, modes, gate, *, streaming: Streaming,
             tiles: BackwardTiles, interpret: bool, plan=None, bounds=None, xa=None):
-  """dQ [B, Tp, N, D] from padded q, k, v, dO, the row terms [B, N, 4, Tp] float32 (lse_FA,
+  """dQ [B, Tp, N, H] from padded q, k, v, dO, the row terms [B, N, 4, Tp] float32 (lse_FA,
   lse_SSA, D_FA, D_SSA) and per (batch, KV head) modes int32 and gates float32 [B * K].
   Packed rows: `plan`, the seven q_plan fields of `common.packed_plan` over programs of
   `_dq_rows` rows and KV tiles of dq_block_kv (int32 [B * K * nq] each), `modes` its q_modes
@@ -887,7 +912,7 @@ def dq_call(q, k, v, do, row_terms, modes, gate, *, streaming: Streaming,
 
 def dkv_call(q, k, v, do, row_terms, modes, gate, *, streaming: Streaming,
              tiles: BackwardTiles, interpret: bool, plan=None, bounds=None, xa=None):
-  """(dK, dV) [B, Tp, K, D], the G query heads of each KV head summed; operands as `dq_call`,
+  """(dK, dV) [B, Tp, K, H], the G query heads of each KV head summed; operands as `dq_call`,
   packed rows' `plan` the three k_plan fields (q_lo, q_hi_full, q_hi_sparse) over key tiles
   of 2 x dkv_block_k and query tiles of dkv_block_q (int32 [B * nk] each), `modes` its
   k_modes [B * K * nk]. XAttention settings: xa = (`XATerms`, (index, count) of

@@ -1,20 +1,23 @@
 """The hybrid FA/SSA inference forward for Hopper GPUs in Pallas Mosaic GPU (wgmma, TMA).
 
 Warp-specialised, FlashAttention-3 style: per program, one memory warpgroup streams K/V tiles
-into a ring of shared-memory slots with the bulk copy engine (TMA), and two compute
-warpgroups run QK^T and PV on the tensor cores (wgmma) with an online softmax in registers,
-taking turns on the tensor cores (a schedule barrier) so that one's softmax overlaps the
-other's matrix products. `MosaicTiles(overlap=True)` adds FlashAttention-3's second technique,
+into a ring of shared-memory slots with the bulk copy engine (TMA; `_producer`), and two
+compute warpgroups run QK^T and PV on the tensor cores (wgmma) with an online softmax in
+registers (`_consumer`: one schedule per `MosaicTiles`, `_plain`, `_chained` or
+`_overlapped`, each step's softmax `online_softmax`, then `_epilogue`), taking turns on the
+tensor cores (a schedule barrier) so that one's softmax overlaps the other's matrix products.
+`MosaicTiles(overlap=True)` adds FlashAttention-3's second technique,
 each warpgroup's softmax overlapping its own PV product (tile s's QK^T and tile s-1's PV
-issued together, `_kernel`'s `overlapped`); `MosaicTiles(persistent=P)` launches P
+issued together, `_overlapped`); `MosaicTiles(persistent=P)` launches P
 persistent programs that take the work items in turn, heaviest first, the K/V ring running
 on from one item to the next (`_persistent`). Both are checked against the reference in
 interpret mode (where wgmma runs synchronously) and natively. `MosaicTiles(multicast=True)`
 launches the two programs of one KV head and query tile as a cluster that shares each K/V tile
 (TMA multicast); Pallas's GPU interpreter has no multicast copy, so it is checked natively
 only (against the reference in the tests; on an H100 its outputs were also bit-equal to the
-default schedule's, plain, packed and XA rows). The overlap rescales the accumulator and casts P to bf16 after the PV product's wait, as
-FlashAttention-3 does (with a product in flight, ptxas serialises every wgmma: warning C7513).
+default schedule's, plain, packed and XA rows). The overlap rescales the accumulator and casts
+P to bf16 after the PV product's wait, as FlashAttention-3 does (with a product in flight,
+ptxas serialises every wgmma: warning C7513).
 `MosaicTiles(q_registers=True)` feeds QK^T its Q tile from registers (loaded once per work
 item), so that the tensor cores read only K out of shared memory; natively only (interpret
 mode keeps Q in shared memory). Which schedule is fastest is measured, not assumed:
@@ -37,9 +40,9 @@ Scope. This kernel serves undifferentiated calls with gates of 0 or 1 (what rout
 inference produces): a call whose gates include a fraction runs the Triton kernel instead
 (one run-time branch, `hybrid_forward`). XAttention heads (the "fa-xa" and "xa-ssa"
 settings, `xa_forward_hard`) walk their kept-block lists: a third walk (`xa_walk`), the list
-read at run time. Training runs this file's `forward_train` (the kernel launched twice with
+read at run time. Training runs `hybrid.py`'s `forward_train` (the kernel launched twice with
 every head full, then streaming, also writing each row's log-sum-exp) and the Mosaic GPU dQ
-and dK/dV kernels (`mosaic_gpu_backward`) where they take the shapes (`trains`), the Triton
+and dK/dV kernels (`backward.py`) where they take the shapes (`trains`), the Triton
 kernels (`pallas_gpu`) elsewhere and, by default, in interpret mode (`TRAINING`); likewise
 under the XAttention settings (`xa_forward_train`, `xa_backward`). Its layout constraints
 (`applies`): bf16 or fp16, head_dim a multiple of 64 whose tiles fit in shared memory (up to
@@ -47,7 +50,7 @@ under the XAttention settings (`xa_forward_train`, `xa_backward`). Its layout co
 window's edges fall on tile edges, and G even or 1. T is padded inside. Interpret mode
 (`interpret=True`) runs it on a CPU.
 
-Packed rows (segment ids and positions, `packed_forward_hard`, end of this file): the walk
+Packed rows (segment ids and positions, `hybrid.py`'s `packed_forward_hard`): the walk
 starts at the tile of the segment start of the program's first row (`common.packed_plan`),
 and masked tiles compare each key with three per-row bounds; see the section there. Under the
 XAttention settings (`packed_xa_forward_hard`) the programs of XA rows walk their kept-block
@@ -55,7 +58,7 @@ lists in the same launch. Their
 training (`packed_forward_train`, `packed_backward`; under the XAttention settings
 `packed_xa_forward_train`, `packed_xa_backward`) is chosen as the unpacked one's.
 
-Shape letters: B batch, T tokens, N query heads, K KV heads, G = N / K, D head dim.
+Shape letters: B batch, T tokens, N query heads, K KV heads, G = N / K, H head dim.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -238,6 +243,181 @@ def packed_walk(plan, mode):
   return n1 + causal_hi - second, kv_lo, n1, second, in_lo, unmasked_hi
 
 
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+  """A launch's static settings (`forward_call`'s): G, the KV heads, the streaming pattern, the
+  tiles, the softmax scale, the query tiles per head, the XAttention walk (None: none) and
+  whether the rows are packed."""
+  groups: int
+  num_kv_heads: int
+  streaming: Streaming
+  tiles: MosaicTiles
+  scale: float
+  num_q_tiles: int
+  xa: XAWalk | None
+  packed: bool
+
+  @property
+  def pair_heads(self) -> bool:
+    """Whether the two compute warpgroups take two query heads (G >= 2) or two row tiles."""
+    return self.groups >= 2
+
+  @property
+  def rows(self) -> int:
+    return rows_per_program(self.groups, self.tiles)
+
+  @property
+  def heads_per_program(self) -> int:
+    return _COMPUTE_WGS if self.pair_heads else 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Refs:
+  """A program's refs: its operands and outputs in device memory (modes, the packed walks'
+  fields `plan`, the XAttention lists `xa`, q, k, v, the packed rows' bounds `rows`; out, the
+  rounding remainder `lo`, the log-sum-exps `lse`), its shared memory (the compute
+  warpgroups' Q/O tiles, the K and V rings, P's staging buffer in interpret mode, the rows'
+  bounds, the log-sum-exps) and its barriers (a ring slot's arrival and release, each
+  warpgroup's Q tile and bounds, the warpgroups' turns). None where the launch has none."""
+  modes: Any
+  plan: Any
+  xa: Any
+  q: Any
+  k: Any
+  v: Any
+  rows: Any
+  out: Any
+  lo: Any
+  lse: Any
+  qo_smem2: Any
+  k_smem: Any
+  v_smem: Any
+  p_smem2: Any
+  rows_smem2: Any
+  lse_smem2: Any
+  k_ready: Any
+  v_ready: Any
+  q_ready: Any
+  rows_ready: Any
+  k_free: Any
+  v_free: Any
+  turn: Any
+
+  @classmethod
+  def of(cls, modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_refs,
+         scoped) -> "_Refs":
+    """From `_kernel`'s arguments (`forward_call`'s scratch: buffers, ready, free, turn)."""
+    smem, (k_ready, v_ready, q_ready, rows_ready), (k_free, v_free), turn = scoped
+    return cls(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, *out_refs, *smem,
+               k_ready, v_ready, q_ready, rows_ready, k_free, v_free, turn)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Walk:
+  """Where a program stands and the KV tiles it walks: batch row b, head pair hp, this
+  thread's warpgroup wg, the KV head, the first query row; `steps` steps, step s reading tile
+  tile_of(s) into ring slot ring(s) (base: the ring steps of a persistent program's earlier
+  items, None otherwise); lo, n1, second_start as `walk`'s or `packed_walk`'s. Packed rows
+  also: the unmasked tiles [unmasked_lo, unmasked_hi) and, under the XAttention settings,
+  whether the program walks a kept-block list (walks_list, maybe traced), listed(step) the
+  tile of a listed step and list_at the program's list row."""
+  b: Any
+  hp: Any
+  wg: Any
+  kv_head: Any
+  q_start: Any
+  steps: Any
+  lo: Any
+  n1: Any
+  second_start: Any
+  tile_of: Callable
+  ring: Callable
+  base: Any = None
+  unmasked_lo: Any = None
+  unmasked_hi: Any = None
+  walks_list: Any = None
+  listed: Callable | None = None
+  list_at: Any = None
+
+
+def _program_walk(launch: _Launch, refs: _Refs, item, base) -> _Walk:
+  """The program's place (from the grid, or a persistent program's `item`) and its walk:
+  unpacked rows `walk`'s list (an XA head `xa_walk`'s, its kept-block list read from
+  refs.xa), packed rows their precomputed `packed_walk` (`_packed_program_walk`)."""
+  tiles = launch.tiles
+  if item is None:
+    b = lax.axis_index("b")
+    hp = lax.axis_index("hp")
+    if tiles.multicast:   # a cluster: the two head pairs of one KV head
+      hp = hp * 2 + lax.axis_index("pair")
+    # Heavy first: programs launch in grid order, and the last query tiles have the most
+    # causal tiles to visit, so they start first and the short ones fill the tail. Light first
+    # measured slower on full heads (benchmarks/records/attention.md), though the Triton
+    # kernels want light first.
+    qt = launch.num_q_tiles - 1 - lax.axis_index("qt")
+  else:
+    b, hp, qt = item
+  wg = lax.axis_index("wg")
+  # A step's slot in the K/V ring (which runs on across a persistent program's items).
+  ring = lambda s: lax.rem(s if base is None else base + s, jnp.int32(tiles.slots))
+  kv_head = lax.div(hp * launch.heads_per_program, jnp.int32(launch.groups))
+  q_start = qt * launch.rows
+  place = dict(b=b, hp=hp, wg=wg, kv_head=kv_head, q_start=q_start, ring=ring, base=base)
+  if launch.packed:
+    return _Walk(**place, **_packed_program_walk(launch, refs, b, kv_head, qt, q_start))
+  xa, block_kv = launch.xa, tiles.block_kv
+  slot = b * launch.num_kv_heads + kv_head
+  mode = refs.modes[slot]
+  steps, n1, second_start = walk(q_start, launch.rows, mode, launch.streaming, block_kv)
+  lo = jnp.int32(0)
+  if xa is None:
+    tile_of = lambda s: _tile_of(s, lo, n1, second_start)
+  else:   # an XA head walks its kept blocks below the diagonal, then the diagonal
+    index_ref, count_ref = refs.xa
+    is_xa = mode == xa.mode
+    q_block = q_start // xa.block
+    list_at = (slot * xa.num_blocks + q_block) * xa.num_blocks
+    xa_steps, xa_n1, xa_second = xa_walk(q_start, launch.rows, count_ref[slot * xa.num_blocks
+                                                                         + q_block], xa.block,
+                                         block_kv)
+    steps, n1, second_start = (jnp.where(is_xa, x, y) for x, y in (
+        (xa_steps, steps), (xa_n1, n1), (xa_second, second_start)))
+    per_block = xa.block // block_kv
+
+    def tile_of(s):   # other heads read one fixed entry (a cached load, not a dependent one)
+      entry = list_at + jnp.minimum(s // per_block, xa.num_blocks - 1)
+      kept = index_ref[jnp.where(is_xa, entry, 0)]
+      first = jnp.where(is_xa, kept * per_block + lax.rem(s, jnp.int32(per_block)), s)
+      return jnp.where(s < n1, first, second_start + s - n1)
+  return _Walk(**place, steps=steps, lo=lo, n1=n1, second_start=second_start, tile_of=tile_of)
+
+
+def _packed_program_walk(launch: _Launch, refs: _Refs, b, kv_head, qt, q_start) -> dict:
+  """`_Walk`'s walk fields of a program over packed rows: its precomputed `packed_walk`
+  (refs.plan: its six fields' arrays); with `xa` (every row XA, `packed_xa_walk`) the walk's
+  first piece reads list positions through the kept-block list; with `xa.mixed`, only the
+  programs flagged by the walk's seventh field do."""
+  xa, block_kv = launch.xa, launch.tiles.block_kv
+  at = (b * launch.num_kv_heads + kv_head) * launch.num_q_tiles + qt
+  steps, lo, n1, second_start, unmasked_lo, unmasked_hi = (ref[at] for ref in refs.plan[:6])
+  tile_of = lambda s: _tile_of(s, lo, n1, second_start)
+  walks_list = None if xa is None else True   # `_step_ranges`' listed
+  listed = list_at = None
+  if xa is not None:   # an XA program (`packed_xa_walk`): steps < n1 read list positions lo..
+    index_ref = refs.xa[0]
+    list_at = (b * launch.num_kv_heads + kv_head) * xa.num_blocks + q_start // xa.block
+    listed = lambda s: mosaic_gpu_backward.kept_list_tile(
+        index_ref, list_at, lo + jnp.minimum(s, n1 - 1), xa.block // block_kv, xa.num_blocks)
+    tile_of = lambda s: jnp.where(s < n1, listed(s), second_start + s - n1)
+    if xa.mixed:   # the other programs walk their own tiles
+      walks_list = refs.plan[6][at] != 0
+      tile_of = lambda s: jnp.where(s < n1, jnp.where(walks_list, listed(s), lo + s),
+                                    second_start + s - n1)
+  return dict(steps=steps, lo=lo, n1=n1, second_start=second_start, tile_of=tile_of,
+              unmasked_lo=unmasked_lo, unmasked_hi=unmasked_hi, walks_list=walks_list,
+              listed=listed, list_at=list_at)
+
+
 def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_refs, scoped, *,
             groups, num_kv_heads, streaming, tiles: MosaicTiles, scale, num_q_tiles,
             xa: "XAWalk | None", item=None, base=None, role=None):
@@ -249,446 +429,490 @@ def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_ref
   list positions through the kept-block list, masked outside its unmasked steps; with
   `xa.mixed`, only the programs flagged by the walk's seventh field do, and XA rows
   (`_row_bounds`) see the keys of kept blocks (read from the dense keep array, xa_refs'
-  second). A persistent program (`_persistent`) runs it per work item: item = its (batch,
-  head pair, query tile), base = the ring steps of its earlier items, role = "compute" or
-  "memory" (that warpgroup's part alone; returns the item's steps)."""
-  (qo_smem2, k_smem, v_smem, p_smem2, rows_smem2, lse_smem2), ready, (k_free, v_free), turn = (
-      scoped)
-  out_ref, lo_ref, lse_ref = out_refs
-  k_ready, v_ready, q_ready, rows_ready = ready
-  block_q, block_kv, slots = tiles.block_q, tiles.block_kv, tiles.slots
-  pair_heads = groups >= 2
-  rows = rows_per_program(groups, tiles)
-  head_dim = q_ref.shape[-1]
-  dtype = q_ref.dtype
-  packed = plan_ref is not None
-
-  if item is None:
-    b = lax.axis_index("b")
-    hp = lax.axis_index("hp")
-    if tiles.multicast:   # a cluster: the two head pairs of one KV head
-      hp = hp * 2 + lax.axis_index("pair")
-    # Heavy first: programs launch in grid order, and the last query tiles have the most
-    # causal tiles to visit, so they start first and the short ones fill the tail. Light first
-    # measured slower on full heads (benchmarks/records/attention.md), though the Triton
-    # kernels want light first.
-    qt = num_q_tiles - 1 - lax.axis_index("qt")
-  else:
-    b, hp, qt = item
-  wg = lax.axis_index("wg")
-  # A step's slot in the K/V ring (which runs on across a persistent program's items).
-  ring = lambda s: lax.rem(s if base is None else base + s, jnp.int32(slots))
-  heads_per_program = _COMPUTE_WGS if pair_heads else 1
-  kv_head = lax.div(hp * heads_per_program, jnp.int32(groups))
-  q_start = qt * rows
-  if packed:   # the program's walk, precomputed (`packed_walk`), one array per field
-    at = (b * num_kv_heads + kv_head) * num_q_tiles + qt
-    steps, lo, n1, second_start, unmasked_lo, unmasked_hi = (ref[at] for ref in plan_ref[:6])
-    tile_of = lambda s: _tile_of(s, lo, n1, second_start)
-    walks_list = None if xa is None else True   # `step_ranges`' listed
-    if xa is not None:   # an XA program (`packed_xa_walk`): steps < n1 read list positions lo..
-      index_ref = xa_refs[0]
-      list_at = (b * num_kv_heads + kv_head) * xa.num_blocks + q_start // xa.block
-      listed = lambda s: mosaic_gpu_backward.kept_list_tile(
-          index_ref, list_at, lo + jnp.minimum(s, n1 - 1), xa.block // block_kv, xa.num_blocks)
-      tile_of = lambda s: jnp.where(s < n1, listed(s), second_start + s - n1)
-      if xa.mixed:   # the other programs walk their own tiles
-        walks_list = plan_ref[6][at] != 0
-        tile_of = lambda s: jnp.where(s < n1, jnp.where(walks_list, listed(s), lo + s),
-                                      second_start + s - n1)
-  else:
-    slot = b * num_kv_heads + kv_head
-    mode = modes_ref[slot]
-    steps, n1, second_start = walk(q_start, rows, mode, streaming, block_kv)
-    lo = jnp.int32(0)
-    if xa is None:
-      tile_of = lambda s: _tile_of(s, lo, n1, second_start)
-    else:   # an XA head walks its kept blocks below the diagonal, then the diagonal
-      index_ref, count_ref = xa_refs
-      is_xa = mode == xa.mode
-      q_block = q_start // xa.block
-      list_at = (slot * xa.num_blocks + q_block) * xa.num_blocks
-      xa_steps, xa_n1, xa_second = xa_walk(q_start, rows, count_ref[slot * xa.num_blocks
-                                                                    + q_block], xa.block,
-                                           block_kv)
-      steps, n1, second_start = (jnp.where(is_xa, x, y) for x, y in (
-          (xa_steps, steps), (xa_n1, n1), (xa_second, second_start)))
-      per_block = xa.block // block_kv
-
-      def tile_of(s):   # other heads read one fixed entry (a cached load, not a dependent one)
-        entry = list_at + jnp.minimum(s // per_block, xa.num_blocks - 1)
-        kept = index_ref[jnp.where(is_xa, entry, 0)]
-        first = jnp.where(is_xa, kept * per_block + lax.rem(s, jnp.int32(per_block)), s)
-        return jnp.where(s < n1, first, second_start + s - n1)
-
-  def take_turn():
-    plgpu.barrier_arrive(turn)
-    plgpu.barrier_wait(turn)
-
-  def _compute():
-    if role is None:
-      plgpu.set_max_registers(232, action="increase")
-    qo_smem = qo_smem2.at[wg]
-    head = hp * heads_per_program + (wg if pair_heads else 0)
-    row0 = q_start + (0 if pair_heads else wg * block_q)
-    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, block_q), head], qo_smem,
-                            q_ready.at[wg])
-    if packed:   # this warpgroup's rows: segment start, end of the sink, start of the window
-      for x in range(_ROW_FIELDS):
-        plgpu.copy_gmem_to_smem(rows_ref.at[b, kv_head, x, pl.ds(row0, block_q)],
-                                rows_smem2.at[wg, x], rows_ready.at[wg * _ROW_FIELDS + x])
-      bounds = []
-      for x in range(_ROW_FIELDS):
-        plgpu.barrier_wait(rows_ready.at[wg * _ROW_FIELDS + x])
-        bounds.append(plgpu.load(rows_smem2.at[wg, x], layout=plgpu.Layout.WGMMA.reduce(1)))
-    plgpu.barrier_wait(q_ready.at[wg])
-    # QK^T's left operand: the Q tile from shared memory, or (q_registers, natively) from
-    # registers, so that the tensor cores read only K out of shared memory.
-    q_op = (plgpu.load(qo_smem, layout=plgpu.Layout.WGMMA)
-            if tiles.q_registers and p_smem2 is None else qo_smem)
-
-    def mask(x, tile):
-      shape = (block_q, block_kv)
-      row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
-      col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + (
-          tile * block_kv)
-      ok = row >= col
-      if packed:
-        start, sink_end, window = (lax.broadcast_in_dim(v, shape, [0]) for v in bounds)
-        ok = ok & (col >= start)
-        seen = (col < sink_end) | (col >= window)
-        if xa is not None and xa.mixed:   # XA rows: no window (`NO_WINDOW`), kept blocks
-          keep_ref = xa_refs[1]
-          kept = keep_ref[list_at * xa.num_blocks + tile * block_kv // xa.block] != 0
-          seen = seen | ((window == NO_WINDOW) & kept)
-        ok = ok & seen
-      return jnp.where(ok, x, MASK_VALUE)
-
-    m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
-                            plgpu.Layout.WGMMA.reduce(1))
-    l_i = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32),
-                            plgpu.Layout.WGMMA.reduce(1))
-    acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32),
-                            plgpu.Layout.WGMMA)
-    bcast = lambda x, like: lax.broadcast_in_dim(x, like.shape, [0])
-
-    def softmax(x, tile, m_i, l_i, masked: bool, acc=None):
-      """A KV tile's scores -> (P in float32, new row max, new row sum, the factor that
-      rescales the accumulator to the new max, and acc so rescaled where given); tile:
-      a callable giving the KV tile (its masks' columns). Base-2 with the scale folded in: m
-      is kept scaled, p = exp2(x * c - m) is an FMA. A masked tile scales first and masks to
-      a finite MASK_VALUE: a row none of whose keys the tile shows (another segment's) then
-      gets p = exp2(0) weights that the first visible key's larger maximum scales to zero
-      (an FMA of the huge mask value would not cancel)."""
-      c = scale * _LOG2E
-      if masked:
-        x = mask(x * c, tile())
-        m_new = jnp.maximum(m_i, x.max(axis=1))
-        p = jnp.exp2(x - bcast(m_new, x))
-      else:
-        m_new = jnp.maximum(m_i, x.max(axis=1) * c)
-        p = jnp.exp2(x * c - bcast(m_new, x))
-      alpha = jnp.exp2(m_i - m_new)
-      if acc is not None:
-        acc = acc * bcast(alpha, acc)
-      l_i = l_i * alpha + p.sum(axis=1)
-      return p, m_new, l_i, alpha, acc
-
-    def pv_product(acc_ref, p_lo, slot):
-      if p_smem2 is None:
-        plgpu.wgmma(acc_ref, p_lo, v_smem.at[slot])
-      else:   # interpret mode: P through shared memory
-        p_smem2.at[wg][...] = p_lo
-        plgpu.commit_smem()
-        plgpu.wgmma(acc_ref, p_smem2.at[wg], v_smem.at[slot])
-
-    def add_pv(acc, body, outs_like=()):
-      """(acc + the PV product that body(acc_ref) issues, body's outputs): natively wgmma adds
-      into the running accumulator (`run_state`, whose end awaits it; body's outputs, shaped
-      as outs_like, leave through its state); interpret mode has no run_state, so there a
-      fresh accumulator is added after."""
-      if p_smem2 is None and not outs_like:
-        return pl.run_state(body)(plgpu.ACC.init(acc)), ()
-      if p_smem2 is None:
-        def state(refs):
-          acc_ref, *out_refs = refs
-          for ref, x in zip(out_refs, body(acc_ref)):
-            ref[...] = x
-
-        acc, *outs = pl.run_state(state)((plgpu.ACC.init(acc), *outs_like))
-        return acc, tuple(outs)
-      pv, outs = pl.run_scoped(lambda ref: (lambda outs: (ref[...], outs))(body(ref) or ()),
-                               plgpu.ACC((block_q, head_dim), jnp.float32))
-      return acc + pv, outs
-
-    def overlapped(acc, m_i, l_i, ranges):
-      """The walk with FlashAttention-3's intra-warpgroup overlap (`MosaicTiles.overlap`).
-      Step s issues tile s's QK^T and tile s-1's PV back to back, awaits only the first, and
-      runs tile s's softmax (P in float32) while the PV product is in flight; once that product
-      is awaited it rescales the accumulator to the new row max and casts P for step s+1's PV
-      (registers a wgmma reads are defined only while none is in flight). The warpgroups take
-      turns issuing: turn[w] is warpgroup w's, arrived at by the other once it has issued, so
-      that one's softmax also overlaps the other's products. Step 0 issues its QK^T alone,
-      masked (the masks are exact on any tile of a walk); the last PV is issued after the loop.
-      The turns run on across a persistent program's items: a one-arrival barrier must not
-      complete twice before its waiter has seen the first completion, so warpgroup 1's first
-      arrival and warpgroup 0's last wait are the program's, not each item's."""
-      scores = lambda: plgpu.ACC((block_q, block_kv), jnp.float32)
-
-      def issue_qk(s_ref, slot):
-        plgpu.barrier_wait(turn.at[wg])
-        plgpu.wgmma(s_ref, q_op, k_smem.at[slot].transpose((1, 0)))
-
-      slot0 = ring(0)
-      plgpu.barrier_wait(k_ready.at[slot0])
-      if base is None:   # warpgroup 0 goes first (a persistent program: once, `_persistent`)
-        pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))
-
-      def first(s_ref):
-        issue_qk(s_ref, slot0)
-        plgpu.barrier_arrive(turn.at[1 - wg])
-        return s_ref[...]
-
-      x = pl.run_scoped(first, scores())
-      plgpu.barrier_arrive(k_free.at[slot0])
-      p, m_i, l_i, _, _ = softmax(x, lambda: tile_of(0), m_i, l_i, masked=True)
-      p_lo = p.astype(dtype)
-      x_like = plgpu.layout_cast(jnp.full((block_q, block_kv), 0.0, jnp.float32),
-                                 plgpu.Layout.WGMMA)   # the shape of a step's P, leaving PV's state
-
-      def step(s, carry, masked: bool):
-        acc, m_i, l_i, p_lo = carry   # acc at the row max m_i; p_lo: tile s-1's P
-        slot, prev = ring(s), ring(s - 1)
-        tile = tile_of(s)   # outside run_state, which cannot close over constants
-        plgpu.barrier_wait(k_ready.at[slot])
-        plgpu.barrier_wait(v_ready.at[prev])
-
-        def products(s_ref):
-          issue_qk(s_ref, slot)
-
-          def pv_then_softmax(acc_ref):
-            pv_product(acc_ref, p_lo, prev)
-            plgpu.barrier_arrive(turn.at[1 - wg])
-            x = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)   # QK^T done; PV may run on
-            plgpu.barrier_arrive(k_free.at[slot])
-            p, m_new, l_new, alpha, _ = softmax(x, lambda: tile, m_i, l_i, masked)
-            return p, m_new, l_new, alpha
-
-          return add_pv(acc, pv_then_softmax, (x_like, m_i, l_i, m_i))
-
-        acc, outs = pl.run_scoped(products, scores())
-        # Only now, the PV product awaited, are its operands' registers redefined: the
-        # accumulator's rescale and P's cast while a product is in flight would make ptxas
-        # serialise the wgmma (C7513); the barrier keeps them after the wait.
-        acc, (p, m_new, l_new, alpha) = lax.optimization_barrier((acc, outs))
-        plgpu.barrier_arrive(v_free.at[prev])
-        return acc * bcast(alpha, acc), m_new, l_new, p.astype(dtype)
-
-      carry = (acc, m_i, l_i, p_lo)
-      for s_lo, s_hi, masked in ranges:
-        carry = lax.fori_loop(jnp.maximum(s_lo, 1), jnp.maximum(s_hi, 1),
-                              functools.partial(step, masked=masked), carry)
-      acc, m_i, l_i, p_lo = carry
-      last = ring(steps - 1)
-      plgpu.barrier_wait(v_ready.at[last])
-      plgpu.barrier_wait(turn.at[wg])
-
-      def pv_last(acc_ref):
-        pv_product(acc_ref, p_lo, last)
-        plgpu.barrier_arrive(turn.at[1 - wg])
-
-      acc, _ = add_pv(acc, pv_last)
-      plgpu.barrier_arrive(v_free.at[last])
-      if base is None:   # observe warpgroup 1's last arrival (a persistent program: at its end;
-        # between items that arrival is the next item's first turn)
-        pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))
-      return acc, m_i, l_i
-
-    def chained(acc, m_i, l_i, ranges):
-      """The walk without overlap, its products chained (`MosaicTiles.chain`): step s runs
-      tile s's softmax on the scores the last turn left, then, in the warpgroup's turn, issues
-      tile s+1's QK^T and tile s's PV, and awaits both after the turn. Step 0's QK^T is issued
-      alone before the loop; the last step, peeled, issues its PV alone and runs masked (the
-      masks are exact on any tile of a walk). Two turns a step, as without the chain."""
-      scores = lambda: plgpu.ACC((block_q, block_kv), jnp.float32)
-      plgpu.barrier_wait(k_ready.at[ring(0)])
-      pl.when(wg == 1)(take_turn)
-
-      def first(s_ref):
-        plgpu.wgmma(s_ref, q_op, k_smem.at[ring(0)].transpose((1, 0)))
-        take_turn()
-        return s_ref[...]
-
-      x = pl.run_scoped(first, scores())
-      plgpu.barrier_arrive(k_free.at[ring(0)])
-
-      def softmax_and_turn(s, carry, masked: bool):
-        acc, m_i, l_i, x = carry
-        p, m_new, l_i, _, acc = softmax(x, lambda: tile_of(s), m_i, l_i, masked, acc)
-        acc, l_i, m_new, p_lo = lax.optimization_barrier((acc, l_i, m_new, p.astype(dtype)))
-        plgpu.barrier_arrive(turn)
-        plgpu.barrier_wait(v_ready.at[ring(s)])
-        return acc, m_new, l_i, p_lo
-
-      def step(s, carry, masked: bool):
-        acc, m_i, l_i, p_lo = softmax_and_turn(s, carry, masked)
-        slot, nxt = ring(s), ring(s + 1)
-        plgpu.barrier_wait(k_ready.at[nxt])
-        plgpu.barrier_wait(turn)
-
-        def products(s_ref):
-          # QK^T first: its accumulator's zero fill precedes every product in flight.
-          plgpu.wgmma(s_ref, q_op, k_smem.at[nxt].transpose((1, 0)))
-
-          def pv(acc_ref):
-            pv_product(acc_ref, p_lo, slot)
-            take_turn()
-
-          acc_new, _ = add_pv(acc, pv)
-          return acc_new, s_ref[...]
-
-        acc, x = pl.run_scoped(products, scores())
-        plgpu.barrier_arrive(v_free.at[slot])
-        plgpu.barrier_arrive(k_free.at[nxt])
-        return acc, m_i, l_i, x
-
-      carry = (acc, m_i, l_i, x)
-      for s_lo, s_hi, masked in ranges:
-        carry = lax.fori_loop(s_lo, jnp.minimum(s_hi, steps - 1),
-                              functools.partial(step, masked=masked), carry)
-      last = steps - 1
-      acc, m_i, l_i, p_lo = softmax_and_turn(last, carry, masked=True)
-      plgpu.barrier_wait(turn)
-      acc, _ = add_pv(acc, lambda acc_ref: pv_product(acc_ref, p_lo, ring(last)))
-      plgpu.barrier_arrive(v_free.at[ring(last)])
-      pl.when(wg == 0)(take_turn)
-      return acc, m_i, l_i
-
-    step_ranges = lambda: _step_ranges(
-        packed, steps, lo, n1, second_start, q_start, rows, row0, block_kv,
-        *((unmasked_lo, unmasked_hi, None if walks_list is None else (walks_list, listed(0)))
-          if packed else ()))
-    if tiles.overlap:
-      acc, m_i, l_i = overlapped(acc, m_i, l_i, step_ranges())
-    elif tiles.chain:
-      acc, m_i, l_i = chained(acc, m_i, l_i, step_ranges())
-    else:
-      plgpu.barrier_wait(k_ready.at[0 if base is None else ring(0)])
-      pl.when(wg == 1)(take_turn)
-
-      def step(s, carry, masked: bool):
-        acc, m_i, l_i = carry
-        slot = ring(s)
-
-        def qk(acc_ref):
-          with jax.named_scope("qk_issue"):
-            plgpu.wgmma(acc_ref, q_op, k_smem.at[slot].transpose((1, 0)))
-          with jax.named_scope("qk_turn"):
-            take_turn()
-          with jax.named_scope("qk_wait"):
-            return acc_ref[...]
-
-        x = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
-        plgpu.barrier_arrive(k_free.at[slot])
-        with jax.named_scope("softmax"):
-          p, m_new, l_i, _, acc = softmax(x, lambda: tile_of(s), m_i, l_i, masked, acc)
-          acc, l_i, m_new, p_lo = lax.optimization_barrier((acc, l_i, m_new, p.astype(dtype)))
-        with jax.named_scope("pv_turn"):
-          plgpu.barrier_arrive(turn)
-          plgpu.barrier_wait(v_ready.at[slot])
-          plgpu.barrier_wait(turn)
-
-        def pv(acc_ref):
-          pv_product(acc_ref, p_lo, slot)
-          nxt = s + 1
-
-          @pl.when(nxt < steps)
-          def _():
-            plgpu.barrier_wait(k_ready.at[ring(nxt)])
-
-        with jax.named_scope("pv"):
-          acc, _ = add_pv(acc, pv)
-        plgpu.barrier_arrive(v_free.at[slot])
-        return acc, m_new, l_i
-
-      carry = (acc, m_i, l_i)
-      for s_lo, s_hi, masked in step_ranges():
-        carry = lax.fori_loop(s_lo, s_hi, functools.partial(step, masked=masked), carry)
-      acc, m_i, l_i = carry
-      pl.when(wg == 0)(take_turn)
-    acc = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
-    hi = acc.astype(dtype)
-    qo_smem[...] = hi
-    if lse_ref is not None:
-      lse_smem2.at[wg][...] = m_i + jnp.log2(l_i)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, pl.ds(row0, block_q), head])
-    if lse_ref is not None:
-      plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[b, head, pl.ds(row0, block_q)])
-    if lo_ref is not None:   # the rounding remainder, once the first store has read the tile
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      qo_smem[...] = (acc - hi.astype(jnp.float32)).astype(dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(qo_smem, lo_ref.at[b, pl.ds(row0, block_q), head])
-    plgpu.wait_smem_to_gmem(0)
-
-  def _memory():
-    if role is None:
-      plgpu.set_max_registers(40, action="decrease")
-    # Multicast: each program of the cluster loads half of a tile into both rings.
-    multicast = dict(collective_axes="pair") if tiles.multicast else {}
-
-    def load(s, slot, parts=((k_ref, k_smem, k_ready), (v_ref, v_smem, v_ready))):
-      rows_kv = pl.ds(tile_of(s) * block_kv, block_kv)
-      for src, dst, ready_ in parts:
-        plgpu.copy_gmem_to_smem(src.at[b, rows_kv, kv_head], dst.at[slot], ready_.at[slot],
-                                **multicast)
-
-    if base is not None:   # a persistent program's item: the ring's slots may still be busy
-      @pl.loop(0, steps)
-      def _(s):
-        slot = ring(s)
-        wait = lambda free: pl.when(base + s >= slots)(
-            lambda: plgpu.barrier_wait(free.at[slot]))
-        if tiles.overlap:
-          wait(k_free)
-          load(s, slot, ((k_ref, k_smem, k_ready),))
-          wait(v_free)
-          load(s, slot, ((v_ref, v_smem, v_ready),))
-        else:
-          wait(k_free)
-          wait(v_free)
-          load(s, slot)
-      return
-
-    for i in range(slots):
-      pl.when(i < steps)(functools.partial(load, jnp.int32(i), i))
-
-    @pl.loop(0, jnp.maximum(steps - slots, 0))
-    def _(s):
-      slot = lax.rem(s, jnp.int32(slots))
-      if tiles.overlap or tiles.chain:   # K is released a step before V: load each when free
-        plgpu.barrier_wait(k_free.at[slot])
-        load(s + slots, slot, ((k_ref, k_smem, k_ready),))
-        plgpu.barrier_wait(v_free.at[slot])
-        load(s + slots, slot, ((v_ref, v_smem, v_ready),))
-      else:
-        plgpu.barrier_wait(k_free.at[slot])
-        plgpu.barrier_wait(v_free.at[slot])
-        load(s + slots, slot)
-
-    @pl.loop(jnp.maximum(steps - slots, 0), steps)
-    def _(s):  # observe the last releases too, so every barrier phase is consumed
-      slot = lax.rem(s, jnp.int32(slots))
-      plgpu.barrier_wait(k_free.at[slot])
-      plgpu.barrier_wait(v_free.at[slot])
-
+  second). The warpgroups' roles: `_consumer` (the compute warpgroups: QK^T, the online
+  softmax and PV in one of the schedules, then `_epilogue`) and `_producer` (the memory
+  warpgroup's loads into the K/V ring). A persistent program (`_persistent`) runs it per work
+  item: item = its (batch, head pair, query tile), base = the ring steps of its earlier
+  items, role = "compute" or "memory" (that warpgroup's part alone; returns the item's
+  steps)."""
+  launch = _Launch(groups, num_kv_heads, streaming, tiles, scale, num_q_tiles, xa,
+                   packed=plan_ref is not None)
+  refs = _Refs.of(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_refs, scoped)
+  program = _program_walk(launch, refs, item, base)
+  consumer = functools.partial(_consumer, launch, refs, program, role)
+  producer = functools.partial(_producer, launch, refs, program, role)
   if role is None:
-    pl.when(wg < _COMPUTE_WGS)(_compute)
-    pl.when(wg == _COMPUTE_WGS)(_memory)
+    pl.when(program.wg < _COMPUTE_WGS)(consumer)
+    pl.when(program.wg == _COMPUTE_WGS)(producer)
     return None
-  (_compute if role == "compute" else _memory)()
-  return steps
+  (consumer if role == "compute" else producer)()
+  return program.steps
+
+
+@dataclasses.dataclass(frozen=True)
+class _Consumer:
+  """A compute warpgroup's part of a program, as its schedules read it: the launch, the refs,
+  the walk, the warpgroup's query head, first row and Q/O tile in shared memory, QK^T's left
+  operand (that tile, or it loaded into registers), packed rows' bounds (segment start, end of
+  the sink, start of the window) and the turn between the two warpgroups (`_take_turn`)."""
+  launch: _Launch
+  refs: _Refs
+  walk: _Walk
+  head: Any
+  row0: Any
+  qo_smem: Any
+  q_op: Any
+  bounds: Any
+  take_turn: Callable   # one callable, so that every turn traces to one shared jaxpr
+
+  @property
+  def dtype(self):
+    return self.refs.q.dtype
+
+  @property
+  def acc_shape(self) -> tuple:
+    return (self.launch.tiles.block_q, self.refs.q.shape[-1])
+
+  def scores(self):
+    """A fresh accumulator for one QK^T product."""
+    return plgpu.ACC((self.launch.tiles.block_q, self.launch.tiles.block_kv), jnp.float32)
+
+  def mask(self, tile, masked: bool):
+    """`online_softmax`'s mask for KV tile tile() (a callable: read only on a masked tile),
+    None where the tile runs unmasked."""
+    return (lambda x: _mask(self, x, tile())) if masked else None
+
+
+def _consumer(launch: _Launch, refs: _Refs, program: _Walk, role):
+  """A compute warpgroup: its Q tile (and packed rows' bounds) in, the walk in the tiles'
+  schedule (`_overlapped`, `_chained` or `_plain`), then `_epilogue`."""
+  tiles = launch.tiles
+  block_q = tiles.block_q
+  wg = program.wg
+  if role is None:
+    plgpu.set_max_registers(232, action="increase")
+  qo_smem = refs.qo_smem2.at[wg]
+  head = program.hp * launch.heads_per_program + (wg if launch.pair_heads else 0)
+  row0 = program.q_start + (0 if launch.pair_heads else wg * block_q)
+  plgpu.copy_gmem_to_smem(refs.q.at[program.b, pl.ds(row0, block_q), head], qo_smem,
+                          refs.q_ready.at[wg])
+  bounds = None
+  if launch.packed:   # this warpgroup's rows: segment start, end of the sink, start of the window
+    for x in range(_ROW_FIELDS):
+      plgpu.copy_gmem_to_smem(refs.rows.at[program.b, program.kv_head, x, pl.ds(row0, block_q)],
+                              refs.rows_smem2.at[wg, x],
+                              refs.rows_ready.at[wg * _ROW_FIELDS + x])
+    bounds = []
+    for x in range(_ROW_FIELDS):
+      plgpu.barrier_wait(refs.rows_ready.at[wg * _ROW_FIELDS + x])
+      bounds.append(plgpu.load(refs.rows_smem2.at[wg, x], layout=plgpu.Layout.WGMMA.reduce(1)))
+  plgpu.barrier_wait(refs.q_ready.at[wg])
+  # QK^T's left operand: the Q tile from shared memory, or (q_registers, natively) from
+  # registers, so that the tensor cores read only K out of shared memory.
+  q_op = (plgpu.load(qo_smem, layout=plgpu.Layout.WGMMA)
+          if tiles.q_registers and refs.p_smem2 is None else qo_smem)
+  cons = _Consumer(launch, refs, program, head, row0, qo_smem, q_op, bounds,
+                   functools.partial(_take_turn, refs.turn))
+  m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
+                          plgpu.Layout.WGMMA.reduce(1))
+  l_i = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32),
+                          plgpu.Layout.WGMMA.reduce(1))
+  acc = plgpu.layout_cast(jnp.full(cons.acc_shape, 0.0, jnp.float32), plgpu.Layout.WGMMA)
+  if tiles.overlap:
+    acc, m_i, l_i = _overlapped(cons, acc, m_i, l_i, _consumer_step_ranges(cons))
+  elif tiles.chain:
+    acc, m_i, l_i = _chained(cons, acc, m_i, l_i, _consumer_step_ranges(cons))
+  else:
+    acc, m_i, l_i = _plain(cons, acc, m_i, l_i)
+  _epilogue(cons, acc, m_i, l_i)
+
+
+def _take_turn(turn):
+  """Arrive at the warpgroups' turn barrier and wait for the other warpgroup."""
+  plgpu.barrier_arrive(turn)
+  plgpu.barrier_wait(turn)
+
+
+def _consumer_step_ranges(cons: _Consumer):
+  """`_step_ranges` of a compute warpgroup's walk."""
+  launch, w = cons.launch, cons.walk
+  return _step_ranges(
+      launch.packed, w.steps, w.lo, w.n1, w.second_start, w.q_start, launch.rows, cons.row0,
+      launch.tiles.block_kv,
+      *((w.unmasked_lo, w.unmasked_hi, None if w.walks_list is None else (w.walks_list,
+                                                                         w.listed(0)))
+        if launch.packed else ()))
+
+
+def _mask(cons: _Consumer, x, tile):
+  """Scores x of KV tile `tile` with MASK_VALUE where a row may not see a key: after the row
+  (causal); packed rows also before the segment start and, streaming rows, between the sink
+  and the window; XA rows of a mixed launch see their segment's keys in kept blocks."""
+  launch, xa = cons.launch, cons.launch.xa
+  block_q, block_kv = launch.tiles.block_q, launch.tiles.block_kv
+  shape = (block_q, block_kv)
+  row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + cons.row0
+  col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + (
+      tile * block_kv)
+  ok = row >= col
+  if launch.packed:
+    start, sink_end, window = (lax.broadcast_in_dim(v, shape, [0]) for v in cons.bounds)
+    ok = ok & (col >= start)
+    seen = (col < sink_end) | (col >= window)
+    if xa is not None and xa.mixed:   # XA rows: no window (`NO_WINDOW`), kept blocks
+      keep_ref = cons.refs.xa[1]
+      kept = keep_ref[cons.walk.list_at * xa.num_blocks + tile * block_kv // xa.block] != 0
+      seen = seen | ((window == NO_WINDOW) & kept)
+    ok = ok & seen
+  return jnp.where(ok, x, MASK_VALUE)
+
+
+def _bcast_rows(x, like):
+  """A per-row vector broadcast to the shape of `like` [rows, ...]."""
+  return lax.broadcast_in_dim(x, like.shape, [0])
+
+
+def online_softmax(x, m_i, l_i, scale: float, mask=None, acc=None):
+  """One KV tile's step of the online softmax, the one every schedule runs: the tile's scores
+  x [rows, keys] float32 -> (P in float32, new row max, new row sum, the factor alpha that
+  rescales the accumulator to the new max, and acc so rescaled where given). Base-2 with the
+  scale folded in: m is kept scaled, p = exp2(x * c - m) is an FMA. A masked tile (`mask`, a
+  callable on the scaled scores) scales first and masks to a finite MASK_VALUE: a row none of
+  whose keys the tile shows (another segment's) then gets p = exp2(0) weights that the first
+  visible key's larger maximum scales to zero (an FMA of the huge mask value would not
+  cancel)."""
+  c = scale * _LOG2E
+  if mask is not None:
+    x = mask(x * c)
+    m_new = jnp.maximum(m_i, x.max(axis=1))
+    p = jnp.exp2(x - _bcast_rows(m_new, x))
+  else:
+    m_new = jnp.maximum(m_i, x.max(axis=1) * c)
+    p = jnp.exp2(x * c - _bcast_rows(m_new, x))
+  alpha = jnp.exp2(m_i - m_new)
+  if acc is not None:
+    acc = acc * _bcast_rows(alpha, acc)
+  l_i = l_i * alpha + p.sum(axis=1)
+  return p, m_new, l_i, alpha, acc
+
+
+def _pv_product(cons: _Consumer, acc_ref, p_lo, slot):
+  """Issue P V of ring slot `slot` into acc_ref: P from registers, or in interpret mode
+  through shared memory."""
+  refs = cons.refs
+  if refs.p_smem2 is None:
+    plgpu.wgmma(acc_ref, p_lo, refs.v_smem.at[slot])
+  else:   # interpret mode: P through shared memory
+    refs.p_smem2.at[cons.walk.wg][...] = p_lo
+    plgpu.commit_smem()
+    plgpu.wgmma(acc_ref, refs.p_smem2.at[cons.walk.wg], refs.v_smem.at[slot])
+
+
+def _add_pv(cons: _Consumer, acc, body, outs_like=()):
+  """(acc + the PV product that body(acc_ref) issues, body's outputs): natively wgmma adds
+  into the running accumulator (`run_state`, whose end awaits it; body's outputs, shaped as
+  outs_like, leave through its state); interpret mode has no run_state, so there a fresh
+  accumulator is added after."""
+  if cons.refs.p_smem2 is None and not outs_like:
+    return pl.run_state(body)(plgpu.ACC.init(acc)), ()
+  if cons.refs.p_smem2 is None:
+    def state(refs):
+      acc_ref, *out_refs = refs
+      for ref, x in zip(out_refs, body(acc_ref)):
+        ref[...] = x
+
+    acc, *outs = pl.run_state(state)((plgpu.ACC.init(acc), *outs_like))
+    return acc, tuple(outs)
+  pv, outs = pl.run_scoped(lambda ref: (lambda outs: (ref[...], outs))(body(ref) or ()),
+                           plgpu.ACC(cons.acc_shape, jnp.float32))
+  return acc + pv, outs
+
+
+def _overlapped(cons: _Consumer, acc, m_i, l_i, ranges):
+  """The walk with FlashAttention-3's intra-warpgroup overlap (`MosaicTiles.overlap`). Step s
+  issues tile s's QK^T and tile s-1's PV back to back, awaits only the first, and runs tile
+  s's softmax (P in float32) while the PV product is in flight; once that product is awaited
+  it rescales the accumulator to the new row max and casts P for step s+1's PV (registers a
+  wgmma reads are defined only while none is in flight). The warpgroups take turns issuing:
+  turn[w] is warpgroup w's, arrived at by the other once it has issued, so that one's softmax
+  also overlaps the other's products. Step 0 issues its QK^T alone, masked (the masks are
+  exact on any tile of a walk); the last PV is issued after the loop. The turns run on across
+  a persistent program's items: a one-arrival barrier must not complete twice before its
+  waiter has seen the first completion, so warpgroup 1's first arrival and warpgroup 0's last
+  wait are the program's, not each item's."""
+  refs, w, scale = cons.refs, cons.walk, cons.launch.scale
+  wg, turn, ring = w.wg, refs.turn, w.ring
+
+  def issue_qk(s_ref, slot):
+    plgpu.barrier_wait(turn.at[wg])
+    plgpu.wgmma(s_ref, cons.q_op, refs.k_smem.at[slot].transpose((1, 0)))
+
+  slot0 = ring(0)
+  plgpu.barrier_wait(refs.k_ready.at[slot0])
+  if w.base is None:   # warpgroup 0 goes first (a persistent program: once, `_persistent`)
+    pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))
+
+  def first(s_ref):
+    issue_qk(s_ref, slot0)
+    plgpu.barrier_arrive(turn.at[1 - wg])
+    return s_ref[...]
+
+  x = pl.run_scoped(first, cons.scores())
+  plgpu.barrier_arrive(refs.k_free.at[slot0])
+  p, m_i, l_i, _, _ = online_softmax(x, m_i, l_i, scale, cons.mask(lambda: w.tile_of(0), True))
+  p_lo = p.astype(cons.dtype)
+  x_like = plgpu.layout_cast(
+      jnp.full((cons.launch.tiles.block_q, cons.launch.tiles.block_kv), 0.0, jnp.float32),
+      plgpu.Layout.WGMMA)   # the shape of a step's P, leaving PV's state
+
+  def step(s, carry, masked: bool):
+    acc, m_i, l_i, p_lo = carry   # acc at the row max m_i; p_lo: tile s-1's P
+    slot, prev = ring(s), ring(s - 1)
+    tile = w.tile_of(s)   # outside run_state, which cannot close over constants
+    plgpu.barrier_wait(refs.k_ready.at[slot])
+    plgpu.barrier_wait(refs.v_ready.at[prev])
+
+    def products(s_ref):
+      issue_qk(s_ref, slot)
+
+      def pv_then_softmax(acc_ref):
+        _pv_product(cons, acc_ref, p_lo, prev)
+        plgpu.barrier_arrive(turn.at[1 - wg])
+        x = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)   # QK^T done; PV may run on
+        plgpu.barrier_arrive(refs.k_free.at[slot])
+        p, m_new, l_new, alpha, _ = online_softmax(x, m_i, l_i, scale,
+                                                   cons.mask(lambda: tile, masked))
+        return p, m_new, l_new, alpha
+
+      return _add_pv(cons, acc, pv_then_softmax, (x_like, m_i, l_i, m_i))
+
+    acc, outs = pl.run_scoped(products, cons.scores())
+    # Only now, the PV product awaited, are its operands' registers redefined: the
+    # accumulator's rescale and P's cast while a product is in flight would make ptxas
+    # serialise the wgmma (C7513); the barrier keeps them after the wait.
+    acc, (p, m_new, l_new, alpha) = lax.optimization_barrier((acc, outs))
+    plgpu.barrier_arrive(refs.v_free.at[prev])
+    return acc * _bcast_rows(alpha, acc), m_new, l_new, p.astype(cons.dtype)
+
+  carry = (acc, m_i, l_i, p_lo)
+  for s_lo, s_hi, masked in ranges:
+    carry = lax.fori_loop(jnp.maximum(s_lo, 1), jnp.maximum(s_hi, 1),
+                          functools.partial(step, masked=masked), carry)
+  acc, m_i, l_i, p_lo = carry
+  last = ring(w.steps - 1)
+  plgpu.barrier_wait(refs.v_ready.at[last])
+  plgpu.barrier_wait(turn.at[wg])
+
+  def pv_last(acc_ref):
+    _pv_product(cons, acc_ref, p_lo, last)
+    plgpu.barrier_arrive(turn.at[1 - wg])
+
+  acc, _ = _add_pv(cons, acc, pv_last)
+  plgpu.barrier_arrive(refs.v_free.at[last])
+  if w.base is None:   # observe warpgroup 1's last arrival (a persistent program: at its end;
+    # between items that arrival is the next item's first turn)
+    pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))
+  return acc, m_i, l_i
+
+
+def _chained(cons: _Consumer, acc, m_i, l_i, ranges):
+  """The walk without overlap, its products chained (`MosaicTiles.chain`): step s runs tile
+  s's softmax on the scores the last turn left, then, in the warpgroup's turn, issues tile
+  s+1's QK^T and tile s's PV, and awaits both after the turn. Step 0's QK^T is issued alone
+  before the loop; the last step, peeled, issues its PV alone and runs masked (the masks are
+  exact on any tile of a walk). Two turns a step, as without the chain."""
+  refs, w, scale = cons.refs, cons.walk, cons.launch.scale
+  ring, k_smem = w.ring, refs.k_smem
+  plgpu.barrier_wait(refs.k_ready.at[ring(0)])
+  pl.when(w.wg == 1)(cons.take_turn)
+
+  def first(s_ref):
+    plgpu.wgmma(s_ref, cons.q_op, k_smem.at[ring(0)].transpose((1, 0)))
+    cons.take_turn()
+    return s_ref[...]
+
+  x = pl.run_scoped(first, cons.scores())
+  plgpu.barrier_arrive(refs.k_free.at[ring(0)])
+
+  def softmax_and_turn(s, carry, masked: bool):
+    acc, m_i, l_i, x = carry
+    p, m_new, l_i, _, acc = online_softmax(x, m_i, l_i, scale,
+                                           cons.mask(lambda: w.tile_of(s), masked), acc)
+    acc, l_i, m_new, p_lo = lax.optimization_barrier((acc, l_i, m_new, p.astype(cons.dtype)))
+    plgpu.barrier_arrive(refs.turn)
+    plgpu.barrier_wait(refs.v_ready.at[ring(s)])
+    return acc, m_new, l_i, p_lo
+
+  def step(s, carry, masked: bool):
+    acc, m_i, l_i, p_lo = softmax_and_turn(s, carry, masked)
+    slot, nxt = ring(s), ring(s + 1)
+    plgpu.barrier_wait(refs.k_ready.at[nxt])
+    plgpu.barrier_wait(refs.turn)
+
+    def products(s_ref):
+      # QK^T first: its accumulator's zero fill precedes every product in flight.
+      plgpu.wgmma(s_ref, cons.q_op, k_smem.at[nxt].transpose((1, 0)))
+
+      def pv(acc_ref):
+        _pv_product(cons, acc_ref, p_lo, slot)
+        cons.take_turn()
+
+      acc_new, _ = _add_pv(cons, acc, pv)
+      return acc_new, s_ref[...]
+
+    acc, x = pl.run_scoped(products, cons.scores())
+    plgpu.barrier_arrive(refs.v_free.at[slot])
+    plgpu.barrier_arrive(refs.k_free.at[nxt])
+    return acc, m_i, l_i, x
+
+  carry = (acc, m_i, l_i, x)
+  for s_lo, s_hi, masked in ranges:
+    carry = lax.fori_loop(s_lo, jnp.minimum(s_hi, w.steps - 1),
+                          functools.partial(step, masked=masked), carry)
+  last = w.steps - 1
+  acc, m_i, l_i, p_lo = softmax_and_turn(last, carry, masked=True)
+  plgpu.barrier_wait(refs.turn)
+  acc, _ = _add_pv(cons, acc, lambda acc_ref: _pv_product(cons, acc_ref, p_lo, ring(last)))
+  plgpu.barrier_arrive(refs.v_free.at[ring(last)])
+  pl.when(w.wg == 0)(cons.take_turn)
+  return acc, m_i, l_i
+
+
+def _plain(cons: _Consumer, acc, m_i, l_i):
+  """The walk with neither overlap nor chain (`MosaicTiles()`): per step, in the warpgroup's
+  turn, QK^T, its wait, the softmax, then, in the next turn, PV (awaited before the next
+  step's QK^T), in the regions a traced kernel records (`TRACE_REGIONS`)."""
+  refs, w, scale = cons.refs, cons.walk, cons.launch.scale
+  ring = w.ring
+  plgpu.barrier_wait(refs.k_ready.at[0 if w.base is None else ring(0)])
+  pl.when(w.wg == 1)(cons.take_turn)
+
+  def step(s, carry, masked: bool):
+    acc, m_i, l_i = carry
+    slot = ring(s)
+
+    def qk(acc_ref):
+      with jax.named_scope("qk_issue"):
+        plgpu.wgmma(acc_ref, cons.q_op, refs.k_smem.at[slot].transpose((1, 0)))
+      with jax.named_scope("qk_turn"):
+        cons.take_turn()
+      with jax.named_scope("qk_wait"):
+        return acc_ref[...]
+
+    x = pl.run_scoped(qk, cons.scores())
+    plgpu.barrier_arrive(refs.k_free.at[slot])
+    with jax.named_scope("softmax"):
+      p, m_new, l_i, _, acc = online_softmax(x, m_i, l_i, scale,
+                                             cons.mask(lambda: w.tile_of(s), masked), acc)
+      acc, l_i, m_new, p_lo = lax.optimization_barrier((acc, l_i, m_new, p.astype(cons.dtype)))
+    with jax.named_scope("pv_turn"):
+      plgpu.barrier_arrive(refs.turn)
+      plgpu.barrier_wait(refs.v_ready.at[slot])
+      plgpu.barrier_wait(refs.turn)
+
+    def pv(acc_ref):
+      _pv_product(cons, acc_ref, p_lo, slot)
+      nxt = s + 1
+
+      @pl.when(nxt < w.steps)
+      def _():
+        plgpu.barrier_wait(refs.k_ready.at[ring(nxt)])
+
+    with jax.named_scope("pv"):
+      acc, _ = _add_pv(cons, acc, pv)
+    plgpu.barrier_arrive(refs.v_free.at[slot])
+    return acc, m_new, l_i
+
+  carry = (acc, m_i, l_i)
+  for s_lo, s_hi, masked in _consumer_step_ranges(cons):
+    carry = lax.fori_loop(s_lo, s_hi, functools.partial(step, masked=masked), carry)
+  acc, m_i, l_i = carry
+  pl.when(w.wg == 0)(cons.take_turn)
+  return acc, m_i, l_i
+
+
+def _epilogue(cons: _Consumer, acc, m_i, l_i):
+  """A compute warpgroup's outputs: O = acc / l rounded to the inputs' dtype; with the
+  log-sum-exps (training), each row's base-2 log-sum-exp m + log2(l) and the rounding's
+  remainder, written once the first store has read the shared tile."""
+  refs, w, block_q = cons.refs, cons.walk, cons.launch.tiles.block_q
+  qo_smem, rows_here = cons.qo_smem, pl.ds(cons.row0, block_q)
+  acc = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
+  hi = acc.astype(cons.dtype)
+  qo_smem[...] = hi
+  if refs.lse is not None:
+    refs.lse_smem2.at[w.wg][...] = m_i + jnp.log2(l_i)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(qo_smem, refs.out.at[w.b, rows_here, cons.head])
+  if refs.lse is not None:
+    plgpu.copy_smem_to_gmem(refs.lse_smem2.at[w.wg], refs.lse.at[w.b, cons.head, rows_here])
+  if refs.lo is not None:   # the rounding remainder, once the first store has read the tile
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    qo_smem[...] = (acc - hi.astype(jnp.float32)).astype(cons.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(qo_smem, refs.lo.at[w.b, rows_here, cons.head])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _producer(launch: _Launch, refs: _Refs, program: _Walk, role):
+  """The memory warpgroup: the walk's K and V tiles into the ring with the bulk copy engine
+  (TMA), each slot refilled once both compute warpgroups released it (K and V apart where
+  the schedule releases K a step before V), then the last releases observed so that every
+  barrier phase is consumed. Multicast: each program of the cluster loads half of a tile
+  into both rings. A persistent program's item waits for each slot it fills (the ring runs on
+  from the earlier items)."""
+  tiles, w = launch.tiles, program
+  block_kv, slots = tiles.block_kv, tiles.slots
+  k_parts, v_parts = (refs.k, refs.k_smem, refs.k_ready), (refs.v, refs.v_smem, refs.v_ready)
+  if role is None:
+    plgpu.set_max_registers(40, action="decrease")
+  # Multicast: each program of the cluster loads half of a tile into both rings.
+  multicast = dict(collective_axes="pair") if tiles.multicast else {}
+
+  def load(s, slot, parts=(k_parts, v_parts)):
+    rows_kv = pl.ds(w.tile_of(s) * block_kv, block_kv)
+    for src, dst, ready_ in parts:
+      plgpu.copy_gmem_to_smem(src.at[w.b, rows_kv, w.kv_head], dst.at[slot], ready_.at[slot],
+                              **multicast)
+
+  if w.base is not None:   # a persistent program's item: the ring's slots may still be busy
+    @pl.loop(0, w.steps)
+    def _(s):
+      slot = w.ring(s)
+      wait = lambda free: pl.when(w.base + s >= slots)(
+          lambda: plgpu.barrier_wait(free.at[slot]))
+      if tiles.overlap:
+        wait(refs.k_free)
+        load(s, slot, (k_parts,))
+        wait(refs.v_free)
+        load(s, slot, (v_parts,))
+      else:
+        wait(refs.k_free)
+        wait(refs.v_free)
+        load(s, slot)
+    return
+
+  for i in range(slots):
+    pl.when(i < w.steps)(functools.partial(load, jnp.int32(i), i))
+
+  @pl.loop(0, jnp.maximum(w.steps - slots, 0))
+  def _(s):
+    slot = lax.rem(s, jnp.int32(slots))
+    if tiles.overlap or tiles.chain:   # K is released a step before V: load each when free
+      plgpu.barrier_wait(refs.k_free.at[slot])
+      load(s + slots, slot, (k_parts,))
+      plgpu.barrier_wait(refs.v_free.at[slot])
+      load(s + slots, slot, (v_parts,))
+    else:
+      plgpu.barrier_wait(refs.k_free.at[slot])
+      plgpu.barrier_wait(refs.v_free.at[slot])
+      load(s + slots, slot)
+
+  @pl.loop(jnp.maximum(w.steps - slots, 0), w.steps)
+  def _(s):  # observe the last releases too, so every barrier phase is consumed
+    slot = lax.rem(s, jnp.int32(slots))
+    plgpu.barrier_wait(refs.k_free.at[slot])
+    plgpu.barrier_wait(refs.v_free.at[slot])
 
 
 def _persistent(kernel, scoped, *, programs: int, num_heads: int, batch: int,
@@ -697,7 +921,7 @@ def _persistent(kernel, scoped, *, programs: int, num_heads: int, batch: int,
   mod num_heads, batch row w // num_heads mod batch, query tile counted from the last, so
   that items run heaviest first), each through kernel(item, base, role), the K/V ring's step
   count carried across items; at the end the memory warpgroup observes the last releases.
-  With `overlap`, the turns' first arrival and last wait (`_kernel`'s `overlapped`)."""
+  With `overlap`, the turns' first arrival and last wait (`_overlapped`)."""
   _, _, (k_free, v_free), turn = scoped
   p = lax.axis_index("p")
   wg = lax.axis_index("wg")

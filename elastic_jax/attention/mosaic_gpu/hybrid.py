@@ -1,9 +1,10 @@
 """The Mosaic GPU backend's entry points around its forward kernel (`forward.py`): inference
 on hard gates (`hybrid_forward`, falling back to the Triton kernel at run time on fractional
 gates), training (`forward_train` and the dQ / dK-dV kernels of `backward.py`, the Triton
-kernels where those do not take the shapes), packed rows and the XAttention settings. Every
-`make_*` builder returns a `hybrid(q, k, v, gate, streaming, segment_ids, positions)` with a
-fused backward; which kernels run where is described in `forward.py`'s docstring.
+kernels where those do not take the shapes), packed rows and the XAttention settings. The one
+builder, `make_hybrid` (its `packed` and `xa` pick the kind of op), returns a `hybrid(q, k,
+v, gate, ...)` with a fused backward; which kernels run where is described in `forward.py`'s
+docstring.
 
 Shape letters: B batch, T tokens, N query heads, K KV heads, G = N / K, H head dim.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import numpy as np
 
@@ -44,8 +46,8 @@ except ImportError:  # pragma: no cover
 @functools.partial(jax.jit, static_argnames=("streaming", "tiles", "interpret"))
 def hybrid_forward_hard(q, k, v, gate_bk, streaming: Streaming, *,
                         tiles: MosaicTiles = DEFAULT_TILES, interpret: bool = False):
-  """The kernel alone, for gates of 0 or 1 (a fractional gate counts as full): q [B, T, N, D],
-  k/v [B, T, K, D], gate [B, K] -> [B, T, N, D]."""
+  """The kernel alone, for gates of 0 or 1 (a fractional gate counts as full): q [B, T, N, H],
+  k/v [B, T, K, H], gate [B, K] -> [B, T, N, H]."""
   if not applies(q.shape, k.shape, q.dtype, streaming, tiles):
     raise ValueError(f"the Mosaic GPU kernel does not take q {q.shape} {q.dtype}, k {k.shape}, "
                      f"{streaming} with {tiles} (see mosaic_gpu.applies)")
@@ -115,8 +117,8 @@ def _checked_xa_forward(name: str, q, k, xa_keep, streaming: Streaming, patterns
 def xa_forward_hard(q, k, v, gate_bk, xa_keep, streaming: Streaming, *, patterns: str,
                     xa_block: int, tiles: MosaicTiles = DEFAULT_TILES, interpret: bool = False):
   """The kernel alone under the XAttention settings ("fa-xa", "xa-ssa"), for gates of 0 or 1
-  (a fractional gate takes the gate-1 pattern's walk; `make_xa_hybrid` sends fractional gates
-  to the Triton kernel): the heads of XA's mode walk their kept blocks (xa_keep [B, K, nb, nb]
+  (a fractional gate takes the gate-1 pattern's walk; `make_hybrid(xa=True)` sends fractional
+  gates to the Triton kernel): the heads of XA's mode walk their kept blocks (xa_keep [B, K, nb, nb]
   bool, blocks of xa_block tokens; the diagonal block is always attended, as XAttention's
   selection always keeps it, and blocks above it are ignored), the others their full or
   streaming walk. Shapes as `hybrid_forward_hard`."""
@@ -136,13 +138,11 @@ def xa_forward_hard(q, k, v, gate_bk, xa_keep, streaming: Streaming, *, patterns
   return out[:, :t]
 
 
-def make_xa_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "auto",
-                   backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES):
-  """`pallas_gpu.make_xa_hybrid` with this kernel as the undifferentiated forward where gates
-  are 0 or 1 (decided at run time) and it `xa_applies`. training (`TRAINING`): the Mosaic
-  kernels are `xa_forward_train` and `xa_backward`, where `xa_trains`; the Triton training
-  kernels elsewhere."""
-  _check_training(training)
+def _build_xa(tiles: MosaicTiles, training: str, backward_tiles: BackwardTiles):
+  """`make_hybrid(xa=True)`: `pallas_gpu.make_xa_hybrid` with this kernel as the
+  undifferentiated forward where gates are 0 or 1 (decided at run time) and it `xa_applies`.
+  training (`TRAINING`): the Mosaic kernels are `xa_forward_train` and `xa_backward`, where
+  `xa_trains`; the Triton training kernels elsewhere."""
   triton_forward, triton_train, triton_backward = pallas_gpu.xa_parts()
 
   def forward(q, k, v, gate_bk, xa_keep, streaming, patterns, xa_block, interpret):
@@ -185,11 +185,11 @@ def _after(done, operands):
 
 def _training_outputs(fa, sa, r, t: int, dtype):
   """The training forward's output and the gate's residuals from its two launches, each an
-  (O rounded, remainder) pair of `forward_call(..., lse=True)`: (r O_FA + (1 - r) O_SSA, O_FA rounded,
-  O_FA - O_SSA), the first and the last formed in float32 from the pairs' sums before their one
-  rounding to `dtype`; the first T rows (r broadcasts against [B, T, N, D]). The difference
-  carries the gate's gradient; rounding O_FA and O_SSA first would lose it where XA's kept
-  blocks make the two nearly equal (`common.row_deltas`)."""
+  (O rounded, remainder) pair of `forward_call(..., lse=True)`: (r O_FA + (1 - r) O_SSA, O_FA
+  rounded, O_FA - O_SSA), the first and the last formed in float32 from the pairs' sums before
+  their one rounding to `dtype`; the first T rows (r broadcasts against [B, T, N, H]). The
+  difference carries the gate's gradient; rounding O_FA and O_SSA first would lose it where
+  XA's kept blocks make the two nearly equal (`common.row_deltas`)."""
   o_fa, o_sa = ((hi[:, :t].astype(jnp.float32) + lo[:, :t].astype(jnp.float32))
                 for hi, lo, _ in (fa, sa))
   return ((r * o_fa + (1.0 - r) * o_sa).astype(dtype), fa[0][:, :t],
@@ -346,12 +346,10 @@ def xa_backward(residuals, d_out, streaming: Streaming, *, patterns: str, xa_blo
                    dq_xa=(terms, (index, count, keep)), dkv_xa=(terms, (*columns, keep)))
 
 
-def make_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "auto",
-                backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES):
-  """`pallas_gpu.make_hybrid` with this kernel as the undifferentiated forward where it
-  `applies`. training (`TRAINING`): the Mosaic kernels are `forward_train` and `backward`,
-  where `trains`; the Triton training kernels elsewhere."""
-  _check_training(training)
+def _build_plain(tiles: MosaicTiles, training: str, backward_tiles: BackwardTiles):
+  """`make_hybrid()`: `pallas_gpu.make_hybrid` with this kernel as the undifferentiated
+  forward where it `applies`. training (`TRAINING`): the Mosaic kernels are `forward_train`
+  and `backward`, where `trains`; the Triton training kernels elsewhere."""
   triton_forward, triton_train, triton_backward = pallas_gpu.hybrid_parts()
 
   def forward(q, k, v, gate_bk, streaming, interpret):
@@ -489,8 +487,8 @@ def packed_xa_walk(q_plan, xa_lists, rows: int, block_kv: int, xa_block: int):
 
 def packed_forward_hard(q, k, v, gate_btk, segment_ids, positions, streaming: Streaming, *,
                         tiles: MosaicTiles = DEFAULT_TILES, interpret: bool = False):
-  """The kernel alone on packed rows (`packed_rows_apply` must hold): q [B, T, N, D], k/v
-  [B, T, K, D], gate [B, T, K] of 0 or 1, segment ids and positions [B, T] int.
+  """The kernel alone on packed rows (`packed_rows_apply` must hold): q [B, T, N, H], k/v
+  [B, T, K, H], gate [B, T, K] of 0 or 1, segment ids and positions [B, T] int.
 
   The operands are prepared in one jitted function and the kernel launched apart: Pallas's
   GPU interpreter can stall when the kernel shares one CPU computation with other work, so
@@ -671,13 +669,12 @@ def _packed_backward(residuals, d_out, streaming, backward_tiles, interpret, pai
   return (dq[:, :t], dk[:, :t], dv[:, :t], d_gate, zero_int(segment_ids), zero_int(positions))
 
 
-def make_packed_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "auto",
-                       backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES):
-  """`pallas_gpu.make_packed_hybrid` with this kernel as the undifferentiated forward where it
-  `applies` and, at run time, `packed_rows_apply`. training (`TRAINING`): the Mosaic kernels
-  are `packed_forward_train` and `packed_backward`, where `_packed_trains` and, at run time,
-  `positions_count_up` (the Triton kernels otherwise; both leave residuals of one layout)."""
-  _check_training(training)
+def _build_packed(tiles: MosaicTiles, training: str, backward_tiles: BackwardTiles):
+  """`make_hybrid(packed=True)`: `pallas_gpu.make_packed_hybrid` with this kernel as the
+  undifferentiated forward where it `applies` and, at run time, `packed_rows_apply`.
+  training (`TRAINING`): the Mosaic kernels are `packed_forward_train` and `packed_backward`,
+  where `_packed_trains` and, at run time, `positions_count_up` (the Triton kernels
+  otherwise; both leave residuals of one layout)."""
   triton_forward, triton_train, triton_backward = pallas_gpu.packed_parts()
 
   def forward(q, k, v, gate_btk, seg, pos, streaming, interpret):
@@ -769,15 +766,13 @@ def _packed_xa_trains(q_shape, k_shape, dtype, streaming, xa_block, tiles, backw
           and -(-q_shape[1] // 128) * 128 % xa_block == 0)
 
 
-def make_packed_xa_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "auto",
-                          backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES):
-  """`pallas_gpu.make_packed_xa_hybrid` (packed rows under the XAttention settings) with this
-  kernel as the undifferentiated forward where it `xa_applies` and, at run time,
-  `packed_rows_apply` (`packed_xa_forward_hard`; the Triton kernel otherwise). training
-  (`TRAINING`): the Mosaic kernels are `packed_xa_forward_train` and `packed_xa_backward`,
-  where `_packed_xa_trains` and, at run time, `positions_count_up` (the Triton kernels
-  otherwise; both leave residuals of one layout)."""
-  _check_training(training)
+def _build_packed_xa(tiles: MosaicTiles, training: str, backward_tiles: BackwardTiles):
+  """`make_hybrid(packed=True, xa=True)`: `pallas_gpu.make_packed_xa_hybrid` (packed rows
+  under the XAttention settings) with this kernel as the undifferentiated forward where it
+  `xa_applies` and, at run time, `packed_rows_apply` (`packed_xa_forward_hard`; the Triton
+  kernel otherwise). training (`TRAINING`): the Mosaic kernels are `packed_xa_forward_train`
+  and `packed_xa_backward`, where `_packed_xa_trains` and, at run time, `positions_count_up`
+  (the Triton kernels otherwise; both leave residuals of one layout)."""
   triton_forward, triton_train, triton_backward = pallas_gpu.packed_parts(xa=True)
 
   def forward(q, k, v, gate_btk, seg, pos, xa_keep, streaming, patterns, xa_block, interpret):
@@ -806,8 +801,59 @@ def make_packed_xa_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "a
   return with_fused_backward(forward, train, grads, num_arrays=7, num_static=4)
 
 
+def make_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "auto",
+                backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES, *, packed: bool = False,
+                xa: bool = False):
+  """This backend's op with a fused backward (`common.with_fused_backward`), the Triton
+  kernels' counterpart (`pallas_gpu.make_hybrid` and its packed and XAttention kinds) with
+  this file's kernels where they take the call. Its arguments by kind:
+    make_hybrid()                  (q, k, v, gate [B, K], streaming, interpret)
+    make_hybrid(packed=True)       (q, k, v, gate [B, T, K], segment_ids, positions,
+                                    streaming, interpret)
+    make_hybrid(xa=True)           (q, k, v, gate [B, K], xa_keep, streaming, patterns,
+                                    xa_block, interpret)
+    make_hybrid(packed=True, xa=True)
+                                   (q, k, v, gate [B, T, K], segment_ids, positions, xa_keep,
+                                    streaming, patterns, xa_block, interpret)
+  tiles: the forward kernel's (`MosaicTiles`); backward_tiles: the dQ and dK/dV kernels'.
+  training (`TRAINING`): which training kernels run ("auto": the Mosaic GPU ones natively
+  where they take the shapes, the Triton ones in interpret mode and elsewhere; "mosaic";
+  "triton"). Where each kind's kernels run: `_build_plain`, `_build_packed`, `_build_xa`,
+  `_build_packed_xa`."""
+  _check_training(training)
+  build = {(False, False): _build_plain, (True, False): _build_packed,
+           (False, True): _build_xa, (True, True): _build_packed_xa}[bool(packed), bool(xa)]
+  return build(tiles, training, backward_tiles)
+
+
+def _renamed(old: str, packed: bool, xa: bool):
+  warnings.warn(f"mosaic_gpu.{old} is deprecated: use make_hybrid(packed={packed}, xa={xa})",
+                DeprecationWarning, stacklevel=3)
+
+
+def make_xa_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "auto",
+                   backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES):
+  """Deprecated: `make_hybrid(xa=True)`."""
+  _renamed("make_xa_hybrid", packed=False, xa=True)
+  return make_hybrid(tiles, training, backward_tiles, xa=True)
+
+
+def make_packed_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "auto",
+                       backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES):
+  """Deprecated: `make_hybrid(packed=True)`."""
+  _renamed("make_packed_hybrid", packed=True, xa=False)
+  return make_hybrid(tiles, training, backward_tiles, packed=True)
+
+
+def make_packed_xa_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "auto",
+                          backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES):
+  """Deprecated: `make_hybrid(packed=True, xa=True)`."""
+  _renamed("make_packed_xa_hybrid", packed=True, xa=True)
+  return make_hybrid(tiles, training, backward_tiles, packed=True, xa=True)
+
+
 hybrid_attention = functools.partial(kernel_or_reference, make_hybrid(),
-                                     xa_kernel=make_xa_hybrid(),
+                                     xa_kernel=make_hybrid(xa=True),
                                      xa_kernel_applies=pallas_gpu.xa_kernel_applies,
-                                     packed_kernel=make_packed_hybrid(),
-                                     packed_xa_kernel=make_packed_xa_hybrid())
+                                     packed_kernel=make_hybrid(packed=True),
+                                     packed_xa_kernel=make_hybrid(packed=True, xa=True))

@@ -7,7 +7,7 @@ Per program, one memory warpgroup streams operand tiles into a ring of shared-me
 with the bulk copy engine (TMA) and two compute warpgroups, two query heads of one KV head
 over the same `rows` stride rows, share every key tile:
   * the (rows x cols) tile of scores q_r . k_r (`xattention`'s module docstring) is the sum
-    over t < S of Q_t K_t^T, Q_t = q[i*S + S-1-t] and K_t = k[j*S + t]: S products of depth D
+    over t < S of Q_t K_t^T, Q_t = q[i*S + S-1-t] and K_t = k[j*S + t]: S products of depth H
     into one wgmma accumulator, so the antidiagonal reshape is never materialised (the
     Triton scoring kernel's decomposition, `xattention._mass_kernel`);
   * per row, the tile's maximum m over its visible columns (causal, real, as `block_mass`
@@ -19,7 +19,7 @@ over the same `rows` stride rows, share every key tile:
     softmax across tiles, the sums over a query block's rows and the mean over the group
     follow in jnp, one pass over the partial sums (`xattention.masses_from_tiles`).
 A program walks the column tiles on or left of its rows' diagonal (those holding a real
-column), S x D / depth steps each (`ScoringTiles.depth`: a step's share of head_dim);
+column), S x H / depth steps each (`ScoringTiles.depth`: a step's share of head_dim);
 programs start heaviest first. Padding: T up to whole tiles of stride
 rows and columns; padded keys and queries are masked.
 
@@ -37,7 +37,7 @@ warpgroup runs in a host thread that blocks at barriers, so XLA's CPU client nee
 spare (the tests and the benchmarks' dry runs set --xla_force_host_platform_device_count=8;
 with the default thread count on two cores it can stall).
 
-Shape letters: B batch, T tokens, N query heads, K KV heads, G = N / K, D head dim, S the
+Shape letters: B batch, T tokens, N query heads, K KV heads, G = N / K, H head dim, S the
 stride.
 """
 
@@ -249,7 +249,7 @@ def _transforms(minor: int, dtype):
 
 
 def _call(q5, k5, ind, *, stride, per_block, real, scale, tiles: ScoringTiles, interpret):
-  """The kernel over padded inputs q5 [B, ns, S, N, D], k5 [B, ns, S, K, D] and the indicator
+  """The kernel over padded inputs q5 [B, ns, S, N, H], k5 [B, ns, S, K, H] and the indicator
   [cols, blocks] float16: (part float32 [B, N, ns, nb'], tile maxima and tile sums float32
   [B, N, nt, ns])."""
   b, ns, _, n, d = q5.shape
