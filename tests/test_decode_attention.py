@@ -103,7 +103,9 @@ def test_decode_attention_matches_history(impl):
   args, want, written = _case(0, FULL_POS, ST_POS)
   _check(decode.attention(impl, *args, **KW), want, written)
   if impl == "pallas_gpu:interpret":   # several key splits per slot, small key blocks
-    _check(pallas_gpu.decode.decode_attention(*args, **KW, splits=5, block=16, interpret=True),
+    _check(pallas_gpu.decode.decode_attention(*args, **KW, splits=5,
+                                              tiles=pallas_gpu.Tiles(block_k=16),
+                                              interpret=True),
            want, written)
     # the prefill kernel's name takes the same decode kernel (attention.parse_impl)
     _check(decode.attention("mosaic_gpu:interpret", *args, **KW), want, written)
@@ -121,3 +123,19 @@ def test_decode_attention_with_one_kind_of_slot(kind):
     got = decode.attention(impl, *args, **KW)
     assert got[0][0].shape == (len(full_pos), G, D) and got[0][1].shape == (len(st_pos), G, D)
     _check(got, want, written)
+
+
+def test_decode_kernels_take_tiles_and_their_former_keywords():
+  """The decode kernels' block (and on the Triton one num_warps, num_stages) keywords warn
+  (DeprecationWarning) and trace to the program of `tiles=` with those fields."""
+  from elastic_jax.attention import pallas_tpu
+  args, _, _ = _case(0, FULL_POS, ST_POS)
+  trace = lambda fn, **kw: str(jax.make_jaxpr(lambda *a: fn(*a, **KW, **kw))(*args))
+  gpu, tpu = pallas_gpu.decode.decode_attention, pallas_tpu.decode.decode_attention
+  with pytest.warns(DeprecationWarning, match="tiles=Tiles"):
+    old = trace(gpu, splits=5, block=16, num_warps=8)
+  assert old == trace(gpu, splits=5, tiles=pallas_gpu.Tiles(block_k=16, num_stages=2,
+                                                            num_warps=8))
+  with pytest.warns(DeprecationWarning, match="tiles=Tiles"):
+    old = trace(tpu, block=32)
+  assert old == trace(tpu, tiles=pallas_tpu.Tiles(block_k=32))

@@ -11,7 +11,7 @@ import pytest
 
 from elastic_jax.attention import Streaming
 from elastic_jax.attention.common import packed_plan, segment_bounds
-from elastic_jax.attention.pallas_gpu import Tiles, make_packed_hybrid
+from elastic_jax.attention.pallas_gpu import Tiles, make_hybrid
 from elastic_jax.attention.reference import hybrid_attention as reference
 
 INTERPRET = jax.default_backend() != "gpu"
@@ -166,7 +166,7 @@ def _packed_case(n, k, seed, short=False):
 def test_packed_kernel_outputs_and_gradients_match_the_reference(n, k):
   st = Streaming(1, 2, 16)
   q, kk, v, gate, seg, pos = _packed_case(n, k, seed=n)
-  fn = make_packed_hybrid(**SMALL)
+  fn = make_hybrid(**SMALL, packed=True)
   ours = lambda q, kk, v, g: fn(q, kk, v, g, seg, pos, st, INTERPRET)
   ref = lambda q, kk, v, g: reference(q, kk, v, g, st, seg, pos, q_chunk=32, kv_chunk=32)
   out = _jit(ours)(q, kk, v, gate)
@@ -264,7 +264,7 @@ def test_packed_forward_on_tile_aligned_segments_matches_the_reference(g):
   keys = jax.random.split(jax.random.key(g), 3)
   q, kk, v = (jax.random.normal(key, (1, len(seg), h, 32), jnp.float32)
               for key, h in zip(keys, (k * g, k, k)))
-  fn = make_packed_hybrid(**SMALL)
+  fn = make_hybrid(**SMALL, packed=True)
   args = (jnp.asarray(gate), jnp.asarray(seg[None]), jnp.asarray(pos[None]))
   out = _jit(lambda q, kk, v, gt, s, p: fn(q, kk, v, gt, s, p, st, INTERPRET))(q, kk, v, *args)
   want = reference(q, kk, v, args[0], st, args[1], args[2], q_chunk=32, kv_chunk=32)
@@ -281,10 +281,10 @@ def test_packed_tpu_kernel_outputs_and_gradients_match_the_reference(n, k):
 
 
 def _check_packed_tpu_kernel(n, k):
-  from elastic_jax.attention.pallas_tpu import fused_packed_hybrid
+  from elastic_jax.attention import pallas_tpu
   st = Streaming(1, 2, 8)
   q, kk, v, gate, seg, pos = _packed_case(n, k, seed=10 + n, short=True)
-  fn = fused_packed_hybrid(16, 16)
+  fn = pallas_tpu.make_hybrid(pallas_tpu.Tiles(16, 16), packed=True)
   ours = lambda q, kk, v, g: fn(q, kk, v, g, seg, pos, st, True)
   ref = lambda q, kk, v, g: reference(q, kk, v, g, st, seg, pos, q_chunk=32, kv_chunk=32)
   assert float(jnp.abs(_jit(ours)(q, kk, v, gate) - ref(q, kk, v, gate)).max()) <= 2e-5
@@ -319,15 +319,15 @@ def test_packed_xa_kernels_match_the_reference(patterns, n, k, tpu):
 
 
 def _check_packed_xa(patterns, n, k, tpu):
-  from elastic_jax.attention.pallas_gpu import make_packed_xa_hybrid
-  from elastic_jax.attention.pallas_tpu import fused_packed_hybrid
+  from elastic_jax.attention import pallas_tpu
   # On a GPU host the GPU kernels and the reference run on the GPU (looser tolerances).
   out_tol, grad_tol = (2e-5, 1e-5) if INTERPRET or tpu else (2e-2, 2e-2)
   st = Streaming(1, 2, 16 if not tpu else 8)
   q, kk, v, gate, seg, pos = _packed_case(n, k, seed=20 + n, short=tpu)
   xa_block = 32 if not tpu else 16
   keep = _xa_keep(2, k, seg.shape[1] // xa_block, seed=n)
-  fn = fused_packed_hybrid(16, 16, xa=True) if tpu else make_packed_xa_hybrid(**SMALL)
+  fn = (pallas_tpu.make_hybrid(pallas_tpu.Tiles(16, 16), packed=True, xa=True) if tpu
+        else make_hybrid(**SMALL, packed=True, xa=True))
   ours = lambda q, kk, v, g: fn(q, kk, v, g, seg, pos, keep, st, patterns, xa_block,
                                 True if tpu else INTERPRET)
   ref = lambda q, kk, v, g, pat=patterns: reference(

@@ -7,6 +7,7 @@ natively, and 2e-2 for bfloat16 inputs.
 """
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -156,8 +157,8 @@ def test_backward_kernels_launch_alone():
   st = Streaming(1, 2, 16)
   q, kk, v = _inputs(1, 70, 4, 2, 64, jnp.float32, seed=3)
   gate = jnp.asarray([[0.0, 0.4]], jnp.float32)
-  _, forward_train, _ = pallas_gpu.hybrid_parts(**{k: x for k, x in SMALL.items()
-                                                   if k != "forward_tiles"})
+  _, forward_train, _ = pallas_gpu.parts(**{k: x for k, x in SMALL.items()
+                                            if k != "forward_tiles"})
   _, res = forward_train(q, kk, v, gate, st, INTERPRET)
   d_out = jax.random.normal(jax.random.key(5), q.shape)
   call = lambda kernels: pallas_gpu._backward_call(res, d_out, st, INTERPRET, SMALL["dq_tiles"],
@@ -191,7 +192,6 @@ def test_xattention_mode_matches_the_reference(setting, t, g, d, tiles):
   """The XA mode: heads read only their kept blocks (a compact list per query block), in one
   launch with full, streaming and mixed heads; gradients (dq, dk, dv, gate) through the fused
   training forward and backward kernels."""
-  from elastic_jax.attention.pallas_gpu import make_xa_hybrid
   from elastic_jax.attention.xattention import XAttention, select
   b, kh = 2, 2
   q, k, v = _inputs(b, t, kh * g, kh, d, jnp.float32, seed=4)
@@ -200,7 +200,7 @@ def test_xattention_mode_matches_the_reference(setting, t, g, d, tiles):
   keep = select(q, k, XAttention(stride=8, block=32, threshold=0.6))
   assert not bool(keep[..., jnp.tril(jnp.ones(keep.shape[-2:], bool))].all())
   gate = jnp.asarray([[0.0, 1.0], [1.0, 0.25]])            # every mode in one launch
-  fn = make_xa_hybrid(Tiles(*tiles, 1, 4))
+  fn = make_hybrid(Tiles(*tiles, 1, 4), xa=True)
   got = _jit(fn, static_argnums=(5, 6, 7, 8))(q, k, v, gate, keep, st, setting, 32, INTERPRET)
   want = dense_hybrid_attention(q, k, v, gate, st, patterns=setting, xa_keep=keep, xa_block=32)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=F32_TOL)
@@ -214,3 +214,35 @@ def test_xattention_mode_matches_the_reference(setting, t, g, d, tiles):
   for a, w in zip(grads, want_g):
     np.testing.assert_allclose(np.asarray(a), np.asarray(w),
                                atol=GRAD_TOL[jnp.float32] * max(1.0, float(jnp.abs(w).max())))
+
+
+def test_former_names_and_keywords_build_the_same_kernels():
+  """The builders' former names and the entry points' bare tile keywords warn
+  (DeprecationWarning, naming the new call) and trace to the program of `make_hybrid(...,
+  packed=, xa=)` and `tiles=`; the parts' former names (the Mosaic GPU backend's) do not warn."""
+  q = jax.ShapeDtypeStruct((1, 32, 2, 16), jnp.float32)
+  kv = jax.ShapeDtypeStruct((1, 32, 1, 16), jnp.float32)
+  gate = jax.ShapeDtypeStruct((1, 1), jnp.float32)
+  keep = jax.ShapeDtypeStruct((1, 1, 2, 2), jnp.bool_)
+  st = Streaming(1, 1, 16)
+  trace = lambda fn, *a: str(jax.make_jaxpr(fn)(*a))
+  xa_call = lambda fn: lambda q, k, v, g, keep: fn(q, k, v, g, keep, st, "fa-xa", 16, False)
+  new_call = r"use pallas_gpu\.make_hybrid\(\.\.\., "
+  with pytest.warns(DeprecationWarning, match=new_call + r"xa=True\)"):
+    old = pallas_gpu.make_xa_hybrid(**SMALL)
+  assert trace(xa_call(old), q, kv, kv, gate, keep) == trace(
+      xa_call(make_hybrid(**SMALL, xa=True)), q, kv, kv, gate, keep)
+  for name, new in (("make_packed_hybrid", r"packed=True\)"),
+                    ("make_packed_xa_hybrid", r"packed=True, xa=True\)")):
+    with pytest.warns(DeprecationWarning, match=rf"{name}.*{new_call}{new}"):
+      getattr(pallas_gpu, name)()
+  with pytest.warns(DeprecationWarning, match=r"tiles=Tiles\(block_q=32, block_k=16"):
+    old = trace(lambda q, k, v, g: pallas_gpu.hybrid_forward(q, k, v, g, st, block_q=32,
+                                                             block_k=16), q, kv, kv, gate)
+  assert old == trace(lambda q, k, v, g: pallas_gpu.hybrid_forward(
+      q, k, v, g, st, tiles=Tiles(32, 16)), q, kv, kv, gate)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for parts in (pallas_gpu.hybrid_parts(), pallas_gpu.xa_parts(), pallas_gpu.packed_parts(),
+                  pallas_gpu.packed_parts(xa=True)):
+      assert len(parts) == 3

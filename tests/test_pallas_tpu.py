@@ -23,7 +23,7 @@ from jax import export
 from elastic_jax import hybrid_attention
 from elastic_jax.attention import HYBRID_IMPLS, Streaming
 from elastic_jax.attention.common import MODE_FULL, MODE_MIX, MODE_SPARSE, kernel_or_reference
-from elastic_jax.attention.pallas_tpu import (fused_hybrid, hybrid_forward, kv_schedule,
+from elastic_jax.attention.pallas_tpu import (Tiles, hybrid_forward, kv_schedule, make_hybrid,
                                               q_schedule)
 from elastic_jax.attention.reference import hybrid_attention as reference
 
@@ -67,7 +67,7 @@ def test_forward_matches_reference(b, t, n, k, d, block, gates, dtype):
   q, kk, v = (jax.random.normal(kk_, (b, t, h, d)).astype(dtype)
               for kk_, h in zip(keys, (n, k, k)))
   gate = jnp.asarray(gates, jnp.float32)
-  out = _jit(functools.partial(hybrid_forward, streaming=st, block_q=16, block_k=16,
+  out = _jit(functools.partial(hybrid_forward, streaming=st, tiles=Tiles(16, 16),
                               interpret=INTERPRET))(q, kk, v, gate)
   assert out.dtype == dtype and out.shape == q.shape
   up = lambda x: x.astype(jnp.float32)
@@ -122,7 +122,8 @@ def test_gradients_match_reference(b, t, n, k, d, tiles, st, gates, dtype, monke
   float32 and bfloat16."""
   if tiles is not None:  # the op on smaller tiles than its own, for more of them
     monkeypatch.setitem(HYBRID_IMPLS, "pallas_tpu",
-                        functools.partial(kernel_or_reference, fused_hybrid(tiles, tiles)))
+                        functools.partial(kernel_or_reference,
+                                          make_hybrid(Tiles(tiles, tiles))))
   pattern = dict(sink_blocks=st.sink_blocks, local_blocks=st.local_blocks, block=st.block)
   ours = functools.partial(hybrid_attention, attn_impl="pallas_tpu", interpret=INTERPRET,
                            **pattern)
@@ -151,7 +152,7 @@ def test_kernels_lower_for_a_tpu(dtype):
   """All four kernels (forward, training forward, dQ, dK/dV) on their default tiles get
   through Pallas's Mosaic lowering for a TPU; Mosaic's own compiler needs a TPU to run."""
   st = Streaming(1, 2, 128)
-  fn = fused_hybrid()
+  fn = make_hybrid()
 
   def forward_and_grads(q, k, v, gate):
     out, vjp = jax.vjp(lambda *a: fn(*a, st, False), q, k, v, gate)
@@ -208,7 +209,6 @@ def test_xa_schedule_fetches_exactly_the_kept_tiles_then_repeats():
 def test_xattention_mode_matches_the_reference(setting):
   """XA heads (kept blocks prefetched as lists) with full, streaming and mixed heads in one
   launch; gradients through the training forward and the dQ / dK-dV kernels."""
-  from elastic_jax.attention.pallas_tpu import _xa_hybrid
   from elastic_jax.attention.reference import dense_hybrid_attention
   from elastic_jax.attention.xattention import XAttention, select
   b, t, n, kh, d = 1, 80, 3, 3, 64            # one row, three KV heads: every mode at once
@@ -219,14 +219,15 @@ def test_xattention_mode_matches_the_reference(setting):
   keep = select(q, k, XAttention(stride=4, block=16, threshold=0.6))
   assert not bool(keep[..., jnp.tril(jnp.ones(keep.shape[-2:], bool))].all())
   gate = jnp.asarray([[0.0, 1.0, 0.25]])
-  got = _jit(_xa_hybrid, static_argnums=(5, 6, 7, 8))(q, k, v, gate, keep, st, setting, 16,
+  xa_hybrid = make_hybrid(xa=True)
+  got = _jit(xa_hybrid, static_argnums=(5, 6, 7, 8))(q, k, v, gate, keep, st, setting, 16,
                                                       INTERPRET)
   want = dense_hybrid_attention(q, k, v, gate, st, patterns=setting, xa_keep=keep, xa_block=16)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
   cot = jax.random.normal(jax.random.key(9), q.shape)
   args = (0, 1, 2, 3)
   got_g = _jit(jax.grad(lambda q, k, v, g: jnp.sum(
-      _xa_hybrid(q, k, v, g, keep, st, setting, 16, INTERPRET) * cot), argnums=args))(
+      xa_hybrid(q, k, v, g, keep, st, setting, 16, INTERPRET) * cot), argnums=args))(
           q, k, v, gate)
   want_g = jax.grad(lambda q, k, v, g: jnp.sum(dense_hybrid_attention(
       q, k, v, g, st, patterns=setting, xa_keep=keep, xa_block=16) * cot), argnums=args)(
@@ -239,9 +240,8 @@ def test_xattention_mode_matches_the_reference(setting):
 def test_xa_kernels_lower_to_mosaic():
   """The XA mode's scalar-prefetched lists and index maps lower for a TPU, in the inference
   forward, the training forward and both backward kernels (Mosaic itself needs a TPU)."""
-  from elastic_jax.attention.pallas_tpu import fused_xa_hybrid
   st = Streaming(1, 2, 128)
-  fn = fused_xa_hybrid()
+  fn = make_hybrid(xa=True)
 
   def forward_and_grads(q, k, v, gate, keep):
     out, vjp = jax.vjp(lambda *a: fn(*a, keep, st, "fa-xa", 128, False), q, k, v, gate)
@@ -258,3 +258,27 @@ def test_xa_kernels_lower_to_mosaic():
         q, kv, kv, gate, keep).mlir_module()
   for name in ("forward", "forward_train", "backward_dq", "backward_dkv"):
     assert f'kernel_name = "elastic_hybrid_{name}_tpu"' in module, name
+
+
+def test_former_names_and_keywords_build_the_same_kernels():
+  """`fused_hybrid`, `fused_xa_hybrid` and `fused_packed_hybrid` warn (DeprecationWarning,
+  naming the new call) and give `make_hybrid`'s function for those tiles; the entry points'
+  block_q / block_k warn and trace to the program of `tiles=`."""
+  from elastic_jax.attention import pallas_tpu
+  for old, kwargs in ((lambda: pallas_tpu.fused_hybrid(16, 32), {}),
+                      (lambda: pallas_tpu.fused_xa_hybrid(16, 32), dict(xa=True)),
+                      (lambda: pallas_tpu.fused_packed_hybrid(16, 32, xa=True),
+                       dict(packed=True, xa=True))):
+    with pytest.warns(DeprecationWarning,
+                      match=r"use pallas_tpu\.make_hybrid\(Tiles\(block_q, block_k\)"):
+      fn = old()
+    assert fn is make_hybrid(Tiles(16, 32), **kwargs)
+  q = jax.ShapeDtypeStruct((1, 32, 2, 16), jnp.float32)
+  kv = jax.ShapeDtypeStruct((1, 32, 1, 16), jnp.float32)
+  gate = jax.ShapeDtypeStruct((1, 1), jnp.float32)
+  st = Streaming(1, 1, 16)
+  trace = lambda **tiles: str(jax.make_jaxpr(lambda q, k, v, g: hybrid_forward(
+      q, k, v, g, st, **tiles))(q, kv, kv, gate))
+  with pytest.warns(DeprecationWarning, match=r"tiles=Tiles\(block_q=16, block_k=8\)"):
+    old = trace(block_q=16, block_k=8)
+  assert old == trace(tiles=Tiles(16, 8))

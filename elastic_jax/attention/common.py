@@ -1,10 +1,14 @@
 """What the fused hybrid kernels share: run-time head modes, the tile schedules of a streaming
-head (forward and transposed), the backward pass's row terms, and the wrapper that makes the
-kernels one differentiable function with the reference's signature."""
+head (forward and transposed), the online softmax, the backward pass's row terms, the wrapper
+that makes the kernels one differentiable function with the reference's signature, and the
+shims that keep the builders' and entry points' former names and keywords working."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
+import warnings
 from typing import Callable
 
 import numpy as np
@@ -13,11 +17,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from elastic_jax.attention.reference import (Streaming, check_shapes,
+from elastic_jax.attention.reference import (MASK_VALUE, Streaming, check_shapes,
                                              hybrid_attention as reference_hybrid)
 from elastic_jax.attention.xattention import block_lists
 
 MODE_SPARSE, MODE_FULL, MODE_MIX = 0, 1, 2
+LOG2E = math.log2(math.e)   # exp(x) = exp2(x * LOG2E): base-2 kernels scale scores by it
 
 
 def modes_from_gate(gate_bk: jax.Array) -> jax.Array:
@@ -358,3 +363,95 @@ def largest_block(n: int, cap: int) -> int:
   while b > 16 and n % b:
     b //= 2
   return b
+
+
+# ----------------------------------------------------------------------------------------------
+# The online softmax, one key tile at a time (the Pallas kernels' forward walks and decode)
+#
+# A state is (acc, m, l): the unnormalised output [rows, H] float32, the running maximum of the
+# scores and the running sum of their exponentials. m and l are [rows] vectors, or [rows, 1]
+# columns (`column`; the TPU kernels keep them so in VMEM). `exp` is the exponential the scores
+# are in: exp2 for scores scaled by LOG2E (the GPU kernels, decode on a TPU), exp for the TPU
+# hybrid kernels'.
+
+
+def online_init(rows: int, width: int, *, column: bool = False):
+  """An empty state (acc, m, l): acc zeros [rows, width], m MASK_VALUE, l zeros."""
+  stats = (rows, 1) if column else (rows,)
+  return (jnp.zeros((rows, width), jnp.float32), jnp.full(stats, MASK_VALUE, jnp.float32),
+          jnp.zeros(stats, jnp.float32))
+
+
+def online_update(carry, s, ok, v, *, exp: Callable = jnp.exp2, column: bool = False,
+                  product: Callable | None = None):
+  """One key tile into the state `carry`: scores s [rows, cols] float32, ok the entries that
+  count (a mask broadcasting against s; None: all of them), values v [cols, H].
+
+  product(p, v) -> [rows, H] float32 weighs the values by the tile's probabilities p; by
+  default the matrix product of p in v's dtype with v, float32 accumulation. A single key
+  (cols = 1, which a matrix unit does not take) passes an elementwise product instead.
+  """
+  acc, m, l = carry
+  if ok is not None:
+    s = jnp.where(ok, s, MASK_VALUE)
+  m_new = jnp.maximum(m, s.max(axis=-1, keepdims=column))
+  p = exp(s - (m_new if column else m_new[:, None]))
+  if ok is not None:
+    p = jnp.where(ok, p, 0.0)
+  corr = exp(m - m_new)
+  pv = (jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32) if product is None
+        else product(p, v))
+  return (acc * (corr if column else corr[:, None]) + pv, m_new,
+          l * corr + p.sum(axis=-1, keepdims=column))
+
+
+def online_finish(carry, *, column: bool = False):
+  """The state's output acc / l [rows, H] float32 (rows that saw no key: 0)."""
+  acc, _, l = carry
+  l = jnp.where(l == 0.0, 1.0, l)
+  return acc / (l if column else l[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# Former names and keywords, kept working with a DeprecationWarning
+
+
+def deprecated_alias(old_call: str, new_call: str, fn: Callable) -> Callable:
+  """`fn` under its former name: each call warns (DeprecationWarning) that `old_call` is now
+  `new_call`, then returns fn's result. The name is old_call's, up to "(" and after the last
+  "."."""
+  name = old_call.partition("(")[0].rpartition(".")[2]
+
+  def call(*args, **kwargs):
+    warnings.warn(f"{old_call} is deprecated; use {new_call}", DeprecationWarning,
+                  stacklevel=2)
+    return fn(*args, **kwargs)
+
+  call.__name__ = call.__qualname__ = name
+  call.__doc__ = f"Deprecated: `{new_call}`."
+  return call
+
+
+def tile_keywords(default_tiles, *same: str, **renamed: str) -> Callable:
+  """A decorator for an entry point that takes `tiles=` (a frozen dataclass, `default_tiles`
+  when not given) and once took bare tile sizes: the former keywords still work, with a
+  DeprecationWarning naming the `tiles=` they make. `same`: keywords named as the tiles'
+  fields; `renamed`: keyword -> the field it sets."""
+  fields = {**{key: key for key in same}, **renamed}
+
+  def wrap(fn):
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+      old = {key: kwargs.pop(key) for key in fields if key in kwargs}
+      if old:
+        tiles = dataclasses.replace(kwargs.get("tiles", default_tiles),
+                                    **{fields[key]: x for key, x in old.items()})
+        warnings.warn(f"{fn.__name__}({', '.join(f'{key}=' for key in old)}...) is "
+                      f"deprecated; use {fn.__name__}(..., tiles={tiles!r})",
+                      DeprecationWarning, stacklevel=2)
+        kwargs["tiles"] = tiles
+      return fn(*args, **kwargs)
+
+    return call
+
+  return wrap

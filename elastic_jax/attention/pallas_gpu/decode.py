@@ -6,7 +6,8 @@ keys (flash-decoding) so that a batch of one fills the GPU: a full slot's progra
 keys below p, so a step reads what is live, not the capacity; a streaming slot's width is cut
 in pieces of 256 keys. The program whose range holds the new token's index takes its key and
 value from the inputs and stores them; no program reads that index from the cache, so the
-store races with no read. The splits' partial softmaxes combine in jnp.
+store races with no read. Every program's online softmax is `common.online_update`'s (base 2,
+as the hybrid kernels'); the splits' partial softmaxes combine in jnp.
 """
 
 from __future__ import annotations
@@ -18,20 +19,24 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from elastic_jax.attention.common import largest_block
+from elastic_jax.attention.common import (LOG2E, largest_block, online_init, online_update,
+                                          tile_keywords)
 from elastic_jax.attention.decode_reference import stream_index, stream_visible
-from elastic_jax.attention.pallas_gpu.hybrid import LOG2E, online_update
-from elastic_jax.attention.reference import MASK_VALUE, Streaming
+from elastic_jax.attention.pallas_gpu.hybrid import Tiles
+from elastic_jax.attention.reference import Streaming
+
+# The decode kernel reads block_k (keys of a full slot's step: the largest power of two up to
+# it dividing the capacity), num_warps and num_stages; not block_q (a slot's G queries, padded
+# to 16, are one row tile).
+DECODE_TILES = Tiles(block_k=64, num_stages=2, num_warps=4)
 
 
-def _online_one(carry, q, k, v, qk_scale):
-  """One key [H] (the new token's) into the online softmax of the queries q [G, H]."""
-  acc, m, l = carry
+def _one_key(carry, q, k, v, qk_scale):
+  """One key [H] (the new token's) into the online softmax of the queries q [G, H]: its
+  scores and weighted value by elementwise products (no matrix product of one key)."""
   s = jnp.sum(q.astype(jnp.float32) * k.astype(jnp.float32)[None, :], axis=1) * qk_scale
-  m_new = jnp.maximum(m, s)
-  p, corr = jnp.exp2(s - m_new), jnp.exp2(m - m_new)
-  return (acc * corr[:, None] + p[:, None] * v.astype(jnp.float32)[None, :], m_new,
-          l * corr + p)
+  return online_update(carry, s[:, None], None, v[None, :],
+                       product=lambda p, v: p * v.astype(jnp.float32))
 
 
 def _triton_kernel(meta_ref, row_ref, pos_ref, q_ref, k_ref, v_ref, fk_in, fv_in, sk_in,
@@ -49,8 +54,7 @@ def _triton_kernel(meta_ref, row_ref, pos_ref, q_ref, k_ref, v_ref, fk_in, fv_in
   q = q_ref[row]
   gp, d = q.shape
   qk_scale = scale * LOG2E
-  init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), MASK_VALUE, jnp.float32),
-          jnp.zeros((gp,), jnp.float32))
+  init = online_init(gp, d)
   pos = jnp.where(live, pos_ref[i], -1)
 
   def walk(c, lo, hi, blk, load, visible):
@@ -67,7 +71,7 @@ def _triton_kernel(meta_ref, row_ref, pos_ref, q_ref, k_ref, v_ref, fk_in, fv_in
     """The program that owns the new token's index adds its key to the softmax and stores
     it; every program stores its partial softmax."""
     k_new, v_new = k_ref[row], v_ref[row]
-    acc, m, l = lax.cond(owns, lambda: _online_one(c, q, k_new, v_new, qk_scale), lambda: c)
+    acc, m, l = lax.cond(owns, lambda: _one_key(c, q, k_new, v_new, qk_scale), lambda: c)
     for ref, x in zip(out_refs, (acc, m, l)):
       ref[out_at] = x
 
@@ -108,21 +112,21 @@ def _combine(o, m, l):
   return (w[..., None] * o).sum(1) / jnp.where(l_all == 0, 1.0, l_all)[..., None]
 
 
+@tile_keywords(DECODE_TILES, "num_warps", "num_stages", block="block_k")
 @functools.partial(jax.jit, static_argnames=("sink_len", "ring", "streaming", "scale",
-                                             "splits", "block", "num_warps", "num_stages",
-                                             "interpret"))
-def decode_attention(q_rows, k_rows, v_rows, full_k, full_v, start, full_row, full_pos, st_k, st_v,
-           layer, st_row, st_pos, *, sink_len: int, ring: int, streaming: Streaming,
-           scale: float, splits: int | None = None, block: int = 64, num_warps: int = 4,
-           num_stages: int = 2, interpret: bool = False):
-  """`reference` on the Pallas Triton kernel. Needs a head dim that is a power of two >= 16
-  (`triton_applies`), a capacity M and a streaming width W that are multiples of 16."""
-  from jax.experimental.pallas import triton as plgpu
-
+                                             "splits", "tiles", "interpret"))
+def decode_attention(q_rows, k_rows, v_rows, full_k, full_v, start, full_row, full_pos, st_k,
+                     st_v, layer, st_row, st_pos, *, sink_len: int, ring: int,
+                     streaming: Streaming, scale: float, splits: int | None = None,
+                     tiles: Tiles = DECODE_TILES, interpret: bool = False):
+  """`decode_reference.reference` on the Pallas Triton kernel. Needs a head dim that is a
+  power of two >= 16 (`decode_applies`), a capacity M and a streaming width W that are
+  multiples of 16. The former keywords block (now tiles.block_k), num_warps and num_stages
+  still set the tiles' fields (deprecated)."""
   f, s_n = full_row.shape[0], st_row.shape[0]
   g, d = q_rows.shape[1:]
   cap, width = full_k.shape[1], st_k.shape[2]
-  block = largest_block(cap, block)
+  block = largest_block(cap, tiles.block_k)
   st_block = largest_block(width, 64)
   st_chunk = st_block * max(1, 256 // st_block)        # streaming slots: 256 keys a program
   st_splits = -(-width // st_chunk)
@@ -159,7 +163,7 @@ def decode_attention(q_rows, k_rows, v_rows, full_k, full_v, start, full_row, fu
       out_specs=[whole(s) for s in out_shape],
       out_shape=out_shape,
       input_output_aliases={6 + i: 6 + i for i in range(4)},
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      compiler_params=tiles.params(d),
       interpret=interpret, name="elastic_decode_attention",
   )(*operands)
   return (_combine(o, m, l)[:f, :g], _combine(so, sm, sl)[:s_n, :g]), tuple(caches)

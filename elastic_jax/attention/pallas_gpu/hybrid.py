@@ -17,11 +17,13 @@ forward's tile walk, and dK/dV per (key tile, KV head) over the transposed walk
 (`common.q_tile_range`), summing the G query heads of the KV head in the program (GQA). Per
 tile, dS = r P_FA (dP - D_FA) + (1 - r) P_SSA (dP - D_SSA), with the FA term skipped when r = 0
 and the SSA term when r = 1; nothing of size T x T is ever stored. Packed rows (segment ids
-and positions) run on `make_packed_hybrid`'s kernels (end of this file). Pallas's Triton
-backend is deprecated since jax 0.11 (Mosaic GPU is the path to full Hopper speed); these
-kernels are the portable version and the interpret-mode test subject.
+and positions) run on `make_hybrid(packed=True)`'s kernels (end of this file), the XAttention
+settings on `make_hybrid(xa=True)`'s. Every walk updates its online softmax with
+`common.online_update` (base 2: scores scaled by `LOG2E`). Pallas's Triton backend is
+deprecated since jax 0.11 (Mosaic GPU is the path to full Hopper speed); these kernels are the
+portable version and the interpret-mode test subject.
 
-Shape letters: B batch, T tokens, N query heads, K KV heads, G = N / K, D head dim.
+Shape letters: B batch, T tokens, N query heads, K KV heads, G = N / K, H head dim.
 """
 
 from __future__ import annotations
@@ -37,16 +39,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from elastic_jax.attention.common import (MODE_FULL, MODE_MIX, MODE_SPARSE, dkv_program,
-                                          kernel_or_reference, modes_from_gate, pad_to,
-                                          packed_plan, pad_packed, q_tile_range, row_deltas,
-                                          tile_ranges,
+from elastic_jax.attention.common import (LOG2E, MODE_FULL, MODE_MIX, MODE_SPARSE,
+                                          deprecated_alias, dkv_program, kernel_or_reference,
+                                          modes_from_gate, online_finish, online_init,
+                                          online_update, pad_to, packed_plan, pad_packed,
+                                          q_tile_range, row_deltas, tile_keywords, tile_ranges,
                                           with_fused_backward, xa_operands)
+from elastic_jax.attention.reference import Streaming, split_patterns
 
 assert (MODE_SPARSE, MODE_FULL, MODE_MIX) == (0, 1, 2)  # the order of lax.switch below
-from elastic_jax.attention.reference import MASK_VALUE, Streaming, split_patterns
-
-LOG2E = math.log2(math.e)
 
 
 def _kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, num_kv_heads, groups,
@@ -72,8 +73,8 @@ def _kernel(modes_ref, gate_ref, *refs, scale, block_q, block_k, seq_len, num_kv
     causal = (k_idx[None, :] <= q_idx[:, None]) & (k_idx[None, :] < seq_len)
     return s, causal, causal & streaming.allows(q_idx[:, None], k_idx[None, :])
 
-  update, finish = online_update, _online_finish
-  init = lambda: _online_init(block_q, d)
+  update, finish = online_update, online_finish
+  init = lambda: online_init(block_q, d)
 
   sink_end, win_start, causal_end = tile_ranges(q_start, block_q, block_k, streaming)
   # Tiles wholly before the diagonal need no causal mask. When tiles align with SSA blocks,
@@ -340,7 +341,7 @@ def _xa_masks(causal, window, kept, pair):
 def _dscores(s, dp, r, causal, window, lse_fa, lse_sa, d_fa, d_sa, fa: bool, sa: bool):
   """(dS, P) of a tile: dS = r P_FA (dP - D_FA) + (1 - r) P_SSA (dP - D_SSA) and
   P = r P_FA + (1 - r) P_SSA, the terms a head's mode needs (`fa`, `sa`). The per-query
-  terms (lse, D) come shaped to broadcast along the tile's query axis."""
+  terms (lse, D_FA and D_SSA) come shaped to broadcast along the tile's query axis."""
   ds = p = None
   for on, ok, lse, delta, w in ((fa, causal, lse_fa, d_fa, r), (sa, window, lse_sa, d_sa, 1 - r)):
     if not on:
@@ -371,7 +372,7 @@ class Tiles:
                                 num_stages=self.num_stages)
 
 
-# Defaults chosen with `benchmarks/attention.py --tiles/--train-tiles` (D = 128, bf16; the
+# Defaults chosen with `benchmarks/attention.py --tiles/--train-tiles` (H = 128, bf16; the
 # sweep: benchmarks/records/attention.md, "Tile tuning"). 128x128 forward tiles and three
 # stages of 64x64 in training exceed shared memory.
 FORWARD_TILES = Tiles(128, 64, 3)
@@ -380,8 +381,14 @@ DQ_TILES = Tiles(128, 32, 2, 8)
 DKV_TILES = Tiles(32, 128, 2, 8)
 
 
+def _clamp(tiles: Tiles, xa_block: int) -> Tiles:
+  """Tiles no larger than the XA block (whole tiles tile a block)."""
+  return dataclasses.replace(tiles, block_q=min(tiles.block_q, xa_block),
+                             block_k=min(tiles.block_k, xa_block))
+
+
 def _pad_inputs(q, k, v, gate_bk, multiple: int):
-  """Pads T to `multiple` and D to a power of two >= 16; flattens gate and modes to slots."""
+  """Pads T to `multiple` and H to a power of two >= 16; flattens gate and modes to slots."""
   b, t, _, d = q.shape
   kh = k.shape[2]
   tp = t + (-t % multiple)
@@ -443,14 +450,18 @@ def _forward_call(q, k, v, gate, modes, *, seq_len, scale, streaming, tiles: Til
   )(modes, gate, *xa_ops, q, k, v)
 
 
-@functools.partial(jax.jit, static_argnames=("streaming", "block_q", "block_k", "num_warps",
-                                             "num_stages", "interpret"))
-def hybrid_forward(q, k, v, gate_bk, streaming: Streaming, *, block_q: int = 128,
-                   block_k: int = 64, num_warps: int | None = None, num_stages: int = 3,
+_TILE_KEYWORDS = ("block_q", "block_k", "num_warps", "num_stages")   # before `tiles=`
+
+
+@tile_keywords(FORWARD_TILES, *_TILE_KEYWORDS)
+@functools.partial(jax.jit, static_argnames=("streaming", "tiles", "interpret"))
+def hybrid_forward(q, k, v, gate_bk, streaming: Streaming, *, tiles: Tiles = FORWARD_TILES,
                    interpret: bool = False):
-  """The inference kernel: q [B, T, N, D], k/v [B, T, K, D], gate [B, K] -> [B, T, N, D]."""
+  """The inference kernel: q [B, T, N, H], k/v [B, T, K, H], gate [B, K] -> [B, T, N, H]
+  (the tiles shrink for short inputs). The former keywords block_q, block_k, num_warps and
+  num_stages still set the tiles' fields (deprecated)."""
   t, d = q.shape[1], q.shape[3]
-  tiles = Tiles(block_q, block_k, num_stages, num_warps).fit(t)
+  tiles = tiles.fit(t)
   qp, kp, vp, gate, modes = _pad_inputs(q, k, v, gate_bk, math.lcm(tiles.block_q,
                                                                      tiles.block_k))
   out = _forward_call(qp, kp, vp, gate, modes, seq_len=t, scale=d ** -0.5,
@@ -458,17 +469,16 @@ def hybrid_forward(q, k, v, gate_bk, streaming: Streaming, *, block_q: int = 128
   return out[:, :t, :, :d]
 
 
-@functools.partial(jax.jit, static_argnames=("streaming", "patterns", "xa_block", "block_q",
-                                             "block_k", "num_warps", "num_stages",
+@tile_keywords(FORWARD_TILES, *_TILE_KEYWORDS)
+@functools.partial(jax.jit, static_argnames=("streaming", "patterns", "xa_block", "tiles",
                                              "interpret"))
 def xa_hybrid_forward(q, k, v, gate_bk, xa_keep, streaming: Streaming, *, patterns: str,
-                      xa_block: int, block_q: int = 128, block_k: int = 64,
-                      num_warps: int | None = None, num_stages: int = 3,
-                      interpret: bool = False):
+                      xa_block: int, tiles: Tiles = FORWARD_TILES, interpret: bool = False):
   """The inference kernel under the XAttention settings ("fa-xa", "xa-ssa"): XA heads visit
-  only their kept blocks (xa_keep [B, K, nb, nb] bool, blocks of xa_block tokens)."""
+  only their kept blocks (xa_keep [B, K, nb, nb] bool, blocks of xa_block tokens). The tiles
+  are clamped to the XA block; the former keywords as `hybrid_forward`'s."""
   t, d = q.shape[1], q.shape[3]
-  tiles = Tiles(min(block_q, xa_block), min(block_k, xa_block), num_stages, num_warps).fit(t)
+  tiles = _clamp(tiles, xa_block).fit(t)
   qp, kp, vp, gate, modes = _pad_inputs(q, k, v, gate_bk, math.lcm(tiles.block_q,
                                                                      tiles.block_k))
   nbp = pl.next_power_of_2(max(xa_keep.shape[-1], -(-qp.shape[1] // xa_block)))
@@ -484,39 +494,22 @@ def xa_kernel_applies(xa_block: int) -> bool:
   return xa_block >= 16 and xa_block & (xa_block - 1) == 0
 
 
-def make_xa_hybrid(forward_tiles: Tiles = FORWARD_TILES,
-                   train_forward_tiles: Tiles = TRAIN_FORWARD_TILES,
-                   dq_tiles: Tiles = DQ_TILES, dkv_tiles: Tiles = DKV_TILES):
-  """The differentiable kernel `fn(q, k, v, gate_bk, xa_keep, streaming, patterns, xa_block,
-  interpret)` for the XAttention settings. The inference forward skips per head (XA heads
-  read their kept-block lists); under differentiation the training forward computes both
-  pair' outputs of every head over its causal tiles, and the dQ and dK/dV kernels skip
-  an XA head's tiles of blocks it did not keep. Tiles are clamped to the XA block."""
-  return with_fused_backward(*xa_parts(forward_tiles, train_forward_tiles, dq_tiles, dkv_tiles),
-                             num_arrays=5, num_static=4)
-
-
-def xa_parts(forward_tiles: Tiles = FORWARD_TILES,
-             train_forward_tiles: Tiles = TRAIN_FORWARD_TILES, dq_tiles: Tiles = DQ_TILES,
-             dkv_tiles: Tiles = DKV_TILES):
-  """(forward, forward_train, backward) of `make_xa_hybrid`, as `common.with_fused_backward`
-  takes them (five arrays: q, k, v, the gate, the kept blocks; four static arguments)."""
-
-  def clamp(tiles: Tiles, xa_block: int) -> Tiles:
-    return dataclasses.replace(tiles, block_q=min(tiles.block_q, xa_block),
-                               block_k=min(tiles.block_k, xa_block))
+def _xa_parts(forward_tiles: Tiles, train_forward_tiles: Tiles, dq_tiles: Tiles,
+              dkv_tiles: Tiles):
+  """`parts(xa=True)`: five arrays (q, k, v, the gate, the kept blocks), four static
+  arguments. The inference forward skips per head (XA heads read their kept-block lists);
+  the training forward computes both patterns' outputs of every head over its causal tiles,
+  and the dQ and dK/dV kernels skip an XA head's tiles of blocks it did not keep. Tiles are
+  clamped to the XA block."""
 
   def fit_all(t, xa_block):
-    all_tiles = [clamp(x, xa_block).fit(t) for x in (train_forward_tiles, dq_tiles,
-                                                     dkv_tiles)]
+    all_tiles = [_clamp(x, xa_block).fit(t) for x in (train_forward_tiles, dq_tiles,
+                                                      dkv_tiles)]
     return all_tiles, max(max(x.block_q, x.block_k) for x in all_tiles)
 
   def forward(q, k, v, gate_bk, xa_keep, streaming, patterns, xa_block, interpret):
-    f = forward_tiles
     return xa_hybrid_forward(q, k, v, gate_bk, xa_keep, streaming, patterns=patterns,
-                             xa_block=xa_block, block_q=f.block_q, block_k=f.block_k,
-                             num_warps=f.num_warps, num_stages=f.num_stages,
-                             interpret=interpret)
+                             xa_block=xa_block, tiles=forward_tiles, interpret=interpret)
 
   def forward_train(q, k, v, gate_bk, xa_keep, streaming, patterns, xa_block, interpret):
     t, d = q.shape[1], q.shape[3]
@@ -608,18 +601,9 @@ def _backward_call(res, d_out, streaming, interpret, dq_t: Tiles, dkv_t: Tiles,
   return cut(dq), cut(dk), cut(dv), d_gate
 
 
-def make_hybrid(forward_tiles: Tiles = FORWARD_TILES,
-                train_forward_tiles: Tiles = TRAIN_FORWARD_TILES, dq_tiles: Tiles = DQ_TILES,
-                dkv_tiles: Tiles = DKV_TILES):
-  """The differentiable kernel `fn(q, k, v, gate_bk, streaming, interpret)` with these tiles."""
-  return with_fused_backward(*hybrid_parts(forward_tiles, train_forward_tiles, dq_tiles,
-                                           dkv_tiles))
-
-
-def hybrid_parts(forward_tiles: Tiles = FORWARD_TILES,
-                 train_forward_tiles: Tiles = TRAIN_FORWARD_TILES, dq_tiles: Tiles = DQ_TILES,
-                 dkv_tiles: Tiles = DKV_TILES):
-  """(forward, forward_train, backward) as `common.with_fused_backward` takes them."""
+def _plain_parts(forward_tiles: Tiles, train_forward_tiles: Tiles, dq_tiles: Tiles,
+                 dkv_tiles: Tiles):
+  """`parts()`: four arrays (q, k, v, the gate [B, K]), two static arguments."""
 
   def fit_all(t):
     all_tiles = [x.fit(t) for x in (train_forward_tiles, dq_tiles, dkv_tiles)]
@@ -627,9 +611,8 @@ def hybrid_parts(forward_tiles: Tiles = FORWARD_TILES,
     return all_tiles, multiple
 
   def forward(q, k, v, gate_bk, streaming, interpret):
-    f = forward_tiles
-    return hybrid_forward(q, k, v, gate_bk, streaming, block_q=f.block_q, block_k=f.block_k,
-                          num_warps=f.num_warps, num_stages=f.num_stages, interpret=interpret)
+    return hybrid_forward(q, k, v, gate_bk, streaming, tiles=forward_tiles,
+                          interpret=interpret)
 
   def forward_train(q, k, v, gate_bk, streaming, interpret):
     t, d = q.shape[1], q.shape[3]
@@ -648,8 +631,6 @@ def hybrid_parts(forward_tiles: Tiles = FORWARD_TILES,
   return forward, forward_train, backward
 
 
-
-
 # ----------------------------------------------------------------------------------------------
 # Packed rows: segments and positions at run time (common.packed_plan's tile schedule)
 #
@@ -657,30 +638,6 @@ def hybrid_parts(forward_tiles: Tiles = FORWARD_TILES,
 # the mode from the gates of the rows it serves, and every visited tile is masked by segment,
 # causality and (SSA) the positions' blocks. The gate is per row ([B, K, T]): a mixed tile
 # (rows of segments routed differently) keeps both online softmaxes and mixes per row.
-
-
-def _online_init(rows: int, d: int):
-  return (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), MASK_VALUE, jnp.float32),
-          jnp.zeros((rows,), jnp.float32))
-
-
-def online_update(carry, s, ok, v):
-  """One key tile into the online softmax; ok None: every entry counts (no mask)."""
-  acc, m, l = carry
-  if ok is not None:
-    s = jnp.where(ok, s, MASK_VALUE)
-  m_new = jnp.maximum(m, s.max(axis=-1))
-  p = jnp.exp2(s - m_new[:, None])
-  if ok is not None:
-    p = jnp.where(ok, p, 0.0)
-  corr = jnp.exp2(m - m_new)
-  pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-  return acc * corr[:, None] + pv, m_new, l * corr + p.sum(axis=-1)
-
-
-def _online_finish(carry):
-  acc, _, l = carry
-  return acc / jnp.where(l == 0.0, 1.0, l)[:, None]
 
 
 def _packed_masks(seg_q, pos_q, q_idx, seg_k, pos_k, k_idx, streaming: Streaming,
@@ -787,18 +744,18 @@ def _packed_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, *refs, scale
     return online_update(c[0], s, full, v), c[1]
 
   lo2 = jnp.maximum(win_lo, sink_hi)
-  init = lambda: _online_init(block_q, d)
+  init = lambda: online_init(block_q, d)
   if not train:
     def run_sparse():
       c = visit(kv_lo, sink_hi, init(), True)
-      return _online_finish(visit(lo2, causal_hi, c, True))
+      return online_finish(visit(lo2, causal_hi, c, True))
 
     def run_full():
-      return _online_finish(visit(kv_lo, causal_hi, init(), False))
+      return online_finish(visit(kv_lo, causal_hi, init(), False))
 
     def run_mix():
       fa, sa = lax.fori_loop(kv_lo, causal_hi, both, (init(), init()))
-      return r[:, None] * _online_finish(fa) + (1.0 - r[:, None]) * _online_finish(sa)
+      return r[:, None] * online_finish(fa) + (1.0 - r[:, None]) * online_finish(sa)
 
     (o_ref,) = out_refs
     o_ref[...] = lax.switch(mode, [run_sparse, run_full, run_mix]).astype(o_ref.dtype)
@@ -808,7 +765,7 @@ def _packed_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, *refs, scale
   c = lax.fori_loop(kv_lo, sink_hi, both, (init(), init()))
   c = lax.fori_loop(sink_hi, lo2, full_only, c)
   fa_c, sa_c = lax.fori_loop(lo2, causal_hi, both, c)
-  o_fa, o_sa = _online_finish(fa_c), _online_finish(sa_c)
+  o_fa, o_sa = online_finish(fa_c), online_finish(sa_c)
   o_ref[...] = (r[:, None] * o_fa + (1.0 - r[:, None]) * o_sa).astype(o_ref.dtype)
   o_fa_ref[...] = o_fa.astype(o_fa_ref.dtype)
   o_gap_ref[...] = (o_fa - o_sa).astype(o_gap_ref.dtype)   # the gate's (`row_deltas`)
@@ -909,7 +866,7 @@ def _packed_dkv_kernel(plan_ref, modes_ref, seg_ref, pos_ref, gate_ref, *refs, s
 
 
 def _packed_inputs(q, k, v, gate_btk, segment_ids, positions, multiple: int):
-  """Pads T to `multiple` (the padding is one more segment, id -1) and D to a power of two
+  """Pads T to `multiple` (the padding is one more segment, id -1) and H to a power of two
   >= 16; the gate as rows [B, K, Tp] float32."""
   t, d = q.shape[1], q.shape[3]
   tp = t + (-t % multiple)
@@ -1032,17 +989,15 @@ def _packed_backward_call(res, d_out, streaming, interpret, dq_t: Tiles, dkv_t: 
   return cut(dq), cut(dk), cut(dv), d_gate
 
 
-def packed_parts(forward_tiles: Tiles = FORWARD_TILES,
-                 train_forward_tiles: Tiles = TRAIN_FORWARD_TILES,
-                 dq_tiles: Tiles = DQ_TILES, dkv_tiles: Tiles = DKV_TILES, xa: bool = False):
-  """(forward, forward_train, backward) of `make_packed_hybrid` (xa: of
-  `make_packed_xa_hybrid`), for `with_fused_backward` (another inference forward may take
-  `forward`'s place). Under XAttention the tiles are clamped to the XA block."""
+def _packed_parts(forward_tiles: Tiles, train_forward_tiles: Tiles, dq_tiles: Tiles,
+                  dkv_tiles: Tiles, xa: bool):
+  """`parts(packed=True, xa=xa)`: six arrays (q, k, v, the gate [B, T, K], segment ids,
+  positions; seven with the kept blocks under XAttention), two static arguments (four under
+  XAttention, whose tiles are clamped to the XA block)."""
 
   def fit_all(t, tiles, setting: PackedXA):
     if setting.block:
-      tiles = [dataclasses.replace(x, block_q=min(x.block_q, setting.block),
-                                   block_k=min(x.block_k, setting.block)) for x in tiles]
+      tiles = [_clamp(x, setting.block) for x in tiles]
     all_tiles = [x.fit(t) for x in tiles]
     return all_tiles, max(max(x.block_q, x.block_k) for x in all_tiles)
 
@@ -1105,32 +1060,83 @@ def _packed_args(args, xa: bool):
   return xa_keep, streaming, PackedXA(split_patterns(patterns), xa_block), interpret
 
 
-def make_packed_hybrid(forward_tiles: Tiles = FORWARD_TILES,
-                       train_forward_tiles: Tiles = TRAIN_FORWARD_TILES,
-                       dq_tiles: Tiles = DQ_TILES, dkv_tiles: Tiles = DKV_TILES):
-  """The differentiable kernel of packed rows `fn(q, k, v, gate_btk, segment_ids, positions,
-  streaming, interpret)`: gate [B, T, K] (constant within a segment), segment ids and
-  positions [B, T] int (positions counting from 0 at each segment's start for the streaming
-  heads' tile skipping; other positions stay correct, at full cost). Differentiable in q, k, v
-  and the gate."""
-  return with_fused_backward(*packed_parts(forward_tiles, train_forward_tiles, dq_tiles,
-                                           dkv_tiles), num_arrays=6)
+# ----------------------------------------------------------------------------------------------
+# Builders: one per kernel kind, packed rows and the XAttention settings as arguments
 
 
-def make_packed_xa_hybrid(forward_tiles: Tiles = FORWARD_TILES,
-                          train_forward_tiles: Tiles = TRAIN_FORWARD_TILES,
-                          dq_tiles: Tiles = DQ_TILES, dkv_tiles: Tiles = DKV_TILES):
-  """Packed rows under the XAttention settings: `fn(q, k, v, gate_btk, segment_ids, positions,
-  xa_keep, streaming, patterns, xa_block, interpret)`, xa_keep [B, K, nb, nb] bool the kept
-  blocks of `xa_block` tokens (`xattention.select` with the segment ids). An XA head walks
-  the full head's tiles of its segment and masks in the kept blocks; where its XA term runs
-  alone it skips the tiles of the blocks it did not keep (`_kept_tiles_only`)."""
-  return with_fused_backward(*packed_parts(forward_tiles, train_forward_tiles, dq_tiles,
-                                           dkv_tiles, xa=True), num_arrays=7, num_static=4)
+def parts(forward_tiles: Tiles = FORWARD_TILES,
+          train_forward_tiles: Tiles = TRAIN_FORWARD_TILES, dq_tiles: Tiles = DQ_TILES,
+          dkv_tiles: Tiles = DKV_TILES, *, packed: bool = False, xa: bool = False):
+  """(forward, forward_train, backward) of `make_hybrid(..., packed=packed, xa=xa)`, as
+  `common.with_fused_backward` takes them; another inference forward may take `forward`'s
+  place (the Mosaic GPU backend's), the residuals keeping their layout."""
+  tiles = (forward_tiles, train_forward_tiles, dq_tiles, dkv_tiles)
+  if packed:
+    return _packed_parts(*tiles, xa)
+  return (_xa_parts if xa else _plain_parts)(*tiles)
 
+
+# `parts` of each kind under the names the Mosaic GPU backend calls it by (no warning).
+
+
+def hybrid_parts(forward_tiles: Tiles = FORWARD_TILES,
+                 train_forward_tiles: Tiles = TRAIN_FORWARD_TILES, dq_tiles: Tiles = DQ_TILES,
+                 dkv_tiles: Tiles = DKV_TILES):
+  """`parts(...)`: unpacked rows."""
+  return parts(forward_tiles, train_forward_tiles, dq_tiles, dkv_tiles)
+
+
+def xa_parts(forward_tiles: Tiles = FORWARD_TILES,
+             train_forward_tiles: Tiles = TRAIN_FORWARD_TILES, dq_tiles: Tiles = DQ_TILES,
+             dkv_tiles: Tiles = DKV_TILES):
+  """`parts(..., xa=True)`: unpacked rows under the XAttention settings."""
+  return parts(forward_tiles, train_forward_tiles, dq_tiles, dkv_tiles, xa=True)
+
+
+def packed_parts(forward_tiles: Tiles = FORWARD_TILES,
+                 train_forward_tiles: Tiles = TRAIN_FORWARD_TILES,
+                 dq_tiles: Tiles = DQ_TILES, dkv_tiles: Tiles = DKV_TILES, xa: bool = False):
+  """`parts(..., packed=True, xa=xa)`: packed rows."""
+  return parts(forward_tiles, train_forward_tiles, dq_tiles, dkv_tiles, packed=True, xa=xa)
+
+
+def make_hybrid(forward_tiles: Tiles = FORWARD_TILES,
+                train_forward_tiles: Tiles = TRAIN_FORWARD_TILES, dq_tiles: Tiles = DQ_TILES,
+                dkv_tiles: Tiles = DKV_TILES, *, packed: bool = False, xa: bool = False):
+  """The differentiable kernel with these tiles (differentiable in q, k, v and the gate):
+
+    fn(q, k, v, gate_bk, streaming, interpret)                          unpacked rows;
+    fn(q, k, v, gate_bk, xa_keep, streaming, patterns, xa_block, interpret)    xa;
+    fn(q, k, v, gate_btk, segment_ids, positions, streaming, interpret)        packed;
+    fn(q, k, v, gate_btk, segment_ids, positions, xa_keep, streaming, patterns, xa_block,
+       interpret)                                                      packed and xa.
+
+  gate_bk [B, K]; gate_btk [B, T, K] (constant within a segment). Packed rows: segment ids
+  and positions [B, T] int, positions counting from 0 at each segment's start for the
+  streaming heads' tile skipping (other positions stay correct, at full cost). XAttention
+  ("fa-xa", "xa-ssa"): xa_keep [B, K, nb, nb] bool, the kept blocks of `xa_block` tokens
+  (`xattention.select`, with the segment ids on packed rows); an XA head of unpacked rows
+  visits only its kept blocks, one of packed rows walks the full head's tiles of its segment
+  and masks in the kept blocks (skipping the others' tiles where its term runs alone,
+  `_kept_tiles_only`)."""
+  return with_fused_backward(*parts(forward_tiles, train_forward_tiles, dq_tiles, dkv_tiles,
+                                    packed=packed, xa=xa),
+                             num_arrays=4 + (2 if packed else 0) + (1 if xa else 0),
+                             num_static=4 if xa else 2)
+
+
+make_xa_hybrid = deprecated_alias("pallas_gpu.make_xa_hybrid(...)",
+                                  "pallas_gpu.make_hybrid(..., xa=True)",
+                                  functools.partial(make_hybrid, xa=True))
+make_packed_hybrid = deprecated_alias("pallas_gpu.make_packed_hybrid(...)",
+                                      "pallas_gpu.make_hybrid(..., packed=True)",
+                                      functools.partial(make_hybrid, packed=True))
+make_packed_xa_hybrid = deprecated_alias("pallas_gpu.make_packed_xa_hybrid(...)",
+                                         "pallas_gpu.make_hybrid(..., packed=True, xa=True)",
+                                         functools.partial(make_hybrid, packed=True, xa=True))
 
 hybrid_attention = functools.partial(kernel_or_reference, make_hybrid(),
-                                     xa_kernel=make_xa_hybrid(),
+                                     xa_kernel=make_hybrid(xa=True),
                                      xa_kernel_applies=xa_kernel_applies,
-                                     packed_kernel=make_packed_hybrid(),
-                                     packed_xa_kernel=make_packed_xa_hybrid())
+                                     packed_kernel=make_hybrid(packed=True),
+                                     packed_xa_kernel=make_hybrid(packed=True, xa=True))

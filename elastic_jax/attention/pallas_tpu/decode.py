@@ -1,7 +1,8 @@
 """Decode attention over the per-head cache on a TPU (Pallas Mosaic TPU), after the
 reference's writes: grid (slot, key block); blocks past the position repeat the last visible
 block's index, which the pipeline does not fetch again (the layout:
-`attention.decode_reference`).
+`attention.decode_reference`). The online softmax is the hybrid kernels' VMEM state
+(`hybrid.state_update`), in base 2 here (scores scaled by `common.LOG2E`).
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from elastic_jax.attention.common import largest_block
+from elastic_jax.attention.common import LOG2E, largest_block, tile_keywords
 from elastic_jax.attention.decode_reference import stream_visible, write
-from elastic_jax.attention.pallas_gpu.hybrid import LOG2E, online_update
-from elastic_jax.attention.reference import MASK_VALUE, Streaming
+from elastic_jax.attention.pallas_tpu.hybrid import Tiles, state_init, state_output, state_update
+from elastic_jax.attention.reference import Streaming
 
 
 def _tpu_kernel(meta_ref, pos_ref, q_ref, fk_ref, fv_ref, sk_ref, sv_ref, o_ref, acc_ref,
@@ -23,17 +24,12 @@ def _tpu_kernel(meta_ref, pos_ref, q_ref, fk_ref, fv_ref, sk_ref, sv_ref, o_ref,
   i, j = pl.program_id(0), pl.program_id(1)
   pos = pos_ref[i]
   q = q_ref[...]
-
-  @pl.when(j == 0)
-  def _():
-    acc_ref[...] = jnp.zeros_like(acc_ref)
-    m_ref[...] = jnp.full_like(m_ref, MASK_VALUE)
-    l_ref[...] = jnp.zeros_like(l_ref)
+  state = (m_ref, l_ref, acc_ref)
+  pl.when(j == 0)(lambda: state_init(state))
 
   def update(k, v, ok):
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * (scale * LOG2E)
-    acc, m, l = online_update((acc_ref[...], m_ref[...][:, 0], l_ref[...][:, 0]), s, ok, v)
-    acc_ref[...], m_ref[...], l_ref[...] = acc, m[:, None], l[:, None]
+    state_update(state, s, ok, v, exp=jnp.exp2)
 
   @pl.when((i < num_full) & (j * block <= pos))
   def _():
@@ -47,16 +43,20 @@ def _tpu_kernel(meta_ref, pos_ref, q_ref, fk_ref, fv_ref, sk_ref, sv_ref, o_ref,
 
   @pl.when(j == pl.num_programs(1) - 1)
   def _():
-    l = l_ref[...]
-    o_ref[...] = acc_ref[...] / jnp.where(l == 0.0, 1.0, l)
+    o_ref[...] = state_output(state)
 
 
+@tile_keywords(Tiles(), block="block_k")
 @functools.partial(jax.jit, static_argnames=("sink_len", "ring", "streaming", "scale",
-                                             "block", "interpret"))
-def decode_attention(q_rows, k_rows, v_rows, full_k, full_v, start, full_row, full_pos, st_k, st_v, layer,
-        st_row, st_pos, *, sink_len: int, ring: int, streaming: Streaming, scale: float,
-        block: int = 128, interpret: bool = False):
-  """`reference` on the Pallas TPU kernel (the writes are the reference's scatters)."""
+                                             "tiles", "interpret"))
+def decode_attention(q_rows, k_rows, v_rows, full_k, full_v, start, full_row, full_pos, st_k,
+                     st_v, layer, st_row, st_pos, *, sink_len: int, ring: int,
+                     streaming: Streaming, scale: float, tiles: Tiles = Tiles(),
+                     interpret: bool = False):
+  """`decode_reference.reference` on the Pallas TPU kernel (the writes are the reference's
+  scatters): tiles.block_k keys a step (the largest power of two up to it dividing the
+  capacity); a slot's G queries are the one row tile. The former keyword block (now
+  tiles.block_k) still works (deprecated)."""
   from jax.experimental.pallas import tpu as pltpu
 
   caches = write(q_rows, k_rows, v_rows, full_k, full_v, start, full_row, full_pos, st_k,
@@ -65,7 +65,7 @@ def decode_attention(q_rows, k_rows, v_rows, full_k, full_v, start, full_row, fu
   f, s_n = full_row.shape[0], st_row.shape[0]
   g, d = q_rows.shape[1:]
   cap, width = full_k.shape[1], st_k.shape[2]
-  block = largest_block(cap, block) if cap % 8 == 0 else cap
+  block = largest_block(cap, tiles.block_k) if cap % 8 == 0 else cap
   gp = max(8, g)
   q = jnp.pad(q_rows[jnp.concatenate([full_row, st_row])], ((0, 0), (0, gp - g), (0, 0)))
   pos = jnp.where(jnp.concatenate([full_row, st_row]) >= 0,

@@ -18,9 +18,11 @@ There a streaming head visits only its sink and window tiles (the SSA term), a f
 causal tiles (the FA term), and a mixed head its causal tiles, with both terms on the streaming
 ones and the FA term alone elsewhere.
 
-Packed rows (segment ids, positions, a gate per row): `fused_packed_hybrid`, the same three
-kernels driven by `common.packed_plan`'s tile ranges, scalar-prefetched, with every visited
-tile masked by segment, causality and position blocks.
+Packed rows (segment ids, positions, a gate per row): `make_hybrid(packed=True)`, the same
+three kernels driven by `common.packed_plan`'s tile ranges, scalar-prefetched, with every
+visited tile masked by segment, causality and position blocks; the XAttention settings:
+`make_hybrid(xa=True)` (and packed). The online softmax is `common.online_update`'s, in base e
+here (`state_update`).
 
 These kernels have not run on a TPU: they are tested in Pallas TPU interpret mode on CPU
 (`interpret=True`), where they must match the reference, and their lowering to Mosaic is
@@ -29,11 +31,12 @@ checked (Mosaic's own compiler needs a TPU). Row statistics are [..., T, 1] colu
 attention uses, masking only the diagonal tiles (as the GPU kernel does) and tuning are left
 for when a TPU can time them.
 
-Shape letters: B batch, T tokens, N query heads, K KV heads, G = N / K, D head dim.
+Shape letters: B batch, T tokens, N query heads, K KV heads, G = N / K, H head dim.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -44,9 +47,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from elastic_jax.attention.common import (MODE_FULL, MODE_MIX, MODE_SPARSE,
-                                          kernel_or_reference, modes_from_gate, packed_plan,
-                                          pad_packed, pad_to, q_tile_range, row_deltas,
+from elastic_jax.attention.common import (MODE_FULL, MODE_MIX, MODE_SPARSE, deprecated_alias,
+                                          kernel_or_reference, modes_from_gate, online_finish,
+                                          online_init, online_update, packed_plan, pad_packed,
+                                          pad_to, q_tile_range, row_deltas, tile_keywords,
                                           tile_ranges, with_fused_backward, xa_operands)
 from elastic_jax.attention.reference import MASK_VALUE, Streaming, split_patterns
 
@@ -54,6 +58,14 @@ _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b
 _SEMANTICS = ("parallel", "parallel", "parallel", "arbitrary")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+  """The kernels' tiling: block_q query rows x block_k key rows, multiples of 8 (the TPU
+  sublane count; they shrink for short inputs, and under XAttention to the XA block)."""
+  block_q: int = 128
+  block_k: int = 128
 
 
 def kv_schedule(mode, qi, j, block_q: int, block_k: int, streaming: Streaming):
@@ -113,7 +125,7 @@ def _tiles(t: int, block_q: int, block_k: int):
 
 
 def _heads_major(tp: int, *xs):
-  """[B, T, H, D] -> [B, H, Tp, D] (zero-padded): each tile a (rows, D) matrix, as TPUs want."""
+  """[B, T, N, H] -> [B, N, Tp, H] (zero-padded): each tile a (rows, H) matrix, as TPUs want."""
   return tuple(pad_to(x, 1, tp).transpose(0, 2, 1, 3) for x in xs)
 
 
@@ -178,47 +190,48 @@ def _xa_prefetch(xa_keep, tp: int, xa_block: int, slots: int):
   return [x.reshape(-1) for x in xa_operands(xa_keep, num_blocks, slots)], num_blocks
 
 
-def _tile_sizes(t: int, block_q: int, block_k: int, pair, xa_block: int):
+def _tile_sizes(t: int, tiles: Tiles, pair, xa_block: int):
   """(block_q, block_k, padded length): `_tiles`, or under an XAttention pattern pair tiles that
   divide the XA block (no shrinking for short inputs: one block then)."""
   if "xa" not in pair:
-    return _tiles(t, block_q, block_k)
-  block_q, block_k = min(block_q, xa_block), min(block_k, xa_block)
+    return _tiles(t, tiles.block_q, tiles.block_k)
+  block_q, block_k = min(tiles.block_q, xa_block), min(tiles.block_k, xa_block)
   if xa_block % block_q or xa_block % block_k:
     raise ValueError(f"XA block {xa_block} is not a multiple of the tiles {block_q}, "
                      f"{block_k}")
   return block_q, block_k, t + (-t % math.lcm(block_q, block_k))
 
 
-def _state_init(*states):
-  """Resets online-softmax states (m, l, acc) held in VMEM scratch."""
-  for m, l, acc in states:
-    m[...] = jnp.full(m.shape, MASK_VALUE, jnp.float32)
-    l[...] = jnp.zeros(l.shape, jnp.float32)
-    acc[...] = jnp.zeros(acc.shape, jnp.float32)
+# An online-softmax state in VMEM scratch: refs (m, l, acc), m and l [rows, 1] columns, acc
+# [rows, H] float32, carried across a grid's KV steps (the decode kernel's too).
 
 
-def _state_update(state, s, ok, v):
-  """One KV tile of scores s (masked by ok) and values v into an online-softmax state."""
+def state_init(*states):
+  """Resets online-softmax states (m, l, acc) held in VMEM scratch (`common.online_init`)."""
+  for m_ref, l_ref, acc_ref in states:
+    acc, m, l = online_init(*acc_ref.shape, column=True)
+    m_ref[...], l_ref[...], acc_ref[...] = m, l, acc
+
+
+def state_update(state, s, ok, v, exp=jnp.exp):
+  """One KV tile of scores s (masked by ok) and values v into the state (m, l, acc):
+  `common.online_update`, with scores in the base of `exp`."""
   m_ref, l_ref, acc_ref = state
-  sm = jnp.where(ok, s, MASK_VALUE)
-  m_prev = m_ref[...]                      # [block_q, 1]
-  m_new = jnp.maximum(m_prev, sm.max(axis=-1, keepdims=True))
-  p = jnp.where(ok, jnp.exp(sm - m_new), 0.0)
-  corr = jnp.exp(m_prev - m_new)
-  l_ref[...] = l_ref[...] * corr + p.sum(axis=-1, keepdims=True)
-  acc_ref[...] = acc_ref[...] * corr + lax.dot_general(
-      p.astype(v.dtype), v, _NN, preferred_element_type=jnp.float32)
-  m_ref[...] = m_new
+  acc, m, l = online_update((acc_ref[...], m_ref[...], l_ref[...]), s, ok, v, exp=exp,
+                            column=True)
+  m_ref[...], l_ref[...], acc_ref[...] = m, l, acc
+
+
+def state_output(state):
+  """The state's output acc / l [rows, H] float32 (`common.online_finish`)."""
+  m_ref, l_ref, acc_ref = state
+  return online_finish((acc_ref[...], m_ref[...], l_ref[...]), column=True)
 
 
 def _state_finish(out_refs, fa_state, sa_state, mode, r_mixed, train: bool):
   """Writes the mixed output (and in training both outputs and their log-sum-exps) from the
   two states; r_mixed is the gate of a mixed head (every gate in training)."""
-  def out(state):
-    _, l, acc = state
-    return acc[...] / jnp.where(l[...] == 0.0, 1.0, l[...])
-  fa, sa = out(fa_state), out(sa_state)
+  fa, sa = state_output(fa_state), state_output(sa_state)
   if train:
     r = r_mixed
   else:  # the skipped output's state was never updated
@@ -248,7 +261,7 @@ def _forward_kernel(modes_ref, *refs, scale, block_q, block_k, seq_len, num_kv_h
   mode = modes_ref[slot]
 
   fa_state, sa_state = (m_fa, l_fa, acc_fa), (m_sa, l_sa, acc_sa)
-  pl.when(j == 0)(lambda: _state_init(fa_state, sa_state))
+  pl.when(j == 0)(lambda: state_init(fa_state, sa_state))
 
   # Training walks every head's causal tiles: all heads need both outputs.
   tile, n_visit = _head_schedule(mode, slot, qi, j, xa_refs, block_q=block_q, block_k=block_k,
@@ -270,28 +283,27 @@ def _forward_kernel(modes_ref, *refs, scale, block_q, block_k, seq_len, num_kv_h
 
     @pl.when((mode != MODE_SPARSE) | train)
     def _full():
-      _state_update(fa_state, s, hi_ok, v)
+      state_update(fa_state, s, hi_ok, v)
 
     # A mixed head's walk also passes tiles outside the window: SSA skips them.
     @pl.when(((mode != MODE_FULL) | train) & lo_tile)
     def _sparse():
-      _state_update(sa_state, s, lo_ok, v)
+      state_update(sa_state, s, lo_ok, v)
 
   pl.when(j == kv_steps - 1)(
       lambda: _state_finish(out_refs, fa_state, sa_state, mode, gate_ref[slot], train))
 
 
-def _forward_call(q, k, v, gate_bk, streaming: Streaming, block_q: int, block_k: int,
-                  interpret: bool, train: bool, pair=("full", "stream"), xa_keep=None,
-                  xa_block: int = 0):
-  """The forward kernel on [B, T, H, D] inputs; outputs in the padded [B, N, Tp, ...] layout.
+def _forward_call(q, k, v, gate_bk, streaming: Streaming, tiles: Tiles, interpret: bool,
+                  train: bool, pair=("full", "stream"), xa_keep=None, xa_block: int = 0):
+  """The forward kernel on [B, T, N, H] inputs; outputs in the padded [B, N, Tp, ...] layout.
   Under the XAttention settings (`pair` holding "xa"; inference only) the kept blocks
   xa_keep [B, K, nb, nb] are scalar-prefetched as compact lists that drive the K/V index maps
   of the XA heads, like the streaming heads' schedule."""
   b, t, n, d = q.shape
   kh = k.shape[2]
   groups = n // kh
-  block_q, block_k, tp = _tile_sizes(t, block_q, block_k, pair, xa_block)
+  block_q, block_k, tp = _tile_sizes(t, tiles, pair, xa_block)
   qt, kt, vt = _heads_major(tp, q, k, v)
   gate = gate_bk.astype(jnp.float32).reshape(-1)
   modes = modes_from_gate(gate)
@@ -342,26 +354,31 @@ def _forward_call(q, k, v, gate_bk, streaming: Streaming, block_q: int, block_k:
   )(*prefetch, gate, qt, kt, vt)
 
 
-def _unpad(x_bntd, t):
-  return x_bntd.transpose(0, 2, 1, 3)[:, :t]
+def _unpad(x_bnth, t):
+  return x_bnth.transpose(0, 2, 1, 3)[:, :t]
 
 
-@functools.partial(jax.jit, static_argnames=("streaming", "block_q", "block_k", "interpret"))
-def hybrid_forward(q, k, v, gate_bk, streaming: Streaming, *, block_q: int = 128,
-                   block_k: int = 128, interpret: bool = False):
-  """The kernel: q [B, T, N, D], k/v [B, T, K, D], gate [B, K] -> [B, T, N, D] (q's dtype)."""
-  out, = _forward_call(q, k, v, gate_bk, streaming, block_q, block_k, interpret, train=False)
+# The entry points' former keywords (deprecated): block_q and block_k, now `tiles=`.
+_tile_keywords = tile_keywords(Tiles(), "block_q", "block_k")
+
+
+@_tile_keywords
+@functools.partial(jax.jit, static_argnames=("streaming", "tiles", "interpret"))
+def hybrid_forward(q, k, v, gate_bk, streaming: Streaming, *, tiles: Tiles = Tiles(),
+                   interpret: bool = False):
+  """The kernel: q [B, T, N, H], k/v [B, T, K, H], gate [B, K] -> [B, T, N, H] (q's dtype)."""
+  out, = _forward_call(q, k, v, gate_bk, streaming, tiles, interpret, train=False)
   return _unpad(out, q.shape[1])
 
 
-@functools.partial(jax.jit, static_argnames=("streaming", "patterns", "xa_block", "block_q",
-                                             "block_k", "interpret"))
+@_tile_keywords
+@functools.partial(jax.jit, static_argnames=("streaming", "patterns", "xa_block", "tiles",
+                                             "interpret"))
 def xa_hybrid_forward(q, k, v, gate_bk, xa_keep, streaming: Streaming, *, patterns: str,
-                      xa_block: int, block_q: int = 128, block_k: int = 128,
-                      interpret: bool = False):
+                      xa_block: int, tiles: Tiles = Tiles(), interpret: bool = False):
   """The inference kernel under the XAttention settings ("fa-xa", "xa-ssa"): XA heads fetch
   only the tiles of their kept blocks (xa_keep [B, K, nb, nb] bool, blocks of xa_block)."""
-  out, = _forward_call(q, k, v, gate_bk, streaming, block_q, block_k, interpret, train=False,
+  out, = _forward_call(q, k, v, gate_bk, streaming, tiles, interpret, train=False,
                        pair=split_patterns(patterns), xa_keep=xa_keep,
                        xa_block=xa_block)
   return _unpad(out, q.shape[1])
@@ -372,18 +389,19 @@ def xa_kernel_applies(xa_block: int) -> bool:
   return xa_block % 8 == 0 and (xa_block <= 128 or xa_block % 128 == 0)
 
 
-@functools.partial(jax.jit, static_argnames=("streaming", "block_q", "block_k", "interpret"))
-def hybrid_forward_train(q, k, v, gate_bk, streaming: Streaming, *, block_q: int = 128,
-                         block_k: int = 128, interpret: bool = False):
+@_tile_keywords
+@functools.partial(jax.jit, static_argnames=("streaming", "tiles", "interpret"))
+def hybrid_forward_train(q, k, v, gate_bk, streaming: Streaming, *, tiles: Tiles = Tiles(),
+                         interpret: bool = False):
   """`hybrid_forward`'s output and the residuals of `hybrid_backward`.
 
-  Residuals: q, k, v, gate [B, K], O_FA and O_FA - O_SSA [B, T, N, D] (q's dtype; the
+  Residuals: q, k, v, gate [B, K], O_FA and O_FA - O_SSA [B, T, N, H] (q's dtype; the
   difference taken in float32, `common.row_deltas`) and both patterns' log-sum-exps
   [B, N, 2, Tp, 1] float32 (Tp: T padded to the tiles).
   """
   t = q.shape[1]
-  out, o_fa, o_gap, lse = _forward_call(q, k, v, gate_bk, streaming, block_q, block_k,
-                                       interpret, train=True)
+  out, o_fa, o_gap, lse = _forward_call(q, k, v, gate_bk, streaming, tiles, interpret,
+                                       train=True)
   return _unpad(out, t), (q, k, v, gate_bk, _unpad(o_fa, t), _unpad(o_gap, t), lse)
 
 
@@ -514,22 +532,23 @@ def _dkv_kernel(modes_ref, *refs, scale, block_q, block_k, seq_len, num_kv_heads
     dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("streaming", "block_q", "block_k", "interpret",
-                                             "pair", "xa_block"))
-def hybrid_backward(residuals, d_out, streaming: Streaming, *, block_q: int = 128,
-                    block_k: int = 128, interpret: bool = False, pair=("full", "stream"),
-                    xa_keep=None, xa_block: int = 0):
-  """(dq, dk, dv, d_gate) from `hybrid_forward_train`'s residuals and dO [B, T, N, D]; under
+@_tile_keywords
+@functools.partial(jax.jit, static_argnames=("streaming", "tiles", "interpret", "pair",
+                                             "xa_block"))
+def hybrid_backward(residuals, d_out, streaming: Streaming, *, tiles: Tiles = Tiles(),
+                    interpret: bool = False, pair=("full", "stream"), xa_keep=None,
+                    xa_block: int = 0):
+  """(dq, dk, dv, d_gate) from `hybrid_forward_train`'s residuals and dO [B, T, N, H]; under
   an XAttention setting (`pair`, xa_keep [B, K, nb, nb]) XA heads visit their kept
   blocks."""
   q, k, v, gate_bk, o_fa, o_gap, lse = residuals
   b, t, n, d = q.shape
   kh = k.shape[2]
   groups = n // kh
-  block_q, block_k, tp = _tile_sizes(t, block_q, block_k, pair, xa_block)
+  block_q, block_k, tp = _tile_sizes(t, tiles, pair, xa_block)
   nq, nk = tp // block_q, tp // block_k
   d_fa, d_sa, d_gate = row_deltas(d_out, o_fa, o_gap, gate_bk)
-  # Padded query rows have dO = 0 and D = 0, so they add nothing to dK and dV.
+  # Padded query rows have dO = 0 and D_FA = D_SSA = 0, so they add nothing to dK and dV.
   deltas = pad_to(jnp.stack([d_fa, d_sa], axis=1), 2, tp).transpose(0, 3, 1, 2)[..., None]
   stats = jnp.concatenate([lse, deltas], axis=2)  # [B, N, 4, Tp, 1]
   qt, kt, vt, d_out_t = _heads_major(tp, q, k, v, d_out.astype(q.dtype))
@@ -609,39 +628,31 @@ def hybrid_backward(residuals, d_out, streaming: Streaming, *, block_q: int = 12
   return _unpad(dq, t), _unpad(dk, t), _unpad(dv, t), d_gate
 
 
-@functools.cache
-def fused_hybrid(block_q: int = 128, block_k: int = 128):
-  """The kernels on (block_q, block_k) tiles as one differentiable
-  fn(q, k, v, gate_bk, streaming, interpret): fused forward, training forward and backward."""
-  tiles = dict(block_q=block_q, block_k=block_k)
+def _plain_hybrid(tiles: Tiles):
+  """`make_hybrid(tiles)`: fused forward, training forward and backward."""
   return with_fused_backward(
       lambda q, k, v, g, streaming, interpret: hybrid_forward(
-          q, k, v, g, streaming, interpret=interpret, **tiles),
+          q, k, v, g, streaming, interpret=interpret, tiles=tiles),
       lambda q, k, v, g, streaming, interpret: hybrid_forward_train(
-          q, k, v, g, streaming, interpret=interpret, **tiles),
+          q, k, v, g, streaming, interpret=interpret, tiles=tiles),
       lambda streaming, interpret, res, d_out: hybrid_backward(
-          res, d_out, streaming, interpret=interpret, **tiles))
+          res, d_out, streaming, interpret=interpret, tiles=tiles))
 
 
-@functools.cache
-def fused_xa_hybrid(block_q: int = 128, block_k: int = 128):
-  """`fn(q, k, v, gate_bk, xa_keep, streaming, patterns, xa_block, interpret)` for the
-  XAttention settings: the inference forward, and under differentiation the training forward
-  (both pair' outputs of every head) and the dQ / dK-dV kernels, XA heads reading their
-  kept blocks."""
-  tiles = dict(block_q=block_q, block_k=block_k)
+def _xa_hybrid(tiles: Tiles):
+  """`make_hybrid(tiles, xa=True)`: the inference forward, and under differentiation the
+  training forward (both patterns' outputs of every head) and the dQ / dK-dV kernels, XA
+  heads reading their kept blocks."""
 
-  @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-  def fn(q, k, v, gate_bk, xa_keep, streaming, patterns, xa_block, interpret):
+  def forward(q, k, v, gate_bk, xa_keep, streaming, patterns, xa_block, interpret):
     return xa_hybrid_forward(q, k, v, gate_bk, xa_keep, streaming, patterns=patterns,
-                             xa_block=xa_block, interpret=interpret, **tiles)
+                             xa_block=xa_block, interpret=interpret, tiles=tiles)
 
   def forward_train(q, k, v, gate_bk, xa_keep, streaming, patterns, xa_block, interpret):
     t = q.shape[1]
-    out, o_fa, o_gap, lse = _forward_call(q, k, v, gate_bk, streaming, block_q, block_k,
-                                         interpret, train=True,
-                                         pair=split_patterns(patterns), xa_keep=xa_keep,
-                                         xa_block=xa_block)
+    out, o_fa, o_gap, lse = _forward_call(q, k, v, gate_bk, streaming, tiles, interpret,
+                                         train=True, pair=split_patterns(patterns),
+                                         xa_keep=xa_keep, xa_block=xa_block)
     return _unpad(out, t), ((q, k, v, gate_bk, _unpad(o_fa, t), _unpad(o_gap, t), lse),
                             xa_keep)
 
@@ -649,11 +660,10 @@ def fused_xa_hybrid(block_q: int = 128, block_k: int = 128):
     residuals, xa_keep = res
     grads = hybrid_backward(residuals, d_out, streaming, interpret=interpret,
                             pair=split_patterns(patterns), xa_keep=xa_keep,
-                            xa_block=xa_block, **tiles)
+                            xa_block=xa_block, tiles=tiles)
     return (*grads, None)
 
-  fn.defvjp(forward_train, backward)
-  return fn
+  return with_fused_backward(forward, forward_train, backward, num_arrays=5, num_static=4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -747,7 +757,7 @@ def _packed_forward_kernel(qplan_ref, qmodes_ref, *refs, scale, block_q, block_k
       groups=groups, train=train)
 
   fa_state, sa_state = (m_fa, l_fa, acc_fa), (m_sa, l_sa, acc_sa)
-  pl.when(j == 0)(lambda: _state_init(fa_state, sa_state))
+  pl.when(j == 0)(lambda: state_init(fa_state, sa_state))
 
   @pl.when(j < n_visit)
   def _visit():
@@ -759,19 +769,19 @@ def _packed_forward_kernel(qplan_ref, qmodes_ref, *refs, scale, block_q, block_k
         lo_tile, xa_refs, b, h // groups, qi, tile, num_kv_heads=num_kv_heads,
         block_q=block_q, block_k=block_k, xa=xa)
 
-    pl.when((mode != MODE_SPARSE) | train)(lambda: _state_update(fa_state, s, full, v))
-    pl.when(((mode != MODE_FULL) | train) & lo_ok)(lambda: _state_update(sa_state, s, ssa, v))
+    pl.when((mode != MODE_SPARSE) | train)(lambda: state_update(fa_state, s, full, v))
+    pl.when(((mode != MODE_FULL) | train) & lo_ok)(lambda: state_update(sa_state, s, ssa, v))
 
   pl.when(j == kv_steps - 1)(
       lambda: _state_finish(out_refs, fa_state, sa_state, mode, gate_ref[...], train))
 
 
-def _packed_operands(q, k, v, gate_btk, segment_ids, positions, streaming, block_q, block_k,
+def _packed_operands(q, k, v, gate_btk, segment_ids, positions, streaming, tiles: Tiles,
                      pair=("full", "stream"), xa_block: int = 0):
   """Heads-major padded q, k, v; seg/pos as query columns [B, Tp, 1] and key rows [B, 1, Tp];
   the gate as per-row columns [B, K, Tp, 1]; the plan flattened for scalar prefetch."""
   t = q.shape[1]
-  block_q, block_k, tp = _tile_sizes(t, block_q, block_k, pair, xa_block)
+  block_q, block_k, tp = _tile_sizes(t, tiles, pair, xa_block)
   qt, kt, vt = _heads_major(tp, q, k, v)
   seg, pos = pad_packed(segment_ids, positions, tp)
   gate = pad_to(gate_btk.astype(jnp.float32), 1, tp)                # [B, Tp, K]
@@ -800,14 +810,14 @@ def _packed_xa(xa_keep, pair, xa_block: int, tp: int, slots: int):
   return xa_ops, dict(pair=pair, xa_block=xa_block, num_blocks=num_blocks)
 
 
-def _packed_forward_call(q, k, v, gate_btk, segment_ids, positions, streaming, block_q, block_k,
+def _packed_forward_call(q, k, v, gate_btk, segment_ids, positions, streaming, tiles: Tiles,
                          interpret, train, pair=("full", "stream"), xa_keep=None,
                          xa_block: int = 0):
   b, t, n, d = q.shape
   kh = k.shape[2]
   groups = n // kh
   (qt, kt, vt), cols, prefetch, (block_q, block_k, tp) = _packed_operands(
-      q, k, v, gate_btk, segment_ids, positions, streaming, block_q, block_k, pair, xa_block)
+      q, k, v, gate_btk, segment_ids, positions, streaming, tiles, pair, xa_block)
   nq, nk = tp // block_q, tp // block_k
   xa_ops, xa = _packed_xa(xa_keep, pair, xa_block, tp, b * kh)
 
@@ -929,14 +939,14 @@ def _packed_dkv_kernel(qplan_ref, qmodes_ref, kplan_ref, kmodes_ref, *refs, scal
     dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _packed_backward(res, d_out, streaming, block_q, block_k, interpret, pair=("full", "stream"),
+def _packed_backward(res, d_out, streaming, tiles: Tiles, interpret, pair=("full", "stream"),
                      xa_block: int = 0):
   q, k, v, gate_btk, seg_ids, positions, xa_keep, o_fa, o_gap, lse = res
   b, t, n, d = q.shape
   kh = k.shape[2]
   groups = n // kh
   (qt, kt, vt), cols, prefetch, (block_q, block_k, tp) = _packed_operands(
-      q, k, v, gate_btk, seg_ids, positions, streaming, block_q, block_k, pair, xa_block)
+      q, k, v, gate_btk, seg_ids, positions, streaming, tiles, pair, xa_block)
   nq, nk = tp // block_q, tp // block_k
   xa_ops, xa = _packed_xa(xa_keep, pair, xa_block, tp, b * kh)
   d_fa, d_sa, d_gate = row_deltas(d_out, o_fa, o_gap, gate_btk)
@@ -1005,13 +1015,8 @@ def _packed_backward(res, d_out, streaming, block_q, block_k, interpret, pair=("
   return _unpad(dq, t), _unpad(dk, t), _unpad(dv, t), d_gate
 
 
-@functools.cache
-def fused_packed_hybrid(block_q: int = 128, block_k: int = 128, xa: bool = False):
-  """The kernels of packed rows as one differentiable `fn(q, k, v, gate_btk, segment_ids,
-  positions, streaming, interpret)` (gate [B, T, K], constant within a segment); xa: under
-  the XAttention settings, `fn(q, k, v, gate_btk, segment_ids, positions, xa_keep,
-  streaming, patterns, xa_block, interpret)` (an XA head visits the full head's tiles of its
-  segment and masks in its kept blocks)."""
+def _packed_hybrid(tiles: Tiles, xa: bool):
+  """`make_hybrid(tiles, packed=True, xa=xa)`: the kernels of packed rows."""
 
   def settings(args):
     if not xa:
@@ -1021,8 +1026,8 @@ def fused_packed_hybrid(block_q: int = 128, block_k: int = 128, xa: bool = False
 
   def forward(q, k, v, gate_btk, seg_ids, positions, *args):
     xa_keep, streaming, pair, xa_block, interpret = settings(args)
-    out = _packed_forward_call(q, k, v, gate_btk, seg_ids, positions, streaming, block_q,
-                               block_k, interpret, train=False, pair=pair, xa_keep=xa_keep,
+    out = _packed_forward_call(q, k, v, gate_btk, seg_ids, positions, streaming, tiles,
+                               interpret, train=False, pair=pair, xa_keep=xa_keep,
                                xa_block=xa_block)
     return _unpad(out[0], q.shape[1])
 
@@ -1030,8 +1035,8 @@ def fused_packed_hybrid(block_q: int = 128, block_k: int = 128, xa: bool = False
     xa_keep, streaming, pair, xa_block, interpret = settings(args)
     t = q.shape[1]
     out, o_fa, o_gap, lse = _packed_forward_call(q, k, v, gate_btk, seg_ids, positions,
-                                                 streaming, block_q, block_k, interpret,
-                                                 train=True, pair=pair, xa_keep=xa_keep,
+                                                 streaming, tiles, interpret, train=True,
+                                                 pair=pair, xa_keep=xa_keep,
                                                  xa_block=xa_block)
     return _unpad(out, t), (q, k, v, gate_btk, seg_ids, positions, xa_keep, _unpad(o_fa, t),
                             _unpad(o_gap, t), lse)
@@ -1039,8 +1044,8 @@ def fused_packed_hybrid(block_q: int = 128, block_k: int = 128, xa: bool = False
   def backward(*args):
     *static, res, d_out = args
     _, streaming, pair, xa_block, interpret = settings((None, *static))
-    dq, dk, dv, d_gate = _packed_backward(res, d_out, streaming, block_q, block_k, interpret,
-                                          pair, xa_block)
+    dq, dk, dv, d_gate = _packed_backward(res, d_out, streaming, tiles, interpret, pair,
+                                          xa_block)
     zero = lambda x: np.zeros(x.shape, jax.dtypes.float0)
     return (dq, dk, dv, d_gate, zero(res[4]), zero(res[5])) + ((zero(res[6]),) if xa else ())
 
@@ -1048,9 +1053,45 @@ def fused_packed_hybrid(block_q: int = 128, block_k: int = 128, xa: bool = False
                              num_static=4 if xa else 2)
 
 
-_hybrid = fused_hybrid()
-_xa_hybrid = fused_xa_hybrid()
-hybrid_attention = functools.partial(kernel_or_reference, _hybrid, xa_kernel=_xa_hybrid,
+# ----------------------------------------------------------------------------------------------
+# The builder: one for every kernel kind, packed rows and the XAttention settings as arguments
+
+
+@functools.cache
+def make_hybrid(tiles: Tiles = Tiles(), *, packed: bool = False, xa: bool = False):
+  """The kernels on these tiles as one differentiable function (in q, k, v and the gate):
+
+    fn(q, k, v, gate_bk, streaming, interpret)                          unpacked rows;
+    fn(q, k, v, gate_bk, xa_keep, streaming, patterns, xa_block, interpret)    xa;
+    fn(q, k, v, gate_btk, segment_ids, positions, streaming, interpret)        packed;
+    fn(q, k, v, gate_btk, segment_ids, positions, xa_keep, streaming, patterns, xa_block,
+       interpret)                                                      packed and xa.
+
+  gate_bk [B, K]; gate_btk [B, T, K] (constant within a segment). XAttention ("fa-xa",
+  "xa-ssa"): xa_keep [B, K, nb, nb] bool, the kept blocks of `xa_block` tokens; an XA head of
+  unpacked rows fetches only its kept blocks' tiles, one of packed rows visits the full head's
+  tiles of its segment and masks in its kept blocks. One function per setting (cached)."""
+  if packed:
+    return _packed_hybrid(tiles, xa)
+  return _xa_hybrid(tiles) if xa else _plain_hybrid(tiles)
+
+
+fused_hybrid = deprecated_alias(
+    "pallas_tpu.fused_hybrid(block_q, block_k)",
+    "pallas_tpu.make_hybrid(Tiles(block_q, block_k))",
+    lambda block_q=128, block_k=128: make_hybrid(Tiles(block_q, block_k)))
+fused_xa_hybrid = deprecated_alias(
+    "pallas_tpu.fused_xa_hybrid(block_q, block_k)",
+    "pallas_tpu.make_hybrid(Tiles(block_q, block_k), xa=True)",
+    lambda block_q=128, block_k=128: make_hybrid(Tiles(block_q, block_k), xa=True))
+fused_packed_hybrid = deprecated_alias(
+    "pallas_tpu.fused_packed_hybrid(block_q, block_k, xa)",
+    "pallas_tpu.make_hybrid(Tiles(block_q, block_k), packed=True, xa=xa)",
+    lambda block_q=128, block_k=128, xa=False: make_hybrid(Tiles(block_q, block_k),
+                                                           packed=True, xa=xa))
+
+hybrid_attention = functools.partial(kernel_or_reference, make_hybrid(),
+                                     xa_kernel=make_hybrid(xa=True),
                                      xa_kernel_applies=xa_kernel_applies,
-                                     packed_kernel=fused_packed_hybrid(),
-                                     packed_xa_kernel=fused_packed_hybrid(xa=True))
+                                     packed_kernel=make_hybrid(packed=True),
+                                     packed_xa_kernel=make_hybrid(packed=True, xa=True))
