@@ -147,9 +147,13 @@ class Attention(nn.Module):
       # Kept apart from the cache writes: XLA would otherwise fuse the key/value projections
       # into the scatters, one thread per output element (75 us a layer on an H200).
       q, kk, v = jax.lax.optimization_barrier((q, kk, v))
-      out, cache = kv_cache.attend(q[:, 0], kk[:, 0], v[:, 0], ctx.positions[:, 0],
-                                   layer["cache"], layer["index"], self.rcfg.streaming,
-                                   h ** -0.5, layer.get("impl", "reference"))
+      # A cache of another layout (generation/paged.py) brings its own decode attention,
+      # with kv_cache.attend's arguments.
+      attend = (kv_cache.attend if isinstance(layer["cache"], kv_cache.HeadCache)
+                else layer["cache"].decode_attend)
+      out, cache = attend(q[:, 0], kk[:, 0], v[:, 0], ctx.positions[:, 0], layer["cache"],
+                          layer["index"], self.rcfg.streaming, h ** -0.5,
+                          layer.get("impl", "reference"))
       return self._out_proj(out[:, None]), {"cache": cache}
     if self.attention == "elastic":
       # The router reads the keys after k-norm and before RoPE (docs/method.md §4).
@@ -423,7 +427,9 @@ def decode_step(params: Params, ids_b: jax.Array, positions_b: jax.Array,
   is a list (`split_layers`), a Python loop over separate per-layer arrays: XLA copies a
   stacked layer's weights out before its matrix products (two extra passes over the weights
   per token), which separate arrays avoid. A cache given as one HeadCache per layer (the
-  layer-by-layer prefill, `prefill.by_layer`) is walked by a Python loop too.
+  layer-by-layer prefill, `prefill.by_layer`) is walked by a Python loop too. A cache of
+  another layout (`generation.paged.PagedCache`, the serving engine's pages) brings its own
+  decode attention (its `decode_attend`).
   """
   dtype = jax.tree.leaves(params)[0].dtype
   ids, pos = ids_b[:, None], positions_b[:, None]
