@@ -179,8 +179,9 @@ class Bench:
 
   def tiled(self, tiles):
     bq, bk, stages, *warps = tiles
-    return jax.jit(functools.partial(hybrid_forward, streaming=self.st, block_q=bq, block_k=bk,
-                                     num_stages=stages, num_warps=warps[0] if warps else None,
+    tiles = Tiles(block_q=bq, block_k=bk, num_stages=stages,
+                  num_warps=warps[0] if warps else None)
+    return jax.jit(functools.partial(hybrid_forward, streaming=self.st, tiles=tiles,
                                      interpret=self.dry_run))
 
   def mosaic(self, spec: str):

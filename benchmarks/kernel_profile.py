@@ -73,8 +73,8 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from elastic_jax.attention import (Streaming, mosaic_gpu, mosaic_gpu_backward,  # noqa: E402
-                                   pallas_gpu)
+from elastic_jax.attention import Streaming, mosaic_gpu, pallas_gpu  # noqa: E402
+from elastic_jax.attention.mosaic_gpu import backward as mosaic_gpu_backward  # noqa: E402
 from elastic_jax.attention.common import modes_from_gate, pad_to, row_deltas  # noqa: E402
 from elastic_jax.router import streaming_kept_fraction  # noqa: E402
 

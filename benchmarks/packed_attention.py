@@ -20,7 +20,7 @@ streaming, which ones drawn per segment). Cases, each timed side by side:
    row on its gate's pattern in one launch), and as separate rows on auto's.
 
 With --mosaic-training (a Hopper GPU), case 1 also runs on the Mosaic GPU training kernels
-(`mosaic_gpu.make_packed_hybrid(training="mosaic")` and `make_hybrid(training="mosaic")` for
+(`mosaic_gpu.make_hybrid(training="mosaic", packed=True)` and `make_hybrid(training="mosaic")` for
 the separate rows), after their gradients are checked against the reference's. Times
 exclude compilation (medians after two warm-up calls, `attention_torch.timed`) and name the
 device. Checks first, on a packed row of three segments longer than the SSA span (sink +
@@ -113,7 +113,7 @@ def main(argv=None):
         f"SSA sink {st.sink_blocks} + local {st.local_blocks} blocks of {st.block}", flush=True)
   time_it = lambda fn: timed(fn, args.reps, 3, args.seconds)
 
-  packed = pallas_gpu.make_packed_hybrid()
+  packed = pallas_gpu.make_hybrid(packed=True)
   unpacked = pallas_gpu.make_hybrid()
   ref = functools.partial(reference.hybrid_attention, q_chunk=1024, kv_chunk=1024)
 
@@ -129,7 +129,7 @@ def main(argv=None):
   xa_block = st.block
   keep = xa_keep_case(seg, k, xa_block, 3)
   xa = dict(patterns="fa-xa", xa_keep=keep, xa_block=xa_block)
-  packed_xa = pallas_gpu.make_packed_xa_hybrid()
+  packed_xa = pallas_gpu.make_hybrid(packed=True, xa=True)
   want_xa = ref(up(q), up(kk), up(v), g, st, seg, pos, **xa)
   for name, out, w in (
       ("packed Triton forward", ours, want),
@@ -145,7 +145,7 @@ def main(argv=None):
 
   trainers = [("", packed, unpacked)]
   if args.mosaic_training:
-    m_packed = mosaic_gpu.make_packed_hybrid(training="mosaic")
+    m_packed = mosaic_gpu.make_hybrid(training="mosaic", packed=True)
     m_unpacked = mosaic_gpu.make_hybrid(training="mosaic")
     cot0 = jax.random.normal(jax.random.key(8), q.shape, jnp.float32)
     got = grad_fn(lambda q, k, v, g, seg, pos: m_packed(q, k, v, g, seg, pos, st, False))(

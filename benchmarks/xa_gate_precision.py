@@ -59,9 +59,9 @@ def main(argv=None):
   want = grads(lambda *x: hybrid_attention(*x, sink_blocks=1, local_blocks=1, block=128,
                                            patterns="fa-xa", xa_keep=keep, xa_block=xa.block),
                jnp.float32)
-  triton_fn = pallas_gpu.make_xa_hybrid()
+  triton_fn = pallas_gpu.make_hybrid(xa=True)
   triton = grads(lambda *x: triton_fn(*x, keep, st, "fa-xa", xa.block, interpret), jnp.bfloat16)
-  mosaic_fn = mosaic_gpu.make_xa_hybrid(training="mosaic")
+  mosaic_fn = mosaic_gpu.make_hybrid(training="mosaic", xa=True)
   with jax.disable_jit(interpret):   # the GPU interpreter runs one Mosaic kernel at a time
     mosaic = grads(lambda *x: mosaic_fn(*x, keep, st, "fa-xa", xa.block, interpret),
                    jnp.bfloat16)

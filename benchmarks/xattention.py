@@ -75,8 +75,8 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from elastic_jax.attention import (  # noqa: E402
-    Streaming, mosaic_gpu, mosaic_gpu_scoring, on_hopper)
+from elastic_jax.attention import Streaming, mosaic_gpu, on_hopper  # noqa: E402
+from elastic_jax.attention.mosaic_gpu import scoring as mosaic_gpu_scoring  # noqa: E402
 from elastic_jax.attention.pallas_gpu import hybrid_forward, xa_hybrid_forward  # noqa: E402
 from elastic_jax.attention.reference import dense_hybrid_attention, hybrid_attention  # noqa: E402
 from elastic_jax.attention.xattention import (  # noqa: E402
@@ -325,8 +325,8 @@ def main(argv=None):
   # Training: gradients of sum(out * cot) w.r.t. q, k, v (and the gate for ours), every head
   # sparse (r = 0): SSA, and XA on the kept blocks (fa-xa); both compute O_FA as well, which
   # the gate's gradient needs.
-  from elastic_jax.attention.pallas_gpu import make_hybrid, make_xa_hybrid
-  hybrid, xa_fn = make_hybrid(), make_xa_hybrid()
+  from elastic_jax.attention.pallas_gpu import make_hybrid
+  hybrid, xa_fn = make_hybrid(), make_hybrid(xa=True)
   # The Mosaic GPU training kernels (the library's default there) on a Hopper GPU where they take
   # the layout; not in a dry run (several Mosaic kernels in one computation stall the
   # interpreter).
@@ -334,7 +334,7 @@ def main(argv=None):
                   and mosaic_gpu.xa_trains((1, 1, n, d), (1, 1, kh, d), dtype, st, xa.block))
   if mosaic_train:
     hybrid_m = mosaic_gpu.make_hybrid(training="mosaic")
-    xa_m = mosaic_gpu.make_xa_hybrid(training="mosaic")
+    xa_m = mosaic_gpu.make_hybrid(training="mosaic", xa=True)
   if args.dry_run:
     args.train_lengths = sorted({min(x, 384) for x in args.train_lengths})
 

@@ -371,10 +371,10 @@ def test_python_api_bad_input(world):
   # The kernel builders and the Mosaic XA forward (ValueError: programming errors of a caller
   # that picks kernels itself).
   from elastic_jax.attention import Streaming, mosaic_gpu
-  for make in (mosaic_gpu.make_hybrid, mosaic_gpu.make_packed_hybrid, mosaic_gpu.make_xa_hybrid,
-               mosaic_gpu.make_packed_xa_hybrid):
-    with pytest.raises(ValueError, match="training kernels 'cuda' are unknown"):
-      make(training="cuda")
+  for packed in (False, True):
+    for xa in (False, True):
+      with pytest.raises(ValueError, match="training kernels 'cuda' are unknown"):
+        mosaic_gpu.make_hybrid(training="cuda", packed=packed, xa=xa)
   q64, k64 = jax.numpy.ones((1, 128, 2, 64), jax.numpy.bfloat16), jax.numpy.ones(
       (1, 128, 2, 64), jax.numpy.bfloat16)
   # Every builder's function checks that its arrays fit together before any kernel runs.
@@ -384,17 +384,17 @@ def test_python_api_bad_input(world):
       (mosaic_gpu.make_hybrid(), (q64, k64[:, :64], k64[:, :64], g2, st, True),
        "do not fit: q is [B, T, N, H] and k, v [B, T, K, H]"),
       (pallas_gpu.make_hybrid(), (q64[:, :, :1], k64, k64, g2, st, True), "do not fit"),
-      (pallas_tpu.fused_hybrid(), (q64, k64.astype(jax.numpy.float32), k64, g2, st, True),
+      (pallas_tpu.make_hybrid(), (q64, k64.astype(jax.numpy.float32), k64, g2, st, True),
        "must share one floating dtype, got bfloat16, float32 and bfloat16"),
       (mosaic_gpu.make_hybrid(), (q64, k64, k64, jax.numpy.ones((1, 4)), st, True),
        "the gate has shape [1, 4]; [1, 2] expected"),
-      (mosaic_gpu.make_packed_hybrid(), (q64, k64, k64, g2, ids, ids, st, True),
+      (mosaic_gpu.make_hybrid(packed=True), (q64, k64, k64, g2, ids, ids, st, True),
        "the gate has shape [1, 2]; [1, 128, 2] expected"),
-      (pallas_gpu.make_packed_hybrid(),
+      (pallas_gpu.make_hybrid(packed=True),
        (q64, k64, k64, jax.numpy.ones((1, 128, 2)), ids.astype(float), ids, st, True),
        "the segment ids are float"),
-      (pallas_gpu.make_xa_hybrid(), (q64, k64, k64, g2, jax.numpy.ones((1, 2, 1, 1), bool), st,
-                                     "fa-xa", 64, True),
+      (pallas_gpu.make_hybrid(xa=True), (q64, k64, k64, g2, jax.numpy.ones((1, 2, 1, 1), bool),
+                                         st, "fa-xa", 64, True),
        "xa_keep has shape [1, 2, 1, 1]; [1, 2, 2, 2] expected for 128 tokens in blocks of 64")):
     with pytest.raises(ValueError) as err:
       fn(*args)

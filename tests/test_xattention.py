@@ -281,13 +281,11 @@ def _check_gate_gradient_precision(backend, packed, gpu):
   gate = jnp.full((b, t, kh) if packed else (b, kh), 0.5, jnp.float32)
   interpret = backend == "tpu" or not gpu
   if backend == "mosaic":
-    fn = (mosaic_gpu.make_packed_xa_hybrid if packed else mosaic_gpu.make_xa_hybrid)(
-        training="mosaic")
+    fn = mosaic_gpu.make_hybrid(training="mosaic", packed=packed, xa=True)
   elif backend == "triton":
-    fn = pallas_gpu.make_packed_xa_hybrid() if packed else pallas_gpu.make_xa_hybrid()
+    fn = pallas_gpu.make_hybrid(packed=packed, xa=True)
   else:
-    fn = (pallas_tpu.fused_packed_hybrid(xa=True) if packed else
-          pallas_tpu.fused_xa_hybrid())
+    fn = pallas_tpu.make_hybrid(packed=packed, xa=True)
   rows = (seg, pos) if packed else ()
   ours = lambda g: fn(q, k, v, g, *rows, keep, st, "fa-xa", blk, interpret)
   up = lambda x: x.astype(jnp.float32)

@@ -17,11 +17,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from elastic_jax.attention.patterns import Mode
 from elastic_jax.attention.reference import (MASK_VALUE, Streaming, check_shapes,
                                              hybrid_attention as reference_hybrid)
 from elastic_jax.attention.xattention import block_lists
 
-MODE_SPARSE, MODE_FULL, MODE_MIX = 0, 1, 2
+# The kernels' run-time modes (`patterns.Mode`) as plain ints, the constants inside the kernels.
+MODE_SPARSE, MODE_FULL, MODE_MIX = int(Mode.SPARSE), int(Mode.FULL), int(Mode.MIX)
 LOG2E = math.log2(math.e)   # exp(x) = exp2(x * LOG2E): base-2 kernels scale scores by it
 
 

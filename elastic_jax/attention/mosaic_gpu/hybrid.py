@@ -139,7 +139,7 @@ def xa_forward_hard(q, k, v, gate_bk, xa_keep, streaming: Streaming, *, patterns
 
 
 def _build_xa(tiles: MosaicTiles, training: str, backward_tiles: BackwardTiles):
-  """`make_hybrid(xa=True)`: `pallas_gpu.make_xa_hybrid` with this kernel as the
+  """`make_hybrid(xa=True)`: `pallas_gpu.make_hybrid(xa=True)` with this kernel as the
   undifferentiated forward where gates are 0 or 1 (decided at run time) and it `xa_applies`.
   training (`TRAINING`): the Mosaic kernels are `xa_forward_train` and `xa_backward`, where
   `xa_trains`; the Triton training kernels elsewhere."""
@@ -670,7 +670,7 @@ def _packed_backward(residuals, d_out, streaming, backward_tiles, interpret, pai
 
 
 def _build_packed(tiles: MosaicTiles, training: str, backward_tiles: BackwardTiles):
-  """`make_hybrid(packed=True)`: `pallas_gpu.make_packed_hybrid` with this kernel as the
+  """`make_hybrid(packed=True)`: `pallas_gpu.make_hybrid(packed=True)` with this kernel as the
   undifferentiated forward where it `applies` and, at run time, `packed_rows_apply`.
   training (`TRAINING`): the Mosaic kernels are `packed_forward_train` and `packed_backward`,
   where `_packed_trains` and, at run time, `positions_count_up` (the Triton kernels
@@ -767,7 +767,7 @@ def _packed_xa_trains(q_shape, k_shape, dtype, streaming, xa_block, tiles, backw
 
 
 def _build_packed_xa(tiles: MosaicTiles, training: str, backward_tiles: BackwardTiles):
-  """`make_hybrid(packed=True, xa=True)`: `pallas_gpu.make_packed_xa_hybrid` (packed rows
+  """`make_hybrid(packed=True, xa=True)`: `pallas_gpu.make_hybrid(packed=True, xa=True)` (packed rows
   under the XAttention settings) with this kernel as the undifferentiated forward where it
   `xa_applies` and, at run time, `packed_rows_apply` (`packed_xa_forward_hard`; the Triton
   kernel otherwise). training (`TRAINING`): the Mosaic kernels are `packed_xa_forward_train`
