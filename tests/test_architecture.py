@@ -173,3 +173,14 @@ def test_moved_modules_import_with_a_warning_as_their_new_module(old):
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     assert importlib.import_module(old) is new       # once imported, no second warning
+
+
+def test_the_wheel_lists_every_package():
+  """pyproject.toml lists its packages (configs/ ships as elastic_jax.configs): every folder of
+  the package must be among them, or an installed wheel misses its modules."""
+  import tomllib
+  listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text("utf-8"))
+               ["tool"]["setuptools"]["packages"])
+  folders = {".".join(p.parent.relative_to(PACKAGE.parent).parts)
+             for p in PACKAGE.rglob("__init__.py")}
+  assert folders and folders <= listed, sorted(folders - listed)

@@ -60,9 +60,9 @@ def parse_impl(impl: str, kernels=KERNELS) -> tuple[str, bool]:
 
 
 def _check_name(name: str, what: str = "attention") -> None:
-  if name not in NAMES:
+  if name not in IMPLS:
     raise ElasticJaxError(f"{what} implementation '{name}' is unknown (known: "
-                          f"{', '.join(sorted(NAMES))})")
+                          f"{', '.join(sorted(IMPLS))})")
 
 
 def full_heads(hybrid, **kwargs):
@@ -102,7 +102,7 @@ def get_attention(impl: str):
   if interpret:   # the kernel itself, every head full, on any backend
     return full_heads(BACKENDS[name].hybrid, interpret=True)
   _check_name(name)
-  return {"reference": causal_attention, "dense": dense_causal_attention}.get(name, auto_causal)
+  return IMPLS[name]
 
 
 def get_hybrid_attention(impl: str):
@@ -111,10 +111,10 @@ def get_hybrid_attention(impl: str):
   name, interpret = parse_impl(impl)
   if interpret:
     return functools.partial(BACKENDS[name].hybrid, interpret=True)
-  _check_name(name)
-  if name in BACKENDS:
-    return BACKENDS[name].hybrid
-  return auto_hybrid if name == "auto" else hybrid_attention
+  if name in HYBRID_IMPLS:
+    return HYBRID_IMPLS[name]
+  _check_name(name)        # a causal-only name (dense) takes the reference hybrid
+  return hybrid_attention
 
 
 def decode_kernel(impl: str, head_dim: int, capacity: int, width: int):
@@ -139,7 +139,9 @@ def decode_kernel(impl: str, head_dim: int, capacity: int, width: int):
   return BACKENDS[name].decode, interpret
 
 
-# Former tables, for callers that looked implementations up in them.
+# The implementations by name: causal (every name; a backend's name routes unrouted layers as
+# "auto" does) and hybrid. An entry added to IMPLS (and to HYBRID_IMPLS for a hybrid one)
+# makes a new name usable everywhere `attn_impl` is taken.
 HYBRID_IMPLS = {"reference": hybrid_attention, "auto": auto_hybrid,
                 **{name: b.hybrid for name, b in BACKENDS.items()}}
 IMPLS = {"reference": causal_attention, "dense": dense_causal_attention,
