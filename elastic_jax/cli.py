@@ -11,7 +11,8 @@ from typing import Callable
 from elastic_jax.errors import ElasticJaxError
 
 # The installed console commands (pyproject's [project.scripts]).
-CONSOLE_COMMANDS = ("elastic-jax-train", "elastic-jax-eval", "elastic-jax-convert")
+CONSOLE_COMMANDS = ("elastic-jax-train", "elastic-jax-eval", "elastic-jax-convert",
+                    "elastic-jax-serve")
 
 
 def prog_name(default: str) -> str:

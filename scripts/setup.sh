@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up everything on a fresh machine; safe to run again (it skips what is already there).
 #   scripts/setup.sh          .venv: Python >= 3.12 with elastic_jax, its dependencies and the
-#                             extras eval (LongBench scoring, plots) and data (parquet data)
+#                             extras eval (LongBench scoring, plots), data (parquet data) and
+#                             serve (the HTTP endpoint)
 #   scripts/setup.sh --test   also pytest, and .venv-torch: Python 3.11 + CPU PyTorch +
 #                             transformers, the reference side of the parity tests
 # Environment: PYTHON (an interpreter >= 3.12), TORCH_PYTHON (3.10-3.12 for the reference),
@@ -41,7 +42,7 @@ if [[ "$done_as" != "$(stamp)-1" && "$done_as" != "$(stamp)-$want_test" ]]; then
     echo "setup: elastic_jax needs Python >= 3.12 (set PYTHON=/path/to/python3.12)" >&2; exit 1; }
   echo "setup: building .venv with $($py --version) ..."
   [[ -x .venv/bin/python ]] || "$py" -m venv .venv
-  extras="eval,data${EXTRAS:+,$EXTRAS}"
+  extras="eval,data,serve${EXTRAS:+,$EXTRAS}"
   (( want_test )) && extras="${extras:+$extras,}test"
   .venv/bin/python -m pip install "${pip_flags[@]}" -e ".[$extras]"
   echo "$(stamp)-$want_test" > .venv/.setup-done

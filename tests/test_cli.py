@@ -70,8 +70,9 @@ def _parsers():
   import argparse
   from elastic_jax.convert.__main__ import build_parser as convert_parser
   from elastic_jax.eval.cli import build_parser as eval_parser
+  from elastic_jax.generation.server import build_parser as serve_parser
   from elastic_jax.train.cli import build_parser as train_parser
-  out = [("train", train_parser()), ("convert", convert_parser())]
+  out = [("train", train_parser()), ("convert", convert_parser()), ("serve", serve_parser())]
   p = eval_parser()
   out.append(("eval", p))
   for action in p._actions:
@@ -92,7 +93,9 @@ def test_every_option_has_help_and_dtype_defaults_to_auto():
 @pytest.mark.parametrize("module,default,console", [
     ("elastic_jax.train.cli", "train.py", "elastic-jax-train"),
     ("elastic_jax.eval.cli", "eval.py", "elastic-jax-eval"),
-    ("elastic_jax.convert.__main__", "python -m elastic_jax.convert", "elastic-jax-convert")])
+    ("elastic_jax.convert.__main__", "python -m elastic_jax.convert", "elastic-jax-convert"),
+    ("elastic_jax.generation.server", "python -m elastic_jax.generation.server",
+     "elastic-jax-serve")])
 def test_usage_names_the_command_invoked(module, default, console, monkeypatch):
   import importlib
   build = importlib.import_module(module).build_parser
