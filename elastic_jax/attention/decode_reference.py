@@ -1,4 +1,4 @@
-"""Decode attention over the per-head cache (kv_cache.py): one new token per row.
+"""Decode attention over the per-head cache (generation/kv_cache.py): one new token per row.
 
 Each (row, KV head) of a layer is a *slot*, and a program of the kernels serves one slot with
 the G query heads of its KV head (GQA: the slot's keys are read once for the group):
