@@ -56,13 +56,15 @@ def write(q_rows, k_rows, v_rows, full_k, full_v, start, full_row, full_pos, st_
   return full_k, full_v, st_k, st_v
 
 
-def _softmax(q_sgh, k_smh, v_smh, ok_sm, scale):
-  s = jnp.einsum("sgh,smh->sgm", q_sgh, k_smh, preferred_element_type=jnp.float32) * scale
-  s = jnp.where(ok_sm[:, None], s, -jnp.inf)
+def masked_softmax(q_gh, k_mh, v_mh, ok_m, scale):
+  """Attention of the G queries of each slot over its M keys where `ok` [..., M] holds, in
+  float32 ([..., G, H]; a slot with no visible key gives zeros). Leading dims: the slots."""
+  s = jnp.einsum("...gh,...mh->...gm", q_gh, k_mh, preferred_element_type=jnp.float32) * scale
+  s = jnp.where(ok_m[..., None, :], s, -jnp.inf)
   m = jnp.max(s, -1, keepdims=True)
   p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
   l = p.sum(-1, keepdims=True)
-  out = jnp.einsum("sgm,smh->sgh", p.astype(v_smh.dtype), v_smh,
+  out = jnp.einsum("...gm,...mh->...gh", p.astype(v_mh.dtype), v_mh,
                    preferred_element_type=jnp.float32)
   return out / jnp.where(l == 0, 1.0, l)
 
@@ -79,8 +81,8 @@ def reference(q_rows, k_rows, v_rows, full_k, full_v, start, full_row, full_pos,
   win_k = lax.dynamic_slice_in_dim(full_k, start, width, 0)
   win_v = lax.dynamic_slice_in_dim(full_v, start, width, 0)
   ok = (jnp.arange(full_k.shape[1])[None] <= full_pos[:, None]) & (full_row[:, None] >= 0)
-  out_full = _softmax(q_rows[full_row], win_k, win_v, ok, scale)
+  out_full = masked_softmax(q_rows[full_row], win_k, win_v, ok, scale)
   j = jnp.arange(st_k.shape[2])[None]
   ok = stream_visible(j, st_pos[:, None], sink_len, ring, streaming) & (st_row[:, None] >= 0)
-  out_st = _softmax(q_rows[st_row], st_k[layer], st_v[layer], ok, scale)
+  out_st = masked_softmax(q_rows[st_row], st_k[layer], st_v[layer], ok, scale)
   return (out_full, out_st), (full_k, full_v, st_k, st_v)

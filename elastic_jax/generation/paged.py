@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from elastic_jax.attention.decode_reference import stream_index, stream_visible
+from elastic_jax.attention.decode_reference import masked_softmax, stream_index, stream_visible
 from elastic_jax.attention.reference import Streaming
 from elastic_jax.errors import ElasticJaxError
 from elastic_jax.generation.kv_cache import HeadCache, stream_width
@@ -40,17 +40,6 @@ def stream_pages(streaming: Streaming, page_size: int) -> int:
 def full_pages(positions: int, page_size: int) -> int:
   """Pages of a full slot that holds `positions` positions."""
   return -(-positions // page_size)
-
-
-def _masked_softmax(q_bkgh, k_bkmh, v_bkmh, ok_bkm, scale):
-  s = jnp.einsum("bkgh,bkmh->bkgm", q_bkgh, k_bkmh, preferred_element_type=jnp.float32) * scale
-  s = jnp.where(ok_bkm[:, :, None], s, -jnp.inf)
-  m = jnp.max(s, -1, keepdims=True)
-  p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
-  l = p.sum(-1, keepdims=True)
-  out = jnp.einsum("bkgm,bkmh->bkgh", p.astype(v_bkmh.dtype), v_bkmh,
-                   preferred_element_type=jnp.float32)
-  return out / jnp.where(l == 0, 1.0, l)
 
 
 def attend(q_bnh, k_bkh, v_bkh, pos_b, cache: "PagedCache", layer, streaming: Streaming,
@@ -82,7 +71,7 @@ def attend(q_bnh, k_bkh, v_bkh, pos_b, cache: "PagedCache", layer, streaming: St
   p3 = pos[:, :, None]                                               # [B, 1, 1]
   ok = jnp.where(full[..., None], j <= p3, stream_visible(j, p3, sink_len, ring, streaming))
   ok = ok & live[:, :, None]
-  out = _masked_softmax(q_bnh.reshape(b, kh, n // kh, h), keys, values, ok, scale)
+  out = masked_softmax(q_bnh.reshape(b, kh, n // kh, h), keys, values, ok, scale)
   return out.reshape(b, n, h).astype(q_bnh.dtype), cache.replace(k=k_pool, v=v_pool)
 
 
