@@ -29,7 +29,6 @@ from elastic_jax.errors import ElasticJaxError
 BACKENDS: dict[str, Backend] = {b.name: b for b in (pallas_gpu.BACKEND, mosaic_gpu.BACKEND,
                                                     pallas_tpu.BACKEND)}
 KERNELS = tuple(BACKENDS)
-NAMES = ("reference", "dense", "auto", *KERNELS)
 # Decode's former names for the backends' decode kernels (deprecated aliases).
 _DECODE_ALIASES = {"triton": "pallas_gpu", "tpu": "pallas_tpu"}
 
