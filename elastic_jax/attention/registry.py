@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from elastic_jax.attention import mosaic_gpu, pallas_gpu, pallas_tpu, xattention
-from elastic_jax.attention.backend import Backend, on_hopper
+from elastic_jax.attention.backend import Backend
 from elastic_jax.attention.reference import (Streaming, causal_attention,
                                              dense_causal_attention, hybrid_attention)
 from elastic_jax.errors import ElasticJaxError
