@@ -62,7 +62,7 @@ def test_ruler_report_plots_and_resume(model_dir):
   lines = (out / "predictions.jsonl").read_text().splitlines()
   assert len(lines) == 2 * 2 * 3                       # tasks x samples x settings
   report = json.loads((out / "report.json").read_text())
-  assert set(report["attention"]) == {"full", "elastic", "static"}
+  assert set(report["attention"]) == {"full", "elastic", "most-chosen"}
   for body in report["attention"].values():
     assert set(body["tasks"]) == {"niah_single_1@1024", "vt@1024"}
     for row in body["tasks"].values():
@@ -70,7 +70,7 @@ def test_ruler_report_plots_and_resume(model_dir):
   assert report["attention"]["full"]["average"]["msr"] == 0
   assert "covers the longest prompt" not in proc.stdout   # the routers' window is 80 tokens
   elastic_msr = report["attention"]["elastic"]["average"]["msr"]
-  assert abs(report["attention"]["static"]["average"]["msr"] - elastic_msr) <= 0.25 + 1e-6
+  assert abs(report["attention"]["most-chosen"]["average"]["msr"] - elastic_msr) <= 0.25 + 1e-6
   md = (out / "report.md").read_text()
   assert "| retrieval (NIAH) | niah_single_1@1024 |" in md
   for png in ("routing_map.png", "msr_per_task.png", "quality_vs_speedup.png"):

@@ -158,7 +158,7 @@ def _gates(rng, sparse_share):
   return (rng.random((LAYERS, KV_HEADS)) > sparse_share).astype(int).tolist()
 
 
-def _mixture_records(rng, ways=("full", "elastic", "sparse", "static"), n=2):
+def _mixture_records(rng, ways=("full", "elastic", "sparse", "most-chosen"), n=2):
   """{(way, key): prediction record} over the mixture's ten task cells, n items each."""
   records, items = {}, []
   for task in mixture.TASKS:
@@ -186,7 +186,7 @@ def _summary(records, items):
       task.split("@")[0]])
 
 
-def _eval_run(tmp_path, name, rng, ways=("full", "elastic", "sparse", "static")):
+def _eval_run(tmp_path, name, rng, ways=("full", "elastic", "sparse", "most-chosen")):
   """An `eval.py mixture` output directory: report.json, predictions.jsonl."""
   records, items = _mixture_records(rng, ways)
   out = tmp_path / name
@@ -268,6 +268,32 @@ def test_repro_report_plots(figures, tmp_path):
   for name, found in figures.items():
     assert not found, (name, found)
     assert (out / name).stat().st_size > 0
+
+
+def test_the_old_name_of_most_chosen_still_reads_and_runs(tmp_path):
+  """`static` (the way's name before it became most-chosen) still names it: on the command
+  line (with a DeprecationWarning), in a predictions file and in a report written before."""
+  from elastic_jax.eval import runner
+  with pytest.warns(DeprecationWarning, match="most-chosen"):
+    assert runner.check_attention_list(["full", "static"], router_params={}) == [
+        "full", "most-chosen"]
+  with pytest.raises(ElasticJaxError, match="need trained routers"):
+    runner.check_attention_list(["most-chosen"], router_params=None)
+  rng = np.random.default_rng(5)
+  old, records, items, _ = _eval_run(tmp_path, "old", rng, ("full", "elastic", "static"))
+  read = runner.read_predictions(str(old / "predictions.jsonl"))
+  assert {w for w, _ in read} == {"full", "elastic", "most-chosen"}
+  assert report.summarize(read, items, lambda t, p, i: 100.0 * (p[0] == "a"),
+                          lambda t: "x")["attention"].keys() == {"full", "elastic",
+                                                                  "most-chosen"}
+  # A report.json keyed by the old name (written by hand here: summarize no longer makes one).
+  rep = json.loads((old / "report.json").read_text())
+  rep["attention"]["static"] = rep["attention"].pop("elastic")
+  rep["item_scores"] = {"static": {it.key: 1.0 for it in items}}
+  (old / "report.json").write_text(json.dumps(rep))
+  got = repro_report.read_run(str(old))
+  assert "most-chosen" in got["attention"] and "static" not in got["attention"]
+  assert repro_report.rows_of([("elastic", got)])[-1][0] == "Static: elastic's most-chosen heads"
 
 
 def _scores(rng, n=12):

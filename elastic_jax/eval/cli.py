@@ -39,7 +39,8 @@ and fixed baselines, on benchmarks generated or read locally (nothing is downloa
 DIR: an HF directory (safetensors; the authors' released models carry their own routers) or
 one `python -m elastic_jax.convert` wrote, with its tokenizer files. R: the routers train.py
 exported (runs/X/export/elastic_jax). --attention picks how heads attend (full, elastic,
-sparse, static; default full,elastic,static with routers, else full,sparse). The output
+sparse, most-chosen; default full,elastic,most-chosen with routers, else full,sparse; the
+old name `static` still means most-chosen). The output
 directory gets predictions.jsonl (resumable), report.json, report.md (the paper's Table 1
 layout) and PNG plots. LongBench data: the published JSONL files of THUDM/LongBench
 (data/*.jsonl; LongBench-E: *_e.jsonl) or LongBench-v2's data.json, in --data.
@@ -59,7 +60,7 @@ def _common(p: argparse.ArgumentParser, benchmark) -> None:
   p.add_argument("--routers", help="router export directory (train.py's export/elastic_jax); "
                                    "default: the model directory's own routers, if any")
   p.add_argument("--attention", help="comma-separated ways heads attend: full, elastic, "
-                                     "sparse, static")
+                                     "sparse, most-chosen (elastic's most-chosen heads)")
   p.add_argument("--out", help="output directory (default runs/eval_<benchmark>); one run at a "
                                "time writes there (a second is refused while the first runs)")
   p.add_argument("--overwrite", action="store_true",
@@ -378,8 +379,8 @@ def default_attention(args, has_routers: bool) -> list[str]:
     return csv(args.attention)
   if not has_routers:
     return ["full", "sparse"]
-  return (["full", "elastic", "sparse", "static"] if args.command == "mixture"
-          else ["full", "elastic", "static"])
+  return (["full", "elastic", "sparse", "most-chosen"] if args.command == "mixture"
+          else ["full", "elastic", "most-chosen"])
 
 
 def note_window_covers_prompts(rcfg, attention, items) -> None:
@@ -406,7 +407,7 @@ def run_benchmark(args) -> int:
     check_out(args.out, args)
   model, tokenizer = load(args)
   attention = default_attention(args, model.router_params is not None)
-  runner.check_attention_list(attention, model.router_params)
+  attention = runner.check_attention_list(attention, model.router_params)
   items = benchmark.items(args, tokenizer, model.config.max_length)
   rcfg = model.router_config
   note_window_covers_prompts(rcfg, attention, items)

@@ -1,10 +1,11 @@
 """The evaluation loop: generate for every item under every way of attending, resumably.
 
 The ways (heads.ATTENTION): full (the unmodified backbone, dense cache), elastic (the routers
-decide per input; needs routers), sparse (every head on the sparse side), static (one fixed
-head set for every input, at the average MSR elastic reached on the same items: the (layer,
-KV head) pairs elastic sent to full attention most often stay full; a DuoAttention-style
-static baseline, run after elastic).
+decide per input; needs routers), sparse (every head on the sparse side), most-chosen (one
+fixed head set for every input, at the average MSR elastic reached on the same items: the
+(layer, KV head) pairs elastic sent to full attention most often stay full; a
+DuoAttention-style static baseline, run after elastic). Records written under the old name
+`static` are read as most-chosen.
 
 Each finished item is appended to `predictions.jsonl` in the output directory at once, so an
 interrupted run resumes where it stopped: items already there are not generated again.
@@ -25,8 +26,10 @@ from tqdm.auto import tqdm
 from elastic_jax.errors import ElasticJaxError
 from elastic_jax.generation.generate import SamplingConfig, generate
 from elastic_jax.files import append_whole, repair_jsonl_tail, write_error
+from elastic_jax.heads import canonical
 
-ORDER = ("full", "elastic", "sparse", "static")   # static is derived from elastic's choices
+# most-chosen is derived from elastic's choices, so it comes after it
+ORDER = ("full", "elastic", "sparse", "most-chosen")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +56,7 @@ def read_predictions(path: str) -> dict[tuple[str, str], dict]:
       continue
     try:
       rec = json.loads(line)
+      rec["attention"] = canonical(rec["attention"], warn=False)
       out[(rec["attention"], rec["key"])] = rec
     except (json.JSONDecodeError, KeyError, TypeError):
       if i >= len(lines) - 1:          # the last line, cut short
@@ -62,7 +66,7 @@ def read_predictions(path: str) -> dict[tuple[str, str], dict]:
   return out
 
 
-def static_gates(elastic_records: Sequence[dict]) -> np.ndarray:
+def most_chosen_gates(elastic_records: Sequence[dict]) -> np.ndarray:
   """[L, K] gates keeping full the pairs elastic chose most often, as many as elastic's
   average share of full pairs over these records."""
   freq = np.mean([np.asarray(r["gates"], np.float32) for r in elastic_records], axis=0)
@@ -72,12 +76,16 @@ def static_gates(elastic_records: Sequence[dict]) -> np.ndarray:
   return gates.reshape(freq.shape)
 
 
-def check_attention_list(attention: Sequence[str], router_params) -> None:
+def check_attention_list(attention: Sequence[str], router_params) -> list[str]:
+  """The ways to evaluate under their current names, each known; elastic and most-chosen
+  only with routers."""
+  attention = [canonical(a) for a in attention]
   for a in attention:
     if a not in ORDER:
       raise ElasticJaxError(f"attention '{a}' is not evaluated (known: {', '.join(ORDER)})")
-  if ("elastic" in attention or "static" in attention) and router_params is None:
-    raise ElasticJaxError("elastic and static attention need trained routers (--routers)")
+  if ("elastic" in attention or "most-chosen" in attention) and router_params is None:
+    raise ElasticJaxError("elastic and most-chosen attention need trained routers (--routers)")
+  return attention
 
 
 def run(model, tokenizer, items: Sequence[Item], attention: Sequence[str], out_dir: str, *,
@@ -86,7 +94,7 @@ def run(model, tokenizer, items: Sequence[Item], attention: Sequence[str], out_d
   (and its routers); returns all records of the file for these items, {(attention, key):
   record}."""
   router_params = model.router_params
-  check_attention_list(attention, router_params)
+  attention = check_attention_list(attention, router_params)
   if batch_size < 1:
     raise ElasticJaxError(f"batch size must be >= 1, got {batch_size}")
   path = os.path.join(out_dir, "predictions.jsonl")
@@ -110,12 +118,12 @@ def _run(model, tokenizer, items, attention, path, f, batch_size, attn_impl, log
   eos = () if tokenizer.eos_token_id is None else tuple(
       int(x) for x in np.atleast_1d(tokenizer.eos_token_id))
   order = [s for s in ORDER if s in attention]
-  if "static" in order and "elastic" not in order:
-    order.insert(order.index("static"), "elastic")   # static is derived from elastic's choices
+  if "most-chosen" in order and "elastic" not in order:
+    order.insert(order.index("most-chosen"), "elastic")   # derived from elastic's choices
   for way in order:
     gates = None
-    if way == "static":
-      gates = static_gates([done[("elastic", it.key)] for it in items])
+    if way == "most-chosen":
+      gates = most_chosen_gates([done[("elastic", it.key)] for it in items])
     todo = [it for it in items if (way, it.key) not in done]
     if not todo:
       continue
@@ -130,7 +138,7 @@ def _run(model, tokenizer, items, attention, path, f, batch_size, attn_impl, log
         for start in range(0, len(group), batch_size):
           batch = group[start:start + batch_size]
           gen = generate(model.params, model.config, [list(it.prompt_ids) for it in batch],
-                         attention="forced" if way == "static" else way,
+                         attention="forced" if way == "most-chosen" else way,
                          rcfg=model.router_config, router_params=router_params,
                          gates=gates, sampling=SamplingConfig(max_new_tokens=max_new),
                          eos_ids=eos + stop_ids, attn_impl=attn_impl)

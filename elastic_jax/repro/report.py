@@ -7,8 +7,8 @@
 Each --run is LABEL=DIR, DIR an `eval.py mixture` output directory (report.json and
 predictions.jsonl; another benchmark's run is refused), each LABEL once. The methods are that
 directory's ways of attending; LABEL names the routers behind them: `full` and `sparse` rows
-come from the first run that has them, `elastic` and `static` rows are named after LABEL (e.g.
-the elastic attention of the static-trained routers is the trained static gate). Cells:
+come from the first run that has them, `elastic` and `most-chosen` rows are named after LABEL
+(e.g. the elastic attention of the static-trained routers is the trained static gate). Cells:
 accuracy % (MSR) per task type, seen and held-out variants.
 
 Then, where the runs evaluated the same items (same --seed, --samples, --lengths and
@@ -27,12 +27,13 @@ import numpy as np
 
 from elastic_jax.errors import ElasticJaxError
 from elastic_jax.eval import mixture
+from elastic_jax.heads import canonical
 
 METHOD_NAMES = {
     ("*", "full"): "Full attention",
     ("*", "sparse"): "All heads SSA",
     ("elastic", "elastic"): "Elastic (ours)",
-    ("elastic", "static"): "Static: elastic's most-chosen heads",
+    ("elastic", "most-chosen"): "Static: elastic's most-chosen heads",
     ("static-trained", "elastic"): "Static gate, trained (no input dependence)",
     ("xa", "sparse"): "All heads XAttention",
     ("xa", "elastic"): "Elastic, FA-XA",
@@ -60,6 +61,10 @@ def read_run(directory: str) -> dict:
     raise ElasticJaxError(f"{path}: holds no finished task of the mixture "
                           f"({', '.join(mixture.TASKS)}), so it is no `eval.py mixture` report "
                           "this table can be made from")
+  # A report written before a way was renamed (static -> most-chosen) reads as today's.
+  for part in ("attention", "item_scores"):
+    if isinstance(rep.get(part), dict):
+      rep[part] = {canonical(way, warn=False): body for way, body in rep[part].items()}
   return rep
 
 
@@ -198,7 +203,7 @@ def targets(runs: list[tuple[str, dict]], sensitive_max: float = 0.75,
          "(paired interval excluding 0)", None),
         (METHOD_NAMES[("static-trained", "elastic")], "sensitive tasks: elastic above the "
          "trained static gate at equal average MSR (paired interval excluding 0)", None),
-        (METHOD_NAMES[("elastic", "static")], "sensitive tasks: elastic above its own "
+        (METHOD_NAMES[("elastic", "most-chosen")], "sensitive tasks: elastic above its own "
          "most-chosen heads at equal average MSR (paired interval excluding 0)", None)):
       if other not in scores:
         continue
