@@ -187,12 +187,13 @@ class Bench:
   def mosaic(self, spec: str):
     sizes, *flags = spec.split("+")
     persistent = [int(x[1:]) for x in flags if x.startswith("p") and x[1:].isdigit()]
-    tiles = mosaic_gpu.MosaicTiles(*(int(x) for x in sizes.split("x")),
-                                   overlap="overlap" in flags,
-                                   persistent=persistent[0] if persistent else 0,
-                                   multicast="multicast" in flags,
-                                   q_registers="qreg" in flags,
-                                   chain="chain" in flags)
+    block_q, block_kv, slots = (int(x) for x in sizes.split("x"))
+    tiles = mosaic_gpu.Tiles(block_q=block_q, block_kv=block_kv, slots=slots,
+                             overlap="overlap" in flags,
+                             persistent=persistent[0] if persistent else 0,
+                             multicast="multicast" in flags,
+                             q_registers="qreg" in flags,
+                             chain="chain" in flags)
     return jax.jit(functools.partial(mosaic_gpu.hybrid_forward_hard, streaming=self.st,
                                      tiles=tiles, interpret=self.dry_run))
 
@@ -698,11 +699,12 @@ def parse_args(argv=None):
                  metavar="BQxBKVxSLOTS[+overlap|+chain][+multicast][+qreg][+pP]",
                  help="also time the Mosaic GPU kernel alone with these tiles, e.g. 64x128x2; "
                       "+overlap: FlashAttention-3's intra-warpgroup overlap "
-                      "(mosaic_gpu.MosaicTiles.overlap); +multicast: each K/V tile "
-                      "multicast to a cluster of two programs (MosaicTiles.multicast); +qreg: "
-                      "QK^T reads Q from registers (MosaicTiles.q_registers); +p132: "
-                      "132 persistent programs (MosaicTiles.persistent); +chain: each "
-                      "warpgroup's QK^T and PV issued in one turn (MosaicTiles.chain)")
+                      "(mosaic_gpu.Tiles.overlap); +multicast: each K/V tile "
+                      "multicast to a cluster of two programs (Tiles.multicast); +qreg: "
+                      "QK^T reads Q from registers (Tiles.q_registers); +p132: "
+                      "132 persistent programs (Tiles.persistent); +chain: each "
+                      "warpgroup's QK^T and PV issued in one turn (Tiles.chain; without it "
+                      "chain=False)")
   p.add_argument("--train-tiles", nargs="+", default=[], metavar="FWD/DQ/DKV",
                  help="also time training with these tiles of the training forward, dQ and "
                       "dK/dV kernels, each BQxBKxSTAGES[xWARPS], e.g. 128x64x3/64x64x2/64x64x2")

@@ -11,10 +11,10 @@
 #              XA lists, packed rows); apart from `tests` since together they outran 560 s
 #   tests-triton  the Triton, packed-row and XAttention kernel tests natively
 #   schedules  the forward's schedules (the default chains each warpgroup's two products;
-#              `MosaicTiles()` does not; `MosaicTiles(overlap=True)`, FA3's
-#              intra-warpgroup overlap; `MosaicTiles(persistent=132)`, persistent programs;
-#              `multicast`, K/V tiles shared by a cluster of two; `q_registers`, Q in
-#              registers for QK^T): their tests natively, kernel_profile.py of the forward
+#              `Tiles(chain=False)` does not; `Tiles(overlap=True, chain=False)`, FA3's
+#              intra-warpgroup overlap; `Tiles(persistent=132, chain=False)`, persistent
+#              programs; `multicast`, K/V tiles shared by a cluster of two; `q_registers`,
+#              Q in registers for QK^T): their tests natively, kernel_profile.py of the forward
 #              kernels in each schedule with the register and spill report
 #   schedules-attention  attention.py's forward at 32K and 128K (MSR 0, 0.75 and 1) with the
 #              unchained, chained (2 and 3 slots), overlapped, persistent, multicast and

@@ -17,7 +17,7 @@ then launched a few times: for a profiler to look at, and its time and TFLOP/s.
                                      # the backward's tiles: each variant, timed interleaved
     python benchmarks/kernel_profile.py --kernel dkv --triton   # the Triton kernel instead
     python benchmarks/kernel_profile.py --kernel forward --msr 0 --length 8192 --reps 1 \
-        --trace trace_dir     # each warpgroup's regions, in-kernel clocks (MosaicTiles.trace)
+        --trace trace_dir     # each warpgroup's regions, in-kernel clocks (Tiles.trace)
     python benchmarks/kernel_profile.py --dry-run        # CPU, interpret mode, tiny shapes
 
 Kernels (elastic_jax/attention/mosaic_gpu/, mosaic_gpu_backward.py):
@@ -34,16 +34,17 @@ Kernels (elastic_jax/attention/mosaic_gpu/, mosaic_gpu_backward.py):
                  (`jax.experimental.pallas.ops.gpu.attention_mgpu`, 64-row query blocks,
                  128-key tiles, 2 slots; a Hopper GPU only)
 --overlap runs the forward kernels (forward, xa, train_forward) with FlashAttention-3's
-intra-warpgroup overlap (`mosaic_gpu.MosaicTiles(overlap=True)`); --multicast with each K/V
-tile multicast to a cluster of two programs (`MosaicTiles.multicast`); --q-registers with
-QK^T reading Q from registers (`MosaicTiles.q_registers`); --persistent P with P persistent
-programs (`MosaicTiles.persistent`, e.g. the SM count). Without these the forward kernels run
+intra-warpgroup overlap (`mosaic_gpu.Tiles(overlap=True, chain=False)`); --multicast with each
+K/V tile multicast to a cluster of two programs (`Tiles.multicast`); --q-registers with
+QK^T reading Q from registers (`Tiles.q_registers`); --persistent P with P persistent
+programs (`Tiles.persistent`, e.g. the SM count). Without these the forward kernels run
 the builders' default schedule, whose warpgroups issue QK^T and PV in one turn and await both
-together (`mosaic_gpu.DEFAULT_TILES`, `MosaicTiles.chain`); --no-chain runs the schedule with
-neither chain nor overlap (`MosaicTiles()`), which --overlap, --multicast, --q-registers,
+together (`mosaic_gpu.DEFAULT_TILES`, `Tiles.chain`); --no-chain runs the schedule with
+neither chain nor overlap (`Tiles(chain=False)`), which --overlap, --multicast, --q-registers,
 --persistent and --trace modify.
 --slots and --registers set the backward kernels' ring slots and the compute warpgroups'
-registers a thread (`mosaic_gpu_backward.BackwardTiles`; the memory warpgroup keeps the rest);
+registers a thread (`mosaic_gpu.Tiles`' backward_slots and registers; the memory warpgroup
+keeps the rest);
 given several values, every combination is built and timed in rounds that launch each once.
 --triton runs the training kernels' Triton versions instead (elastic_jax/attention/
 pallas_gpu.py: `hybrid_parts`'s training forward, one launch computing both outputs of every
@@ -95,17 +96,17 @@ def main(argv=None):
   p.add_argument("--xa", action="store_true",
                  help="training kernels under fa-xa: streaming heads become XA heads")
   p.add_argument("--overlap", action="store_true",
-                 help="forward kernels: the overlapped schedule (MosaicTiles.overlap)")
+                 help="forward kernels: the overlapped schedule (Tiles.overlap)")
   p.add_argument("--no-chain", action="store_true",
                  help="forward kernels: the schedule without the default's chained products "
-                      "(MosaicTiles.chain)")
+                      "(Tiles.chain)")
   p.add_argument("--multicast", action="store_true",
                  help="forward kernels: K/V tiles multicast to clusters of two programs "
-                      "(MosaicTiles.multicast)")
+                      "(Tiles.multicast)")
   p.add_argument("--q-registers", action="store_true",
-                 help="forward kernels: QK^T reads Q from registers (MosaicTiles.q_registers)")
+                 help="forward kernels: QK^T reads Q from registers (Tiles.q_registers)")
   p.add_argument("--persistent", type=int, default=0,
-                 help="forward kernels: this many persistent programs (MosaicTiles.persistent)")
+                 help="forward kernels: this many persistent programs (Tiles.persistent)")
   p.add_argument("--slots", type=int, nargs="+", default=[2],
                  help="dq, dkv: slots of the kernel's ring (several: each timed, interleaved)")
   p.add_argument("--registers", type=int, nargs="+", default=[232],
@@ -114,7 +115,7 @@ def main(argv=None):
                  help="train_forward, dq, dkv: the Triton kernels (pallas_gpu) instead")
   p.add_argument("--trace", metavar="DIR",
                  help="forward: record each warpgroup's regions of the schedule "
-                      "(MosaicTiles.trace) into DIR and summarise them; natively, walks up "
+                      "(Tiles.trace) into DIR and summarise them; natively, walks up "
                       "to about 24K tokens, neither --overlap nor --persistent")
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--dry-run", action="store_true")
@@ -130,8 +131,8 @@ def main(argv=None):
   if schedule and args.kernel in ("dq", "dkv"):
     p.error("--overlap, --no-chain, --multicast, --q-registers and --persistent are schedules of "
             "the forward kernels (forward, xa, train_forward)")
-  variants = [mosaic_gpu_backward.BackwardTiles(slots=sl, registers=r)
-               for sl in args.slots for r in args.registers]
+  variants = [mosaic_gpu.Tiles(backward_slots=sl, registers=r)
+              for sl in args.slots for r in args.registers]
   backward = args.kernel in ("dq", "dkv")
   if (args.slots != [2] or args.registers != [232]) and not (backward and not args.triton):
     p.error("--slots and --registers are tiles of the Mosaic GPU backward kernels (dq, dkv)")
@@ -142,7 +143,7 @@ def main(argv=None):
             "--persistent)")
   bad = [t for t in variants if not mosaic_gpu_backward.applies(4, Streaming(1, 16, 128), t)]
   if bad:
-    p.error(f"--slots {bad[0].slots} --registers {bad[0].registers}: the backward kernels "
+    p.error(f"--slots {bad[0].backward_slots} --registers {bad[0].registers}: the backward kernels "
             "take 2 to 4 slots and 176 to 240 registers in steps of 8")
   if args.persistent < 0:
     p.error("--persistent must be a count of programs (0: one per work item)")
@@ -161,11 +162,11 @@ def main(argv=None):
                      or args.dry_run):
     p.error("--trace records the forward kernel's schedule without overlap (--kernel "
             "forward, neither --overlap nor --persistent), natively (no --dry-run)")
-  tiles = mosaic_gpu.MosaicTiles(overlap=args.overlap, persistent=args.persistent,
-                                 multicast=args.multicast, q_registers=args.q_registers,
-                                 chain=not (backward or peer or schedule or args.trace
-                                            or args.triton),
-                                 trace=str(Path(args.trace).resolve()) if args.trace else "")
+  tiles = mosaic_gpu.Tiles(overlap=args.overlap, persistent=args.persistent,
+                           multicast=args.multicast, q_registers=args.q_registers,
+                           chain=not (backward or peer or schedule or args.trace
+                                      or args.triton),
+                           trace=str(Path(args.trace).resolve()) if args.trace else "")
   if args.trace:
     Path(args.trace).mkdir(parents=True, exist_ok=True)
   n, kh, d, st, t = 32, 8, 128, Streaming(1, 16, 128), args.length
@@ -251,7 +252,7 @@ def main(argv=None):
     else:   # the same products in the same order: the same gradients, bit for bit
       same = all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(out),
                                                                jax.tree.leaves(first)))
-      print(f"{bt.slots} slots, {bt.registers} registers: "
+      print(f"{bt.backward_slots} slots, {bt.registers} registers: "
             + ("bit-equal to the first variant" if same else "DIFFERS from the first variant"))
   times = [[] for _ in runs]
   for _ in range(args.reps):   # rounds that launch each variant once: the same clocks for all
@@ -280,7 +281,7 @@ def main(argv=None):
           + (", Q in registers" if args.q_registers else "")
           + (f", {args.persistent} persistent programs" if args.persistent else "")
           + (", Triton" if args.triton else "")
-          + (f", {bt.slots} slots, {bt.registers} registers" if bt is not None else "")
+          + (f", {bt.backward_slots} slots, {bt.registers} registers" if bt is not None else "")
           + f": {sec * 1e3:.3f} ms (median of {args.reps}), {flops / sec / 1e12:.1f} TFLOP/s"
           + (" (dry run: interpret mode, times mean nothing)" if args.dry_run else ""))
   if args.trace:

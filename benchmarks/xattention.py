@@ -38,7 +38,8 @@ total: the jnp scoring in its loop of tiles ("looped", `XAttention(unroll_chunks
 default, up to 16 chunks, scores each chunk's causal prefix in one product), and with
 --chunk-blocks in chunks (and tiles) of that many blocks (`XAttention.chunk_blocks`; the
 default 64 is the row "XA scoring (jnp)"), and with --scoring-tiles the Mosaic GPU scoring
-kernel in other tiles (`mosaic_gpu_scoring.ScoringTiles`, rows x cols x depth x slots).
+kernel in other tiles (`mosaic_gpu.Tiles`' score_rows x score_cols x score_depth x
+score_slots).
 --scoring-only times just the scoring rows beside ours full at each length (no check, no
 attention rows).
 Then the targets: XA total <= (d + 0.1) x ours full, and XA total faster than cuDNN causal
@@ -220,7 +221,9 @@ def main(argv=None):
     if not re.fullmatch(r"[1-9]\d*(x[1-9]\d*){3}", spec):
       p.error(f"--scoring-tiles {spec}: expected ROWSxCOLSxDEPTHxSLOTS, e.g. 64x256x64x3")
   for spec in args.scoring_tiles if mosaic_scoring else ():
-    tiles = mosaic_gpu_scoring.ScoringTiles(*map(int, spec.split("x")))
+    rows, cols, depth, slots = map(int, spec.split("x"))
+    tiles = mosaic_gpu.Tiles(score_rows=rows, score_cols=cols, score_depth=depth,
+                             score_slots=slots)
     if not mosaic_gpu_scoring.applies((1, 1, n, d), (1, 1, kh, d), dtype, xa, tiles):
       p.error(f"the Mosaic GPU scoring kernel does not take tiles {spec}")
     scorings[f"XA scoring (Mosaic {spec})"] = jax.jit(functools.partial(

@@ -433,7 +433,7 @@ def test_python_api_bad_input(world):
              "do not take packed rows with XAttention blocks of 64", ()),
             (mosaic_gpu.packed_xa_forward_hard, "does not take XAttention blocks of 64",
              ((dict(patterns="fa-xa", xa_block=128,
-                    tiles=mosaic_gpu.MosaicTiles(persistent=-1)), "does not take"),)))
+                    tiles=mosaic_gpu.Tiles(persistent=-1, chain=False)), "does not take"),)))
   for fn, block_words, extra in packed:
     for kw, words in ((dict(patterns="fa-ssa", xa_block=128), "not 'fa-ssa'"),
                       (dict(patterns="fa-xa", xa_block=64), block_words),

@@ -4,7 +4,7 @@ operand for wgmma and run_state: there P goes through shared memory), so the sch
 pipeline's barriers, the masks and the softmax are the native code's; but the interpreter runs
 wgmma synchronously (the overlapped schedule's waits are no-ops there), so a race between an
 asynchronous product and a slot's release shows only natively. Cases run the default
-schedule or others (`MosaicTiles.overlap`, `.persistent`; `pytest -k overlap` or `-k
+schedule or others (`Tiles.overlap`, `.persistent`; `pytest -k overlap` or `-k
 persistent` picks them). The code the interpreter skips is lowered for CUDA
 (`test_kernels_lower_for_the_gpu`). The training kernels' tests are in
 test_mosaic_gpu_training.py.
@@ -52,18 +52,19 @@ def test_walk_visits_exactly_the_needed_tiles_and_masks_only_the_last(rows, bloc
       assert tiles[len(tiles) - len(later):] == later, (q_start, mode)
 
 
-DEFAULT, OVERLAP = mosaic_gpu.DEFAULT_TILES, mosaic_gpu.MosaicTiles(overlap=True)
+# The schedules other than the default's chain (`Tiles.chain`) take chain=False.
+DEFAULT, OVERLAP = mosaic_gpu.DEFAULT_TILES, mosaic_gpu.Tiles(overlap=True, chain=False)
 # Persistent programs, few enough that each takes several work items (unevenly).
-PERSISTENT = mosaic_gpu.MosaicTiles(persistent=3)
-OVERLAP_PERSISTENT = mosaic_gpu.MosaicTiles(overlap=True, persistent=2)
+PERSISTENT = mosaic_gpu.Tiles(persistent=3, chain=False)
+OVERLAP_PERSISTENT = mosaic_gpu.Tiles(overlap=True, persistent=2, chain=False)
 # More programs than work items (a short prompt on a big GPU): some programs have none.
-OVERLAP_IDLE = mosaic_gpu.MosaicTiles(overlap=True, persistent=8)
+OVERLAP_IDLE = mosaic_gpu.Tiles(overlap=True, persistent=8, chain=False)
 # The default chains a warpgroup's two products (one turn issues both); this schedule does not.
-PLAIN = mosaic_gpu.MosaicTiles()
+PLAIN = mosaic_gpu.Tiles(chain=False)
 # Clusters of two programs sharing each K/V tile (TMA multicast): natively only.
-MULTICAST = mosaic_gpu.MosaicTiles(multicast=True)
+MULTICAST = mosaic_gpu.Tiles(multicast=True, chain=False)
 # QK^T with Q in registers (interpret mode's wgmma reads shared memory only: natively only).
-Q_REGISTERS = mosaic_gpu.MosaicTiles(q_registers=True)
+Q_REGISTERS = mosaic_gpu.Tiles(q_registers=True, chain=False)
 NATIVE = pytest.mark.skipif(INTERPRET, reason="needs the GPU (multicast copies, wgmma from "
                                               "registers)")
 
@@ -73,7 +74,7 @@ NATIVE = pytest.mark.skipif(INTERPRET, reason="needs the GPU (multicast copies, 
     (1, 512, 4, 2, 64, [[0.0, 1.0]], Streaming(1, 1, 128), jnp.bfloat16, DEFAULT),
     (1, 300, 2, 2, 128, [[1.0, 0.0]], Streaming(1, 1, 128), jnp.bfloat16, DEFAULT),
     (2, 384, 4, 1, 64, [[0.0], [1.0]], Streaming(1, 1, 128), jnp.float16, DEFAULT),
-    # The other schedules (`MosaicTiles.overlap`, `.persistent`): overlapped, G = 4 in
+    # The other schedules (`Tiles.overlap`, `.persistent`): overlapped, G = 4 in
     # float16; persistent, G = 2 over two batch rows; both, G = 1 with padding and 6 work
     # items for 8 programs.
     (2, 384, 4, 1, 64, [[1.0], [0.0]], Streaming(1, 1, 128), jnp.float16, OVERLAP),
@@ -131,7 +132,8 @@ def test_op_takes_fractional_gates_and_gradients():
 @NATIVE
 @pytest.mark.parametrize("tiles,base", [
     (MULTICAST, PLAIN), (Q_REGISTERS, PLAIN),
-    (mosaic_gpu.MosaicTiles(overlap=True, q_registers=True), OVERLAP)], ids=schedule_id)
+    (mosaic_gpu.Tiles(overlap=True, q_registers=True, chain=False), OVERLAP)],
+    ids=schedule_id)
 def test_operand_sources_are_bit_equal_to_their_schedule(tiles, base):
   """Multicast changes where a program's K/V tiles come from, q_registers where QK^T reads Q
   from, not the arithmetic: plain rows (T padded, mixed modes), packed rows, XA heads and the
@@ -183,19 +185,54 @@ def test_applies_only_where_its_layout_holds():
   assert not mosaic_gpu.applies((1, 1000, 16, 128), (1, 1000, 8, 128), jnp.bfloat16, st,
                                 MULTICAST)
   assert not mosaic_gpu.applies((1, 1000, 32, 128), (1, 1000, 8, 128), jnp.bfloat16, st,
-                                mosaic_gpu.MosaicTiles(multicast=True, persistent=132))
+                                mosaic_gpu.Tiles(multicast=True, persistent=132, chain=False))
   # A trace collects one program's events in shared memory: not across persistent items.
   assert mosaic_gpu.applies((1, 1000, 32, 128), (1, 1000, 8, 128), jnp.bfloat16, st,
-                            mosaic_gpu.MosaicTiles(trace="traces"))
+                            mosaic_gpu.Tiles(trace="traces", chain=False))
   assert not mosaic_gpu.applies((1, 1000, 32, 128), (1, 1000, 8, 128), jnp.bfloat16, st,
-                                mosaic_gpu.MosaicTiles(trace="traces", persistent=132))
+                                mosaic_gpu.Tiles(trace="traces", persistent=132, chain=False))
   for other in (dict(overlap=True), dict(persistent=132), dict(trace="traces")):
     # the chain is a schedule of its own (the default's), not a modifier of these
     assert not mosaic_gpu.applies((1, 1000, 32, 128), (1, 1000, 8, 128), jnp.bfloat16, st,
-                                  mosaic_gpu.MosaicTiles(chain=True, **other))
+                                  mosaic_gpu.Tiles(chain=True, **other))
   with pytest.raises(ValueError, match="natively only"):
     mosaic_gpu.hybrid_forward_hard(*qkv(1, 128, 8, 2, 64, jnp.bfloat16), jnp.ones((1, 2)), st,
                                    tiles=MULTICAST, interpret=True)
+
+
+def test_former_tile_classes_and_backward_tiles_warn_and_give_the_one_tiles(monkeypatch):
+  """The former classes (`MosaicTiles`, whose chain defaulted to False, `BackwardTiles`,
+  `ScoringTiles`) and an entry point's `backward_tiles=` (by keyword, or where it was the
+  positional argument after the last one) still work for one release: each warns
+  (DeprecationWarning) and gives the equal `Tiles`, backward_tiles' fields merged into tiles."""
+  mg = mosaic_gpu
+  with pytest.warns(DeprecationWarning, match="MosaicTiles"):
+    assert mg.MosaicTiles(overlap=True) == OVERLAP
+  with pytest.warns(DeprecationWarning, match="MosaicTiles"):
+    assert mg.forward.MosaicTiles(64, 128, 3, chain=True) == mg.Tiles(slots=3)
+  with pytest.warns(DeprecationWarning, match="BackwardTiles"):
+    backward = mg.backward.BackwardTiles(dq_block_kv=128, slots=3, registers=240)
+  assert backward == mg.Tiles(dq_block_kv=128, backward_slots=3, registers=240)
+  with pytest.warns(DeprecationWarning, match="ScoringTiles"):
+    scoring = mosaic_gpu_scoring.ScoringTiles(64, 128, 32, 4)
+  assert scoring == mg.Tiles(score_rows=64, score_cols=128, score_depth=32, score_slots=4)
+  assert (mg.DEFAULT_BACKWARD_TILES == mosaic_gpu_scoring.DEFAULT_SCORING_TILES
+          == mg.DEFAULT_TILES == mg.Tiles())
+  built = []
+  monkeypatch.setattr(mg.hybrid, "_build_plain", lambda *args: built.append(args))
+  for args, kw in (((OVERLAP, "mosaic"), dict(backward_tiles=backward)),
+                   ((OVERLAP, "mosaic", backward), {})):
+    with pytest.warns(DeprecationWarning, match="backward_tiles"):
+      mg.make_hybrid(*args, **kw)
+  merged = mg.Tiles(overlap=True, chain=False, dq_block_kv=128, backward_slots=3, registers=240)
+  assert built == [(merged, "mosaic")] * 2
+  shapes = ((1, 1000, 32, 128), (1, 1000, 8, 128), jnp.bfloat16, Streaming(1, 16, 128))
+  assert mg.trains(*shapes)
+  refused = mg.Tiles(backward_slots=5)   # rings of 2 to 4 slots
+  with pytest.warns(DeprecationWarning, match="backward_tiles"):
+    assert not mg.trains(*shapes, backward_tiles=refused)
+  with pytest.warns(DeprecationWarning, match="backward_tiles"):
+    assert not mg.trains(*shapes, mg.DEFAULT_TILES, refused)
 
 
 @pytest.mark.parametrize("n,k,d,lengths,st,tiles", [
@@ -376,8 +413,8 @@ def test_kernels_lower_for_the_gpu():
        (q, k, k, gate_rows, seg, keep, q), 4)]
   cases.append((lambda q, k: mosaic_gpu_scoring.block_mass_mosaic(q, k, XAttention()), (q, k), 1))
   q8 = s((b, t, 2 * n, d), jnp.bfloat16)   # multicast: G = 4; with Q in registers
-  for tiles in (MULTICAST, mosaic_gpu.MosaicTiles(multicast=True, overlap=True,
-                                                  q_registers=True)):
+  for tiles in (MULTICAST, mosaic_gpu.Tiles(multicast=True, overlap=True, q_registers=True,
+                                            chain=False)):
     cases.append((lambda q, k, v, g, tiles=tiles: mg.hybrid_forward_hard(q, k, v, g, st,
                                                                          tiles=tiles),
                   (q8, k, k, gate), 1))

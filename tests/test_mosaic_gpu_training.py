@@ -4,6 +4,7 @@ reference's outputs and gradients, and their walks against brute-force tile coun
 interpret mode on CPU (with reads past an array's end refused), native on a GPU.
 """
 
+import dataclasses
 import functools
 import warnings
 
@@ -73,7 +74,7 @@ def test_training_default_is_mosaic_natively_and_triton_in_interpret_mode(kernel
 
 def _schedule(overlap: bool):
   """The forward's overlapped schedule, or the builders' default (chained products)."""
-  return mosaic_gpu.MosaicTiles(overlap=True) if overlap else mosaic_gpu.DEFAULT_TILES
+  return mosaic_gpu.Tiles(overlap=True, chain=False) if overlap else mosaic_gpu.DEFAULT_TILES
 
 
 @pytest.mark.parametrize("b,t,n,k,d,gates,st,overlap,slots", [
@@ -95,9 +96,9 @@ def test_mosaic_training_kernels_match_reference_gradients(kernel_calls, strict_
   q, kk, v = qkv(b, t, n, k, d, jnp.bfloat16, seed=t)
   gate = jnp.asarray(gates, jnp.float32)
   d_out = jax.random.normal(jax.random.key(t + 1), q.shape, jnp.float32).astype(jnp.bfloat16)
-  backward = mosaic_gpu_backward.BackwardTiles(slots=slots, registers=232 if slots == 2 else 240)
-  fn = mosaic_gpu.make_hybrid(_schedule(overlap), training="mosaic",
-                              backward_tiles=backward)
+  tiles = dataclasses.replace(_schedule(overlap), backward_slots=slots,
+                              registers=232 if slots == 2 else 240)
+  fn = mosaic_gpu.make_hybrid(tiles, training="mosaic")
   with jax.disable_jit():
     out, vjp = jax.vjp(lambda *x: fn(*x, st, INTERPRET), q, kk, v, gate)
     grads = vjp(d_out)
@@ -122,12 +123,12 @@ def test_backward_tiles_past_the_kernels_limits_are_refused():
   """`applies` takes rings of 2 to 4 slots (shared memory: 133 KiB, 34 more a slot, against
   227) and compute warpgroups of 176 to 240 registers in steps of 8, more than the 168 the
   kernels launch with (the memory warpgroup keeps 504 minus twice that, at least 24)."""
-  tiles = mosaic_gpu_backward.BackwardTiles
+  tiles = mosaic_gpu.Tiles
   st = Streaming(1, 16, 128)
   ok = [(2, 232), (4, 240), (3, 176)]
   refused = [(5, 232), (1, 232), (2, 248), (2, 236), (2, 168)]
   for slots, registers in ok + refused:
-    got = mosaic_gpu_backward.applies(4, st, tiles(slots=slots, registers=registers))
+    got = mosaic_gpu_backward.applies(4, st, tiles(backward_slots=slots, registers=registers))
     assert got == ((slots, registers) in ok), (slots, registers)
   assert mosaic_gpu_backward.memory_registers(tiles(registers=240)) == 24
   assert mosaic_gpu_backward.memory_registers(tiles()) == 40
@@ -343,11 +344,9 @@ def test_mosaic_training_kernels_on_packed_rows_under_xattention(kernel_calls, s
   b, t = seg.shape
   q, kk, v = qkv(b, t, n, k, 64, jnp.bfloat16, seed=t)
   shapes = ((b, t, n, 64), (b, t, k, 64), jnp.bfloat16, st)
-  assert mosaic_gpu._packed_xa_trains(*shapes, xa_block, mosaic_gpu.DEFAULT_TILES,
-                                      mosaic_gpu.DEFAULT_BACKWARD_TILES)
+  assert mosaic_gpu._packed_xa_trains(*shapes, xa_block, mosaic_gpu.DEFAULT_TILES)
   assert not mosaic_gpu._packed_xa_trains((b, 300, n, 64), (b, 300, k, 64), jnp.bfloat16, st,
-                                          256, mosaic_gpu.DEFAULT_TILES,
-                                          mosaic_gpu.DEFAULT_BACKWARD_TILES)
+                                          256, mosaic_gpu.DEFAULT_TILES)
   keep = kept_blocks(b, k, t, xa_block, seed=5) | forced_blocks(
       t, XAttention(block=xa_block), seg, b)[:, None]
   d_out = jax.random.normal(jax.random.key(7), q.shape, jnp.float32).astype(jnp.bfloat16)
@@ -391,7 +390,7 @@ def test_packed_xa_walks_cover_the_needed_tiles_and_skip_other_segments(pair, xa
   from elastic_jax.attention.mosaic_gpu import backward as mb
   from elastic_jax.attention.common import packed_plan
   from elastic_jax.attention.xattention import XAttention, forced_blocks
-  st, tile, bt = Streaming(1, 1, 128), 64, mb.BackwardTiles()
+  st, tile, bt = Streaming(1, 1, 128), 64, mosaic_gpu.Tiles()
   seg, pos, gate = packed_row([128, 300, 40, 150], [np.zeros(1)] * 4, 1)
   seg = jnp.pad(seg, ((0, 0), (0, t - seg.shape[1])), constant_values=-1)
   pos = jnp.pad(pos, ((0, 0), (0, t - pos.shape[1])))

@@ -13,7 +13,8 @@ import pytest
 from elastic_jax.attention import Streaming, hybrid_attention
 from elastic_jax.attention.reference import dense_hybrid_attention
 from elastic_jax.attention.mosaic_gpu import scoring as mosaic_gpu_scoring
-from elastic_jax.attention.mosaic_gpu.scoring import ScoringTiles, block_mass_mosaic
+from elastic_jax.attention.mosaic_gpu import Tiles
+from elastic_jax.attention.mosaic_gpu.scoring import block_mass_mosaic
 from elastic_jax.attention.xattention import (XAttention, block_lists, block_mass,
                                               block_mass_pallas, forced_blocks, kept_fraction,
                                               select, select_blocks)
@@ -112,7 +113,7 @@ def test_mosaic_scoring_kernel_matches_numpy():
   xa = XAttention(stride=stride, block=block)
   q, k, _ = _inputs(t, d=128, seed=11)
   q, k = (jnp.asarray(x, jnp.bfloat16) for x in (q, k))
-  tiles = ScoringTiles(rows=64, cols=64, depth=64, slots=3)
+  tiles = Tiles(score_rows=64, score_cols=64, score_depth=64, score_slots=3)
   got = np.asarray(block_mass_mosaic(q, k, xa, tiles=tiles, interpret=not native))
   want = _numpy_mass(*(np.asarray(x, np.float32) for x in (q, k)), stride, block)
   np.testing.assert_allclose(got, want, atol=2e-5)

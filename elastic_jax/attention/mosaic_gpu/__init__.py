@@ -1,16 +1,22 @@
 """The Pallas Mosaic GPU backend, for Hopper (wgmma, TMA): the warp-specialised forward
 kernel (`forward.py`), the dQ and dK/dV kernels (`backward.py`), the XAttention scoring kernel
 (`scoring.py`) and the entry points that choose among them and the Triton kernels
-(`hybrid.py`). Decode runs the Triton backend's kernel."""
+(`hybrid.py`), all tiled by one `Tiles` (`tiles.py`). Decode runs the Triton backend's
+kernel."""
 
 from elastic_jax.attention import pallas_gpu
 from elastic_jax.attention.backend import Backend, XAScorer, on_hopper
-from elastic_jax.attention.mosaic_gpu import backward, forward, hybrid, scoring
+from elastic_jax.attention.mosaic_gpu import backward, forward, hybrid, scoring, tiles
 from elastic_jax.attention.mosaic_gpu.backward import (  # noqa: F401  (the backend's API)
-    DEFAULT_BACKWARD_TILES, BackwardTiles)
+    DEFAULT_BACKWARD_TILES)
 from elastic_jax.attention.mosaic_gpu.forward import (  # noqa: F401
-    DEFAULT_TILES, SMEM_BYTES, TRACE_REGIONS, TRAINING, MosaicTiles, XAWalk, applies,
-    online_softmax, packed_walk, walk, xa_walk)
+    SMEM_BYTES, TRACE_REGIONS, TRAINING, XAWalk, applies, online_softmax, packed_walk, walk,
+    xa_walk)
+from elastic_jax.attention.mosaic_gpu.scoring import DEFAULT_SCORING_TILES  # noqa: F401
+# The one tile settings of the backend's kernels; the former three classes' names, deprecated
+# constructors of it.
+from elastic_jax.attention.mosaic_gpu.tiles import (  # noqa: F401
+    DEFAULT_TILES, BackwardTiles, MosaicTiles, ScoringTiles, Tiles)
 from elastic_jax.attention.mosaic_gpu.hybrid import (  # noqa: F401
     forward_train, hard_gates, hybrid_attention, hybrid_forward, hybrid_forward_hard,
     make_hybrid, make_packed_hybrid, make_packed_xa_hybrid, make_xa_hybrid, packed_backward,

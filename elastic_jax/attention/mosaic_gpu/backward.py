@@ -58,6 +58,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from elastic_jax.attention.common import MODE_FULL, MODE_MIX, MODE_SPARSE, dkv_program
+from elastic_jax.attention.mosaic_gpu.tiles import (  # noqa: F401  (BackwardTiles: deprecated)
+    DEFAULT_TILES, BackwardTiles, Tiles)
 from elastic_jax.attention.reference import Streaming
 from elastic_jax.attention.xattention import block_lists
 
@@ -71,57 +73,39 @@ _COMPUTE_WGS = 2
 _ROW_TERMS = 4      # per query row and head: lse_FA, lse_SSA, D_FA, D_SSA
 
 
-@dataclasses.dataclass(frozen=True)
-class BackwardTiles:
-  """Rows per compute warpgroup and keys per K/V tile of the dQ kernel; keys per compute
-  warpgroup and rows per Q/dO tile of the dK/dV kernel; slots of each kernel's ring.
-  Register budget per compute warpgroup (128 threads, head_dim 128, float32): dQ's
-  accumulator [64, 128] takes 64 registers a thread, S and dP [64, 64] 32 each; dK/dV's two
-  accumulators 128, S^T and dP^T 32 each. Tiles of 128 keys in dQ would add 64 more.
-  `registers`: what each compute warpgroup's threads may use of the 168 a thread the kernels
-  launch with; the memory warpgroup keeps the rest (`memory_registers`: 40 at 232, 24 at 240,
-  FlashAttention-3's split)."""
-  dq_block_q: int = 64
-  dq_block_kv: int = 64
-  dkv_block_k: int = 64
-  dkv_block_q: int = 64
-  slots: int = 2
-  registers: int = 232
-
-
 # Registers a thread the kernels launch with: the register file (65536) over the three
 # warpgroups' 384 threads, rounded down to 8.
 _LAUNCH_REGISTERS = 168
 
 
-def shared_bytes(tiles: BackwardTiles, head_dim: int) -> int:
+def shared_bytes(tiles: Tiles, head_dim: int) -> int:
   """Shared memory of the larger of the two kernels (bf16 tiles, float32 row terms with the
   packed rows' gate, int32 packed bounds, 1 KiB for the barriers), against the 227 KiB a
   Hopper block may have: at head_dim 128 the default tiles take 133 KiB, each slot more 34."""
   terms = _ROW_TERMS + 1
   dq = (_COMPUTE_WGS * tiles.dq_block_q * (2 * head_dim * 2 + (terms + 3) * 4)
-        + tiles.slots * 2 * tiles.dq_block_kv * head_dim * 2)
+        + tiles.backward_slots * 2 * tiles.dq_block_kv * head_dim * 2)
   dkv = (_COMPUTE_WGS * 2 * tiles.dkv_block_k * head_dim * 2
-         + tiles.slots * tiles.dkv_block_q * (2 * head_dim * 2 + (terms + 3) * 4))
+         + tiles.backward_slots * tiles.dkv_block_q * (2 * head_dim * 2 + (terms + 3) * 4))
   return max(dq, dkv) + 1024
 
 
-def memory_registers(tiles: BackwardTiles) -> int:
+def memory_registers(tiles: Tiles) -> int:
   """The memory warpgroup's registers a thread, once the compute warpgroups took theirs."""
   return (_COMPUTE_WGS + 1) * _LAUNCH_REGISTERS - _COMPUTE_WGS * tiles.registers
 
 
-DEFAULT_BACKWARD_TILES = BackwardTiles()
+DEFAULT_BACKWARD_TILES = DEFAULT_TILES   # deprecated: the one Tiles holds the backward's fields
 
 
-def applies(groups: int, streaming: Streaming, tiles: BackwardTiles = DEFAULT_BACKWARD_TILES,
+def applies(groups: int, streaming: Streaming, tiles: Tiles = DEFAULT_TILES,
             head_dim: int = 128):
   """Whether these tiles fit the layout (with `mosaic_gpu.applies` for dtypes): SSA blocks of
   whole tiles on both kernels' sides, G even or 1 for the dQ head pairs, head_dim a multiple
   of 64 up to 128 (dK and dV accumulators of 192 would take 192 registers a thread, and the
   tiles of 256 would overflow shared memory)."""
   sizes = program_sizes(groups, tiles)
-  return ((groups == 1 or groups % 2 == 0) and tiles.slots >= 2
+  return ((groups == 1 or groups % 2 == 0) and tiles.backward_slots >= 2
           and tiles.registers % 8 == 0 and _LAUNCH_REGISTERS < tiles.registers
           and memory_registers(tiles) >= 24 and shared_bytes(tiles, head_dim) <= 227 * 1024
           and head_dim % 64 == 0 and head_dim <= 128
@@ -129,19 +113,19 @@ def applies(groups: int, streaming: Streaming, tiles: BackwardTiles = DEFAULT_BA
           and all(x % 64 == 0 and streaming.block % x == 0 for x in sizes))
 
 
-def _dq_rows(groups: int, tiles: BackwardTiles) -> int:
+def _dq_rows(groups: int, tiles: Tiles) -> int:
   """Rows of a dQ program: one row tile of two query heads, or two row tiles of one head."""
   return tiles.dq_block_q if groups >= 2 else _COMPUTE_WGS * tiles.dq_block_q
 
 
-def program_sizes(groups: int, tiles: BackwardTiles = DEFAULT_BACKWARD_TILES) -> tuple:
+def program_sizes(groups: int, tiles: Tiles = DEFAULT_TILES) -> tuple:
   """Tokens per dQ program, per K/V tile of dQ, per dK/dV program and per Q tile of dK/dV:
   streaming and XAttention blocks must be made of each."""
   return (_dq_rows(groups, tiles), tiles.dq_block_kv, _COMPUTE_WGS * tiles.dkv_block_k,
           tiles.dkv_block_q)
 
 
-def padded_length(t: int, groups: int, tiles: BackwardTiles = DEFAULT_BACKWARD_TILES) -> int:
+def padded_length(t: int, groups: int, tiles: Tiles = DEFAULT_TILES) -> int:
   """T padded to whole programs of both kernels."""
   return t + (-t % math.lcm(*program_sizes(groups, tiles)))
 
@@ -507,7 +491,7 @@ def _split(lo, hi, unmasked_lo, unmasked_hi):
   return [(lo, a, True), (a, z, False), (z, hi, True)]
 
 
-def _dq_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: BackwardTiles, scale,
+def _dq_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Tiles, scale,
                num_q_tiles, interpret, packed: bool, xa: XATerms | None = None):
   """dQ of one program: `rows` query rows of one or two query heads (as the forward).
   Unpacked rows: refs (modes [B*K], gates [B*K], q, k, v, dO, row terms, dq, scratch), under
@@ -529,7 +513,7 @@ def _dq_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwar
     modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, rows_ref, dq_ref, scoped = refs
   (q_smem2, do_smem2, rows_smem2, bounds_smem2, k_smem, v_smem, ds_smem2), ready, (
       k_ready, v_ready), (k_free, v_free) = scoped
-  block_q, block_kv, slots = tiles.dq_block_q, tiles.dq_block_kv, tiles.slots
+  block_q, block_kv, slots = tiles.dq_block_q, tiles.dq_block_kv, tiles.backward_slots
   pair_heads = groups >= 2
   rows = _dq_rows(groups, tiles)
   head_dim = q_ref.shape[-1]
@@ -639,7 +623,7 @@ def _dq_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwar
 
 
 def _dq_producer(k_parts, v_parts, free, *, b, kv_head, ranges, listed_tile, steps,
-                 tiles: BackwardTiles):
+                 tiles: Tiles):
   """The dQ kernel's memory warpgroup: the walk's K and V tiles (each part: the operand in
   device memory, its ring in shared memory, the ring's arrival barriers) into the ring, each
   slot refilled once both compute warpgroups released it (`_stream`)."""
@@ -651,7 +635,7 @@ def _dq_producer(k_parts, v_parts, free, *, b, kv_head, ranges, listed_tile, ste
     for src, smem, ready in (k_parts, v_parts):
       plgpu.copy_gmem_to_smem(src.at[b, keys, kv_head], smem.at[slot], ready.at[slot])
 
-  _stream(load, free, steps, tiles.slots)
+  _stream(load, free, steps, tiles.backward_slots)
 
 
 def _write_out(results):
@@ -685,7 +669,7 @@ def _stream(load, free, steps, slots: int):
       plgpu.barrier_wait(barrier.at[slot])
 
 
-def _dkv_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: BackwardTiles,
+def _dkv_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Tiles,
                 scale, num_q_tiles, interpret, packed: bool, xa: XATerms | None = None):
   """dK and dV of one program: 2 x block_k keys of one KV head, summed over its G query heads.
   Unpacked rows: refs (modes [B*K], gates [B*K], q, k, v, dO, row terms, dk, dv, scratch),
@@ -708,7 +692,7 @@ def _dkv_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwa
     modes_ref, gate_ref, q_ref, k_ref, v_ref, do_ref, rows_ref, dk_ref, dv_ref, scoped = refs
   (k_smem2, v_smem2, q_smem, do_smem, rows_smem, bounds_smem, st_smem2), (k_ready, v_ready), (
       q_ready, do_ready, rows_ready, bounds_ready), q_free = scoped
-  block_k, block_q, slots = tiles.dkv_block_k, tiles.dkv_block_q, tiles.slots
+  block_k, block_q, slots = tiles.dkv_block_k, tiles.dkv_block_q, tiles.backward_slots
   keys = _COMPUTE_WGS * block_k
   head_dim = k_ref.shape[-1]
   dtype = k_ref.dtype
@@ -828,7 +812,7 @@ def _dkv_kernel(*refs, groups, num_kv_heads, streaming: Streaming, tiles: Backwa
 
 
 def _dkv_producer(q_parts, rows_parts, bounds_parts, do_parts, q_free, *, b, kv_head, groups,
-                  per_head, ranges, listed_tile, steps, tiles: BackwardTiles):
+                  per_head, ranges, listed_tile, steps, tiles: Tiles):
   """The dK/dV kernel's memory warpgroup: for each of the KV head's G query heads in turn, the
   walk's Q tiles with their row terms, packed rows' bounds (bounds_parts; None unpacked) and
   dO tiles (each part: the operand in device memory, its ring in shared memory, the ring's
@@ -852,7 +836,7 @@ def _dkv_producer(q_parts, rows_parts, bounds_parts, do_parts, q_free, *, b, kv_
     do_ref, do_smem, do_ready = do_parts
     plgpu.copy_gmem_to_smem(do_ref.at[b, rows, head], do_smem.at[slot], do_ready.at[slot])
 
-  _stream(load, (q_free,), steps, tiles.slots)
+  _stream(load, (q_free,), steps, tiles.backward_slots)
 
 
 def _launch(kernel, scratch, operands, *, out_type, grid, grid_names, interpret):
@@ -870,7 +854,7 @@ def _launch(kernel, scratch, operands, *, out_type, grid, grid_names, interpret)
 
 
 def dq_call(q, k, v, do, row_terms, modes, gate, *, streaming: Streaming,
-            tiles: BackwardTiles, interpret: bool, plan=None, bounds=None, xa=None):
+            tiles: Tiles, interpret: bool, plan=None, bounds=None, xa=None):
   """dQ [B, Tp, N, H] from padded q, k, v, dO, the row terms [B, N, 4, Tp] float32 (lse_FA,
   lse_SSA, D_FA, D_SSA) and per (batch, KV head) modes int32 and gates float32 [B * K].
   Packed rows: `plan`, the seven q_plan fields of `common.packed_plan` over programs of
@@ -885,7 +869,7 @@ def dq_call(q, k, v, do, row_terms, modes, gate, *, streaming: Streaming,
   rows = _dq_rows(groups, tiles)
   dtype = q.dtype
   swz = _swizzled(dtype)
-  bq, bkv, slots = tiles.dq_block_q, tiles.dq_block_kv, tiles.slots
+  bq, bkv, slots = tiles.dq_block_q, tiles.dq_block_kv, tiles.backward_slots
   packed = plan is not None
   scratch = (
       (plgpu.SMEM((_COMPUTE_WGS, bq, d), dtype, transforms=swz),
@@ -911,7 +895,7 @@ def dq_call(q, k, v, do, row_terms, modes, gate, *, streaming: Streaming,
 
 
 def dkv_call(q, k, v, do, row_terms, modes, gate, *, streaming: Streaming,
-             tiles: BackwardTiles, interpret: bool, plan=None, bounds=None, xa=None):
+             tiles: Tiles, interpret: bool, plan=None, bounds=None, xa=None):
   """(dK, dV) [B, Tp, K, H], the G query heads of each KV head summed; operands as `dq_call`,
   packed rows' `plan` the three k_plan fields (q_lo, q_hi_full, q_hi_sparse) over key tiles
   of 2 x dkv_block_k and query tiles of dkv_block_q (int32 [B * nk] each), `modes` its
@@ -922,7 +906,7 @@ def dkv_call(q, k, v, do, row_terms, modes, gate, *, streaming: Streaming,
   kh = k.shape[2]
   dtype = q.dtype
   swz = _swizzled(dtype)
-  bk, bq, slots = tiles.dkv_block_k, tiles.dkv_block_q, tiles.slots
+  bk, bq, slots = tiles.dkv_block_k, tiles.dkv_block_q, tiles.backward_slots
   packed = plan is not None
   scratch = (
       (plgpu.SMEM((_COMPUTE_WGS, bk, d), dtype, transforms=swz),

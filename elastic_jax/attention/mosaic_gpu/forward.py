@@ -3,22 +3,22 @@
 Warp-specialised, FlashAttention-3 style: per program, one memory warpgroup streams K/V tiles
 into a ring of shared-memory slots with the bulk copy engine (TMA; `_producer`), and two
 compute warpgroups run QK^T and PV on the tensor cores (wgmma) with an online softmax in
-registers (`_consumer`: one schedule per `MosaicTiles`, `_plain`, `_chained` or
+registers (`_consumer`: one schedule per `Tiles`, `_plain`, `_chained` or
 `_overlapped`, each step's softmax `online_softmax`, then `_epilogue`), taking turns on the
 tensor cores (a schedule barrier) so that one's softmax overlaps the other's matrix products.
-`MosaicTiles(overlap=True)` adds FlashAttention-3's second technique,
+`Tiles(overlap=True, chain=False)` adds FlashAttention-3's second technique,
 each warpgroup's softmax overlapping its own PV product (tile s's QK^T and tile s-1's PV
-issued together, `_overlapped`); `MosaicTiles(persistent=P)` launches P
+issued together, `_overlapped`); `Tiles(persistent=P, chain=False)` launches P
 persistent programs that take the work items in turn, heaviest first, the K/V ring running
 on from one item to the next (`_persistent`). Both are checked against the reference in
-interpret mode (where wgmma runs synchronously) and natively. `MosaicTiles(multicast=True)`
+interpret mode (where wgmma runs synchronously) and natively. `Tiles(multicast=True)`
 launches the two programs of one KV head and query tile as a cluster that shares each K/V tile
 (TMA multicast); Pallas's GPU interpreter has no multicast copy, so it is checked natively
 only (against the reference in the tests; on an H100 its outputs were also bit-equal to the
 default schedule's, plain, packed and XA rows). The overlap rescales the accumulator and casts
 P to bf16 after the PV product's wait, as FlashAttention-3 does (with a product in flight,
 ptxas serialises every wgmma: warning C7513).
-`MosaicTiles(q_registers=True)` feeds QK^T its Q tile from registers (loaded once per work
+`Tiles(q_registers=True)` feeds QK^T its Q tile from registers (loaded once per work
 item), so that the tensor cores read only K out of shared memory; natively only (interpret
 mode keeps Q in shared memory). Which schedule is fastest is measured, not assumed:
 `benchmarks/attention.py --mosaic-tiles` times them side by side, and its records
@@ -78,6 +78,8 @@ from jax.experimental import pallas as pl
 
 from elastic_jax.attention.common import MODE_FULL, MODE_SPARSE
 from elastic_jax.attention.mosaic_gpu import backward as mosaic_gpu_backward
+from elastic_jax.attention.mosaic_gpu.tiles import (  # noqa: F401  (MosaicTiles: deprecated)
+    DEFAULT_TILES, MosaicTiles, Tiles)
 from elastic_jax.attention.reference import MASK_VALUE, Streaming
 
 try:  # the Mosaic GPU dialect ships with jaxlib; keep the package importable without it
@@ -93,47 +95,7 @@ SMEM_BYTES = 227 * 1024   # shared memory a Hopper thread block may use
 NO_WINDOW = np.iinfo(np.int32).max   # an XA row's window start (`_row_bounds`): beyond any row
 
 
-@dataclasses.dataclass(frozen=True)
-class MosaicTiles:
-  """Rows per compute warpgroup, keys per KV tile, K/V slots in the shared-memory ring, and
-  the compute warpgroups' schedule: with `overlap`, each issues tile s's QK^T and tile s-1's
-  PV together and runs tile s's softmax while the PV product is in flight (FlashAttention-3's
-  intra-warpgroup overlap, beside the two warpgroups' turns), holding one more score tile
-  and P in registers; without, QK^T, softmax, PV in turn. persistent = P > 0 launches P
-  programs (e.g. the GPU's SM count) that each take the work items p, p + P, ... in
-  heavy-first order, the K/V ring running on across items (the next item's first tiles load
-  while the last ones are computed); 0 launches one program per item. multicast (G a
-  multiple of 4, not persistent) launches the two programs of one KV head and query tile as
-  a cluster: each loads half of every K/V tile and the bulk copy engine multicasts it into
-  both programs' rings, halving the K/V traffic out of L2; a slot is free once both
-  programs' warpgroups have released it (a cluster barrier). q_registers (natively; interpret
-  mode keeps Q in shared memory) loads each warpgroup's Q tile into registers once, so that
-  QK^T reads only K out of shared memory. trace (natively; a diagnostic): a folder where the
-  Mosaic GPU profiler writes, on every call, a timeline of each warpgroup's regions of the
-  schedule with neither overlap nor chain (`TRACE_REGIONS`) as a Perfetto trace (JSON); each
-  region costs a few cycles of clock reads and stores, so a traced kernel runs slower. The events
-  collect in the shared memory the tiles leave free (about 64 KiB at the default tiles and
-  head_dim 128: walks up to about 24K tokens); not with persistent programs. chain (not with
-  overlap, persistent or trace): in its turn a compute warpgroup issues tile s+1's QK^T and
-  tile s's PV back to back and awaits both after the turn, where the schedule without overlap
-  awaits PV before it issues the next QK^T; the tensor cores then see no wait between a
-  warpgroup's two products, and the other warpgroup's softmax still covers them. A tile's K
-  is then released a step before its V, and each is refilled as soon as it is free. The
-  builders' default, `DEFAULT_TILES`, chains its products (on an H100, full heads 1.6-4.3%
-  faster than without, hybrid rows 0.4-8.5%; benchmarks/README.md); `MosaicTiles()` is the
-  schedule with neither overlap nor chain."""
-  block_q: int = 64
-  block_kv: int = 128
-  slots: int = 2
-  overlap: bool = False
-  persistent: int = 0
-  multicast: bool = False
-  q_registers: bool = False
-  trace: str = ""
-  chain: bool = False
-
-
-# The regions a traced kernel (`MosaicTiles.trace`) records per KV tile, in order, in the
+# The regions a traced kernel (`Tiles.trace`) records per KV tile, in order, in the
 # schedule with neither overlap nor chain: issuing QK^T, the warpgroups' turn before its
 # result is read, waiting for the result, the softmax (with the accumulator's rescale and P's
 # cast), the turn and the V tile before PV, then issuing PV, the next K tile's arrival and
@@ -141,7 +103,6 @@ class MosaicTiles:
 TRACE_REGIONS = ("qk_issue", "qk_turn", "qk_wait", "softmax", "pv_turn", "pv")
 
 
-DEFAULT_TILES = MosaicTiles(chain=True)
 # The builders' training kernels: "auto" (the Mosaic GPU ones natively where they take the
 # shapes, the Triton ones in interpret mode and elsewhere), "mosaic" (also in interpret
 # mode), "triton".
@@ -149,7 +110,7 @@ TRAINING = ("auto", "mosaic", "triton")
 
 
 def applies(q_shape, k_shape, dtype, streaming: Streaming,
-            tiles: MosaicTiles = DEFAULT_TILES) -> bool:
+            tiles: Tiles = DEFAULT_TILES) -> bool:
   """Whether this kernel takes a call of these shapes (else the Triton kernel does)."""
   if plgpu is None:
     return False
@@ -173,7 +134,7 @@ def applies(q_shape, k_shape, dtype, streaming: Streaming,
           and not (tiles.chain and (tiles.overlap or tiles.persistent or tiles.trace)))
 
 
-def rows_per_program(groups: int, tiles: MosaicTiles) -> int:
+def rows_per_program(groups: int, tiles: Tiles) -> int:
   return tiles.block_q if groups >= 2 else _COMPUTE_WGS * tiles.block_q
 
 
@@ -251,7 +212,7 @@ class _Launch:
   groups: int
   num_kv_heads: int
   streaming: Streaming
-  tiles: MosaicTiles
+  tiles: Tiles
   scale: float
   num_q_tiles: int
   xa: XAWalk | None
@@ -419,7 +380,7 @@ def _packed_program_walk(launch: _Launch, refs: _Refs, b, kv_head, qt, q_start) 
 
 
 def _kernel(modes_ref, plan_ref, xa_refs, q_ref, k_ref, v_ref, rows_ref, out_refs, scoped, *,
-            groups, num_kv_heads, streaming, tiles: MosaicTiles, scale, num_q_tiles,
+            groups, num_kv_heads, streaming, tiles: Tiles, scale, num_q_tiles,
             xa: "XAWalk | None", item=None, base=None, role=None):
   """One program: `rows` query rows of one or two query heads. Unpacked rows (plan_ref None)
   walk `walk`'s list (an XA head: `xa_walk`'s, reading its kept-block list from xa_refs) and
@@ -629,7 +590,7 @@ def _add_pv(cons: _Consumer, acc, body, outs_like=()):
 
 
 def _overlapped(cons: _Consumer, acc, m_i, l_i, ranges):
-  """The walk with FlashAttention-3's intra-warpgroup overlap (`MosaicTiles.overlap`). Step s
+  """The walk with FlashAttention-3's intra-warpgroup overlap (`Tiles.overlap`). Step s
   issues tile s's QK^T and tile s-1's PV back to back, awaits only the first, and runs tile
   s's softmax (P in float32) while the PV product is in flight; once that product is awaited
   it rescales the accumulator to the new row max and casts P for step s+1's PV (registers a
@@ -716,7 +677,7 @@ def _overlapped(cons: _Consumer, acc, m_i, l_i, ranges):
 
 
 def _chained(cons: _Consumer, acc, m_i, l_i, ranges):
-  """The walk without overlap, its products chained (`MosaicTiles.chain`): step s runs tile
+  """The walk without overlap, its products chained (`Tiles.chain`): step s runs tile
   s's softmax on the scores the last turn left, then, in the warpgroup's turn, issues tile
   s+1's QK^T and tile s's PV, and awaits both after the turn. Step 0's QK^T is issued alone
   before the loop; the last step, peeled, issues its PV alone and runs masked (the masks are
@@ -779,7 +740,7 @@ def _chained(cons: _Consumer, acc, m_i, l_i, ranges):
 
 
 def _plain(cons: _Consumer, acc, m_i, l_i):
-  """The walk with neither overlap nor chain (`MosaicTiles()`): per step, in the warpgroup's
+  """The walk with neither overlap nor chain (`Tiles(chain=False)`): per step, in the warpgroup's
   turn, QK^T, its wait, the softmax, then, in the next turn, PV (awaited before the next
   step's QK^T), in the regions a traced kernel records (`TRACE_REGIONS`)."""
   refs, w, scale = cons.refs, cons.walk, cons.launch.scale
@@ -982,7 +943,7 @@ def _step_ranges(packed, steps, lo, n1, second_start, q_start, rows, row0, block
   return ranges
 
 
-def forward_call(q, k, v, modes, *, streaming: Streaming, tiles: MosaicTiles, scale, interpret,
+def forward_call(q, k, v, modes, *, streaming: Streaming, tiles: Tiles, scale, interpret,
           walks=None, row_bounds=None, xa: XAWalk | None = None, xa_lists=None,
           lse: bool = False):
   """The kernel over padded inputs. Packed rows: `walks`, the six fields of `packed_walk`,
@@ -1001,7 +962,7 @@ def forward_call(q, k, v, modes, *, streaming: Streaming, tiles: MosaicTiles, sc
   kh = k.shape[2]
   groups = n // kh
   if tiles.multicast and interpret:
-    raise ValueError("MosaicTiles(multicast=True) runs natively only: Pallas's GPU interpreter "
+    raise ValueError("Tiles(multicast=True) runs natively only: Pallas's GPU interpreter "
                      "has no multicast copy between the programs of a cluster")
   rows = rows_per_program(groups, tiles)
   heads_per_program = _COMPUTE_WGS if groups >= 2 else 1

@@ -27,12 +27,11 @@ from elastic_jax.attention.common import (MODE_FULL, MODE_SPARSE, kernel_or_refe
                                           row_deltas, segment_bounds, with_fused_backward,
                                           xa_operands)
 from elastic_jax.attention.mosaic_gpu import backward as mosaic_gpu_backward
-from elastic_jax.attention.mosaic_gpu.backward import (DEFAULT_BACKWARD_TILES, BackwardTiles,
-                                                      XATerms)
-from elastic_jax.attention.mosaic_gpu.forward import (DEFAULT_TILES, NO_WINDOW, PLAN_WIDTH,
-                                                     TRAINING, MosaicTiles, XAWalk, applies,
-                                                     forward_call, packed_walk,
+from elastic_jax.attention.mosaic_gpu.backward import XATerms
+from elastic_jax.attention.mosaic_gpu.forward import (NO_WINDOW, PLAN_WIDTH, TRAINING, XAWalk,
+                                                     applies, forward_call, packed_walk,
                                                      rows_per_program)
+from elastic_jax.attention.mosaic_gpu.tiles import DEFAULT_TILES, Tiles, takes_backward_tiles
 from elastic_jax.attention.pallas_gpu import hybrid as pallas_gpu
 from elastic_jax.attention.reference import Streaming, split_patterns
 from elastic_jax.attention.xattention import block_lists
@@ -45,7 +44,7 @@ except ImportError:  # pragma: no cover
 
 @functools.partial(jax.jit, static_argnames=("streaming", "tiles", "interpret"))
 def hybrid_forward_hard(q, k, v, gate_bk, streaming: Streaming, *,
-                        tiles: MosaicTiles = DEFAULT_TILES, interpret: bool = False):
+                        tiles: Tiles = DEFAULT_TILES, interpret: bool = False):
   """The kernel alone, for gates of 0 or 1 (a fractional gate counts as full): q [B, T, N, H],
   k/v [B, T, K, H], gate [B, K] -> [B, T, N, H]."""
   if not applies(q.shape, k.shape, q.dtype, streaming, tiles):
@@ -60,7 +59,7 @@ def hybrid_forward_hard(q, k, v, gate_bk, streaming: Streaming, *,
 
 
 def hybrid_forward(q, k, v, gate_bk, streaming: Streaming, *,
-                   tiles: MosaicTiles = DEFAULT_TILES, interpret: bool = False):
+                   tiles: Tiles = DEFAULT_TILES, interpret: bool = False):
   """Inference forward: this kernel where every gate is 0 or 1, the Triton kernel otherwise
   (decided at run time: one compilation serves both). Shapes as `hybrid_forward_hard`."""
   hard = hard_gates(gate_bk)
@@ -72,14 +71,14 @@ def hybrid_forward(q, k, v, gate_bk, streaming: Streaming, *,
 
 
 def xa_applies(q_shape, k_shape, dtype, streaming: Streaming, xa_block: int,
-               tiles: MosaicTiles = DEFAULT_TILES) -> bool:
+               tiles: Tiles = DEFAULT_TILES) -> bool:
   """Whether this kernel takes XAttention heads of `xa_block`-token blocks for these shapes:
   `applies`, and blocks made of whole KV tiles and whole programs' rows."""
   return (applies(q_shape, k_shape, dtype, streaming, tiles)
           and _xa_tiles_fit(q_shape[2] // k_shape[2], xa_block, tiles))
 
 
-def _xa_tiles_fit(groups: int, xa_block: int, tiles: MosaicTiles) -> bool:
+def _xa_tiles_fit(groups: int, xa_block: int, tiles: Tiles) -> bool:
   return xa_block % tiles.block_kv == 0 and xa_block % rows_per_program(groups, tiles) == 0
 
 
@@ -103,7 +102,7 @@ def _checked_xa_call(name: str, q_shape, k_shape, keep_shape, patterns: str, xa_
 
 
 def _checked_xa_forward(name: str, q, k, xa_keep, streaming: Streaming, patterns: str,
-                        xa_block: int, tiles: MosaicTiles):
+                        xa_block: int, tiles: Tiles):
   """`_checked_xa_call` for this file's XA forwards (the shapes: `xa_applies`)."""
   return _checked_xa_call(
       name, q.shape, k.shape, xa_keep.shape, patterns, xa_block,
@@ -115,7 +114,7 @@ def _checked_xa_forward(name: str, q, k, xa_keep, streaming: Streaming, patterns
 @functools.partial(jax.jit, static_argnames=("streaming", "patterns", "xa_block", "tiles",
                                              "interpret"))
 def xa_forward_hard(q, k, v, gate_bk, xa_keep, streaming: Streaming, *, patterns: str,
-                    xa_block: int, tiles: MosaicTiles = DEFAULT_TILES, interpret: bool = False):
+                    xa_block: int, tiles: Tiles = DEFAULT_TILES, interpret: bool = False):
   """The kernel alone under the XAttention settings ("fa-xa", "xa-ssa"), for gates of 0 or 1
   (a fractional gate takes the gate-1 pattern's walk; `make_hybrid(xa=True)` sends fractional
   gates to the Triton kernel): the heads of XA's mode walk their kept blocks (xa_keep [B, K, nb, nb]
@@ -138,7 +137,7 @@ def xa_forward_hard(q, k, v, gate_bk, xa_keep, streaming: Streaming, *, patterns
   return out[:, :t]
 
 
-def _build_xa(tiles: MosaicTiles, training: str, backward_tiles: BackwardTiles):
+def _build_xa(tiles: Tiles, training: str):
   """`make_hybrid(xa=True)`: `pallas_gpu.make_hybrid(xa=True)` with this kernel as the
   undifferentiated forward where gates are 0 or 1 (decided at run time) and it `xa_applies`.
   training (`TRAINING`): the Mosaic kernels are `xa_forward_train` and `xa_backward`, where
@@ -159,14 +158,13 @@ def _build_xa(tiles: MosaicTiles, training: str, backward_tiles: BackwardTiles):
   train, grads = _training(
       lambda q_shape, k_shape, dtype, streaming, patterns, xa_block, interpret: (
           _mosaic_training(training, interpret) and xa_trains(
-              q_shape, k_shape, dtype, streaming, xa_block, tiles, backward_tiles)),
+              q_shape, k_shape, dtype, streaming, xa_block, tiles)),
       lambda q, k, v, gate_bk, xa_keep, streaming, patterns, xa_block, interpret: (
           xa_forward_train(q, k, v, gate_bk, xa_keep, streaming, patterns=patterns,
-                           xa_block=xa_block, tiles=tiles, backward_tiles=backward_tiles,
-                           interpret=interpret)),
+                           xa_block=xa_block, tiles=tiles, interpret=interpret)),
       lambda streaming, patterns, xa_block, interpret, res, d_out: (*xa_backward(
-          res, d_out, streaming, patterns=patterns, xa_block=xa_block,
-          backward_tiles=backward_tiles, interpret=interpret), None),
+          res, d_out, streaming, patterns=patterns, xa_block=xa_block, tiles=tiles,
+          interpret=interpret), None),
       triton_train, triton_backward, num_static=4)
   return with_fused_backward(forward, train, grads, num_arrays=5, num_static=4)
 
@@ -215,42 +213,43 @@ def _mosaic_training(training: str, interpret: bool) -> bool:
   return training == "mosaic" or (training == "auto" and not interpret)
 
 
-def trains(q_shape, k_shape, dtype, streaming: Streaming, tiles: MosaicTiles = DEFAULT_TILES,
-           backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES) -> bool:
+@takes_backward_tiles(positional=True)
+def trains(q_shape, k_shape, dtype, streaming: Streaming, tiles: Tiles = DEFAULT_TILES) -> bool:
   """Whether the Mosaic GPU training kernels take a call of these shapes: the forward's layout
   (`applies`) and the backward's (`mosaic_gpu_backward.applies`)."""
   groups = q_shape[2] // k_shape[2]
   return (applies(q_shape, k_shape, dtype, streaming, tiles)
-          and mosaic_gpu_backward.applies(groups, streaming, backward_tiles, q_shape[3]))
+          and mosaic_gpu_backward.applies(groups, streaming, tiles, q_shape[3]))
 
 
-def forward_train(q, k, v, gate_bk, streaming: Streaming, *, tiles: MosaicTiles = DEFAULT_TILES,
-                  backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES,
+@takes_backward_tiles()
+def forward_train(q, k, v, gate_bk, streaming: Streaming, *, tiles: Tiles = DEFAULT_TILES,
                   interpret: bool = False):
   """The training forward on this kernel: O = r O_FA + (1 - r) O_SSA for any gates, and the
   residuals of `backward`. O_FA and O_SSA of every head (the gate's gradient needs both) are
   two launches with every head full, then every head streaming; the second visits only the
   sink and window tiles, so the pair costs one full pass and a small one, as the one-walk
-  Triton training forward does. Shapes as `hybrid_forward_hard`."""
-  return _forward_train(q, k, v, gate_bk, streaming, tiles, backward_tiles, interpret)
+  Triton training forward does. Shapes as `hybrid_forward_hard`. The residuals' padding
+  depends on the backward kernels' tiles too (`_training_length`): pass `backward` the same
+  tiles."""
+  return _forward_train(q, k, v, gate_bk, streaming, tiles, interpret)
 
 
-def _training_length(t: int, groups: int, tiles: MosaicTiles, backward_tiles: BackwardTiles,
-                     xa_block: int = 1):
+def _training_length(t: int, groups: int, tiles: Tiles, xa_block: int = 1):
   """T padded to whole programs of the forward and of both backward kernels (and to whole XA
   blocks: the dK/dV kernel walks a listed query block's every tile)."""
-  tp = mosaic_gpu_backward.padded_length(t, groups, backward_tiles)
+  tp = mosaic_gpu_backward.padded_length(t, groups, tiles)
   return tp + -tp % math.lcm(rows_per_program(groups, tiles), tiles.block_kv, xa_block)
 
 
-def _forward_train(q, k, v, gate_bk, streaming, tiles, backward_tiles, interpret, xa=None):
+def _forward_train(q, k, v, gate_bk, streaming, tiles, interpret, xa=None):
   """`forward_train`; under the XAttention settings xa = (`XATerms`, `common.xa_operands`'s
   lists; its blocks span the padded length), and a launch whose pattern is "xa" walks every
   head's kept blocks."""
   b, t, n, d = q.shape
   kh = k.shape[2]
   tp = (xa[0].num_blocks * xa[0].block if xa
-        else _training_length(t, n // kh, tiles, backward_tiles))
+        else _training_length(t, n // kh, tiles))
   qp, kp, vp = (pad_to(x, 1, tp) for x in (q, k, v))
 
   def run(term, mode, q, k, v):
@@ -270,15 +269,16 @@ def _forward_train(q, k, v, gate_bk, streaming, tiles, backward_tiles, interpret
   return o, (qp, kp, vp, gate_bk, o_fa, o_gap, fa[2], sa[2])
 
 
-def backward(residuals, d_out, streaming: Streaming, *,
-             backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES, interpret: bool = False):
+@takes_backward_tiles()
+def backward(residuals, d_out, streaming: Streaming, *, tiles: Tiles = DEFAULT_TILES,
+             interpret: bool = False):
   """(dq, dk, dv, d_gate) from `forward_train`'s residuals: the Mosaic GPU dQ and dK/dV
   kernels (`mosaic_gpu_backward`); the gate's gradient is rowsum(dO * (O_FA - O_SSA)) summed
   per (batch, KV head) (`common.row_deltas`)."""
-  return _backward(residuals, d_out, streaming, backward_tiles, interpret)
+  return _backward(residuals, d_out, streaming, tiles, interpret)
 
 
-def _backward(residuals, d_out, streaming, backward_tiles, interpret, dq_xa=None, dkv_xa=None):
+def _backward(residuals, d_out, streaming, tiles, interpret, dq_xa=None, dkv_xa=None):
   """`backward`; under the XAttention settings dq_xa and dkv_xa are the kernels' `xa`."""
   qp, kp, vp, gate_bk, o_fa, o_gap, lse_fa, lse_sa = residuals
   t, tp = d_out.shape[1], qp.shape[1]
@@ -286,67 +286,65 @@ def _backward(residuals, d_out, streaming, backward_tiles, interpret, dq_xa=None
   terms = _row_terms(tp, lse_fa, lse_sa, d_fa, d_sa)
   do = pad_to(d_out.astype(qp.dtype), 1, tp)
   gate = gate_bk.astype(jnp.float32).reshape(-1)
-  kw = dict(streaming=streaming, tiles=backward_tiles, interpret=interpret)
+  kw = dict(streaming=streaming, tiles=tiles, interpret=interpret)
   operands = (qp, kp, vp, do, terms, modes_from_gate(gate), gate)
   dq = mosaic_gpu_backward.dq_call(*operands, xa=dq_xa, **kw)
   dk, dv = mosaic_gpu_backward.dkv_call(*_after(dq, operands), xa=dkv_xa, **kw)
   return dq[:, :t], dk[:, :t], dv[:, :t], d_gate
 
 
+@takes_backward_tiles(positional=True)
 def xa_trains(q_shape, k_shape, dtype, streaming: Streaming, xa_block: int,
-              tiles: MosaicTiles = DEFAULT_TILES,
-              backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES) -> bool:
+              tiles: Tiles = DEFAULT_TILES) -> bool:
   """Whether the Mosaic GPU training kernels take the XAttention settings with blocks of
   `xa_block` tokens: `trains` and `_xa_blocks_fit`."""
-  return (trains(q_shape, k_shape, dtype, streaming, tiles, backward_tiles)
-          and _xa_blocks_fit(q_shape, k_shape, xa_block, tiles, backward_tiles))
+  return (trains(q_shape, k_shape, dtype, streaming, tiles)
+          and _xa_blocks_fit(q_shape, k_shape, xa_block, tiles))
 
 
-def _xa_blocks_fit(q_shape, k_shape, xa_block: int, tiles: MosaicTiles,
-                   backward_tiles: BackwardTiles) -> bool:
+def _xa_blocks_fit(q_shape, k_shape, xa_block: int, tiles: Tiles) -> bool:
   """XAttention blocks made of whole KV tiles and whole programs of the forward
   (`_xa_tiles_fit`) and of both backward kernels."""
   groups = q_shape[2] // k_shape[2]
   return (_xa_tiles_fit(groups, xa_block, tiles)
           and all(xa_block % x == 0
-                  for x in mosaic_gpu_backward.program_sizes(groups, backward_tiles)))
+                  for x in mosaic_gpu_backward.program_sizes(groups, tiles)))
 
 
+@takes_backward_tiles()
 def xa_forward_train(q, k, v, gate_bk, xa_keep, streaming: Streaming, *, patterns: str,
-                     xa_block: int, tiles: MosaicTiles = DEFAULT_TILES,
-                     backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES,
-                     interpret: bool = False):
+                     xa_block: int, tiles: Tiles = DEFAULT_TILES, interpret: bool = False):
   """`forward_train` under the XAttention settings ("fa-xa", "xa-ssa"; kept blocks xa_keep
   [B, K, nb, nb] as `xa_forward_hard`): the launch of XA's term walks every head's kept
   blocks. Residuals: `forward_train`'s and the kept-block lists (`common.xa_operands`)."""
   pair, _ = _checked_xa_call(
       "xa_forward_train", q.shape, k.shape, xa_keep.shape, patterns, xa_block,
-      xa_trains(q.shape, k.shape, q.dtype, streaming, xa_block, tiles, backward_tiles),
+      xa_trains(q.shape, k.shape, q.dtype, streaming, xa_block, tiles),
       f"the Mosaic GPU training kernels do not take XAttention blocks of {xa_block} with q "
       f"{q.shape} {q.dtype}, k {k.shape}, {streaming} (see mosaic_gpu.xa_trains)")
   b, t, n, _ = q.shape
   kh = k.shape[2]
-  num_blocks = _training_length(t, n // kh, tiles, backward_tiles, xa_block) // xa_block
+  num_blocks = _training_length(t, n // kh, tiles, xa_block) // xa_block
   lists = xa_operands(xa_keep, num_blocks, b * kh)
-  out, res = _forward_train(q, k, v, gate_bk, streaming, tiles, backward_tiles, interpret,
+  out, res = _forward_train(q, k, v, gate_bk, streaming, tiles, interpret,
                             xa=(XATerms(pair, xa_block, num_blocks), lists))
   return out, (*res, *lists)
 
 
+@takes_backward_tiles()
 def xa_backward(residuals, d_out, streaming: Streaming, *, patterns: str, xa_block: int,
-                backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES,
-                interpret: bool = False):
+                tiles: Tiles = DEFAULT_TILES, interpret: bool = False):
   """(dq, dk, dv, d_gate) from `xa_forward_train`'s residuals: `backward` with the XA term
   walking the kept blocks (the dQ kernel a query block's row of the lists, the dK/dV kernel
   a key block's column, `mosaic_gpu_backward.xa_column_lists`)."""
   *residuals, index, count, keep = residuals
   terms = XATerms(split_patterns(patterns), xa_block, keep.shape[-1])
   columns = mosaic_gpu_backward.xa_column_lists(keep)
-  return _backward(residuals, d_out, streaming, backward_tiles, interpret,
+  return _backward(residuals, d_out, streaming, tiles, interpret,
                    dq_xa=(terms, (index, count, keep)), dkv_xa=(terms, (*columns, keep)))
 
 
-def _build_plain(tiles: MosaicTiles, training: str, backward_tiles: BackwardTiles):
+def _build_plain(tiles: Tiles, training: str):
   """`make_hybrid()`: `pallas_gpu.make_hybrid` with this kernel as the undifferentiated
   forward where it `applies`. training (`TRAINING`): the Mosaic kernels are `forward_train`
   and `backward`, where `trains`; the Triton training kernels elsewhere."""
@@ -359,13 +357,11 @@ def _build_plain(tiles: MosaicTiles, training: str, backward_tiles: BackwardTile
 
   train, grads = _training(
       lambda q_shape, k_shape, dtype, streaming, interpret: _mosaic_training(
-          training, interpret) and trains(q_shape, k_shape, dtype, streaming, tiles,
-                                          backward_tiles),
+          training, interpret) and trains(q_shape, k_shape, dtype, streaming, tiles),
       lambda q, k, v, gate_bk, streaming, interpret: forward_train(
-          q, k, v, gate_bk, streaming, tiles=tiles, backward_tiles=backward_tiles,
-          interpret=interpret),
+          q, k, v, gate_bk, streaming, tiles=tiles, interpret=interpret),
       lambda streaming, interpret, res, d_out: backward(
-          res, d_out, streaming, backward_tiles=backward_tiles, interpret=interpret),
+          res, d_out, streaming, tiles=tiles, interpret=interpret),
       triton_train, triton_backward)
   return with_fused_backward(forward, train, grads)
 
@@ -486,7 +482,7 @@ def packed_xa_walk(q_plan, xa_lists, rows: int, block_kv: int, xa_block: int):
 
 
 def packed_forward_hard(q, k, v, gate_btk, segment_ids, positions, streaming: Streaming, *,
-                        tiles: MosaicTiles = DEFAULT_TILES, interpret: bool = False):
+                        tiles: Tiles = DEFAULT_TILES, interpret: bool = False):
   """The kernel alone on packed rows (`packed_rows_apply` must hold): q [B, T, N, H], k/v
   [B, T, K, H], gate [B, T, K] of 0 or 1, segment ids and positions [B, T] int.
 
@@ -506,7 +502,7 @@ def packed_forward_hard(q, k, v, gate_btk, segment_ids, positions, streaming: St
 
 def packed_xa_forward_hard(q, k, v, gate_btk, segment_ids, positions, xa_keep,
                            streaming: Streaming, *, patterns: str, xa_block: int,
-                           tiles: MosaicTiles = DEFAULT_TILES, interpret: bool = False):
+                           tiles: Tiles = DEFAULT_TILES, interpret: bool = False):
   """The kernel alone on packed rows under the XAttention settings ("fa-xa", "xa-ssa";
   `packed_rows_apply` must hold; xa_keep [B, K, nb, nb] as `xa_forward_hard`'s, e.g.
   `xattention.select` with the segment ids): each row takes its gate's pattern in one launch.
@@ -533,20 +529,20 @@ def packed_xa_forward_hard(q, k, v, gate_btk, segment_ids, positions, xa_keep,
   return out[:, :t]
 
 
-def _packed_trains(q_shape, k_shape, dtype, streaming, tiles, backward_tiles) -> bool:
+def _packed_trains(q_shape, k_shape, dtype, streaming, tiles) -> bool:
   """Whether the Mosaic GPU training kernels take packed rows of these shapes: `trains`, and
   rows long enough that both training paths pad them alike (the residuals of either path then
   have one layout, so the choice can be made at run time)."""
   t, groups = q_shape[1], q_shape[2] // k_shape[2]
   triton_tp = -(-t // 128) * 128          # the Triton training kernels' padding, for t > 64
   forward_tp = t + (-t % math.lcm(rows_per_program(groups, tiles), tiles.block_kv))
-  return (trains(q_shape, k_shape, dtype, streaming, tiles, backward_tiles) and t > 64
+  return (trains(q_shape, k_shape, dtype, streaming, tiles) and t > 64
           and forward_tp == triton_tp
-          and mosaic_gpu_backward.padded_length(t, groups, backward_tiles) == triton_tp)
+          and mosaic_gpu_backward.padded_length(t, groups, tiles) == triton_tp)
 
 
 def packed_forward_train(q, k, v, gate_btk, segment_ids, positions, streaming: Streaming, *,
-                         tiles: MosaicTiles = DEFAULT_TILES, interpret: bool = False):
+                         tiles: Tiles = DEFAULT_TILES, interpret: bool = False):
   """The training forward over packed rows (positions must count up within each segment,
   `positions_count_up`): O = r O_FA + (1 - r) O_SSA per row, and the residuals in the layout
   of the Triton packed kernels' (`pallas_gpu.packed_parts`), so that either backward takes
@@ -591,8 +587,8 @@ def _packed_forward_train(q, k, v, gate_btk, segment_ids, positions, streaming, 
              o_gap, outs[0][2], outs[1][2], segment_ids, positions, xa_keep)
 
 
-def packed_xa_list_spans(keep, q_plan, k_plan, xa_block: int, backward_tiles: BackwardTiles,
-                         groups: int):
+@takes_backward_tiles()
+def packed_xa_list_spans(keep, q_plan, k_plan, xa_block: int, tiles: Tiles, groups: int):
   """The parts of the kept-block lists the packed backward kernels walk (keep [B * K, nb, nb]
   int32 of `common.xa_operands`; `common.packed_plan`'s q_plan broadcast to [B, K, nq, 8]
   over dQ programs, k_plan [B, nk, 4] over dK/dV programs):
@@ -603,8 +599,7 @@ def packed_xa_list_spans(keep, q_plan, k_plan, xa_block: int, backward_tiles: Ba
       blocks that kept its key block) lie before its segment's end."""
   b, kh, nq = q_plan.shape[:3]
   nb = keep.shape[-1]
-  dq_rows, dq_block_kv, keys, block_q = mosaic_gpu_backward.program_sizes(groups,
-                                                                         backward_tiles)
+  dq_rows, dq_block_kv, keys, block_q = mosaic_gpu_backward.program_sizes(groups, tiles)
   keep = keep.reshape(b, kh, nb, nb)
   q_blocks = jnp.arange(nq, dtype=jnp.int32) * dq_rows // xa_block
   first = _first_listed(keep, q_blocks, q_plan[..., 0], dq_block_kv, xa_block)
@@ -618,16 +613,16 @@ def packed_xa_list_spans(keep, q_plan, k_plan, xa_block: int, backward_tiles: Ba
   return first, later
 
 
-def packed_backward(residuals, d_out, streaming: Streaming, *,
-                    backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES,
+@takes_backward_tiles()
+def packed_backward(residuals, d_out, streaming: Streaming, *, tiles: Tiles = DEFAULT_TILES,
                     interpret: bool = False):
   """(dq, dk, dv, d_gate, 0, 0) of packed rows from `packed_forward_train`'s residuals (the
   gate's gradient per row; float0 zeros for the segment ids and positions): the Mosaic GPU
   dQ and dK/dV kernels walking `common.packed_plan`'s schedules, masks from per-row bounds."""
-  return _packed_backward(residuals, d_out, streaming, backward_tiles, interpret)
+  return _packed_backward(residuals, d_out, streaming, tiles, interpret)
 
 
-def _packed_backward(residuals, d_out, streaming, backward_tiles, interpret, pair=None,
+def _packed_backward(residuals, d_out, streaming, tiles, interpret, pair=None,
                      xa_block: int = 0):
   """`packed_backward`; under the XAttention settings (the pattern pair and the XA block) the
   kernels also walk the kept-block lists built from the residuals' kept blocks
@@ -643,9 +638,8 @@ def _packed_backward(residuals, d_out, streaming, backward_tiles, interpret, pai
   gate_rows = gate.transpose(0, 2, 1)                                     # [B, Tp, K]
   bounds = _row_bounds(seg, pos, jnp.zeros_like(gate_rows), streaming)[:, 0]   # [B, 3, Tp]
   do = pad_to(d_out.astype(qp.dtype), 1, tp)
-  bt = backward_tiles
   flat = lambda x: x.reshape(-1).astype(jnp.int32)
-  dq_rows, dq_block_kv, keys, block_q = mosaic_gpu_backward.program_sizes(groups, bt)
+  dq_rows, dq_block_kv, keys, block_q = mosaic_gpu_backward.program_sizes(groups, tiles)
   q_sched = packed_plan(seg, pos, gate_rows, streaming, dq_rows, dq_block_kv)
   q_plan = jnp.broadcast_to(q_sched["q_plan"][:, None], q_sched["q_modes"].shape + (8,))
   k_sched = packed_plan(seg, pos, gate_rows, streaming, block_q, keys)
@@ -653,11 +647,11 @@ def _packed_backward(residuals, d_out, streaming, backward_tiles, interpret, pai
   if pair is not None:
     terms_xa = XATerms(pair, xa_block, keep.shape[-1])
     index, count = block_lists(keep != 0)
-    first, later = packed_xa_list_spans(keep, q_plan, k_sched["k_plan"], xa_block, bt,
+    first, later = packed_xa_list_spans(keep, q_plan, k_sched["k_plan"], xa_block, tiles,
                                         groups)
     dq_xa = (terms_xa, (index, count, keep, first))
     dkv_xa = (terms_xa, (mosaic_gpu_backward.xa_column_lists(keep)[0], later, keep))
-  kw = dict(streaming=streaming, tiles=bt, interpret=interpret, bounds=bounds)
+  kw = dict(streaming=streaming, tiles=tiles, interpret=interpret, bounds=bounds)
   dq = mosaic_gpu_backward.dq_call(qp, kp, vp, do, terms, flat(q_sched["q_modes"]), None,
                                    plan=[flat(q_plan[..., x]) for x in range(7)], xa=dq_xa,
                                    **kw)
@@ -669,7 +663,7 @@ def _packed_backward(residuals, d_out, streaming, backward_tiles, interpret, pai
   return (dq[:, :t], dk[:, :t], dv[:, :t], d_gate, zero_int(segment_ids), zero_int(positions))
 
 
-def _build_packed(tiles: MosaicTiles, training: str, backward_tiles: BackwardTiles):
+def _build_packed(tiles: Tiles, training: str):
   """`make_hybrid(packed=True)`: `pallas_gpu.make_hybrid(packed=True)` with this kernel as the
   undifferentiated forward where it `applies` and, at run time, `packed_rows_apply`.
   training (`TRAINING`): the Mosaic kernels are `packed_forward_train` and `packed_backward`,
@@ -689,11 +683,11 @@ def _build_packed(tiles: MosaicTiles, training: str, backward_tiles: BackwardTil
   train, grads = _training(
       lambda q_shape, k_shape, dtype, streaming, interpret: _mosaic_training(
           training, interpret) and (
-          _packed_trains(q_shape, k_shape, dtype, streaming, tiles, backward_tiles)),
+          _packed_trains(q_shape, k_shape, dtype, streaming, tiles)),
       lambda q, k, v, gate_btk, seg, pos, streaming, interpret: packed_forward_train(
           q, k, v, gate_btk, seg, pos, streaming, tiles=tiles, interpret=interpret),
       lambda streaming, interpret, res, d_out: packed_backward(
-          res, d_out, streaming, backward_tiles=backward_tiles, interpret=interpret),
+          res, d_out, streaming, tiles=tiles, interpret=interpret),
       triton_train, triton_backward, packed=True)
   return with_fused_backward(forward, train, grads, num_arrays=6)
 
@@ -727,18 +721,17 @@ def _training(mosaic_trains, mosaic_train, mosaic_backward, triton_train, triton
   return train, backward
 
 
+@takes_backward_tiles()
 def packed_xa_forward_train(q, k, v, gate_btk, segment_ids, positions, xa_keep,
                             streaming: Streaming, *, patterns: str, xa_block: int,
-                            tiles: MosaicTiles = DEFAULT_TILES,
-                            backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES,
-                            interpret: bool = False):
+                            tiles: Tiles = DEFAULT_TILES, interpret: bool = False):
   """`packed_forward_train` under the XAttention settings ("fa-xa", "xa-ssa"; xa_keep [B, K,
   nb, nb] the kept blocks of `xa_block` tokens, `xattention.select` with the segment ids):
   the launch of XA's term walks every row's kept blocks from its segment's on
   (`packed_xa_walk`). Residuals in the layout of the Triton packed XA kernels'."""
   pair, _ = _checked_xa_call(
       "packed_xa_forward_train", q.shape, k.shape, xa_keep.shape, patterns, xa_block,
-      _packed_xa_trains(q.shape, k.shape, q.dtype, streaming, xa_block, tiles, backward_tiles),
+      _packed_xa_trains(q.shape, k.shape, q.dtype, streaming, xa_block, tiles),
       f"the Mosaic GPU training kernels do not take packed rows with XAttention blocks of "
       f"{xa_block}, q {q.shape} {q.dtype}, k {k.shape}, {streaming} (see "
       f"mosaic_gpu._packed_xa_trains)")
@@ -746,27 +739,27 @@ def packed_xa_forward_train(q, k, v, gate_btk, segment_ids, positions, xa_keep,
                                interpret, xa_keep, pair, xa_block)
 
 
+@takes_backward_tiles()
 def packed_xa_backward(residuals, d_out, streaming: Streaming, *, patterns: str, xa_block: int,
-                       backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES,
-                       interpret: bool = False):
+                       tiles: Tiles = DEFAULT_TILES, interpret: bool = False):
   """(dq, dk, dv, d_gate, 0, 0, 0) from `packed_xa_forward_train`'s residuals (or the Triton
   packed XA kernels'): `packed_backward` with the XA term walking the kept-block lists."""
-  grads = _packed_backward(residuals, d_out, streaming, backward_tiles, interpret,
+  grads = _packed_backward(residuals, d_out, streaming, tiles, interpret,
                            split_patterns(patterns), xa_block)
   return (*grads, np.zeros(residuals[-1].shape, jax.dtypes.float0))
 
 
-def _packed_xa_trains(q_shape, k_shape, dtype, streaming, xa_block, tiles, backward_tiles):
+def _packed_xa_trains(q_shape, k_shape, dtype, streaming, xa_block, tiles):
   """`_packed_trains` under the XAttention settings: also `xa_trains`, and a padded length
   (both paths': T rounded up to 128) of whole XA blocks, since the dK/dV kernel walks a listed
   query block's every tile (packed rows cannot pad further: the Triton path's residuals fix
   the layout); other lengths take the Triton kernels."""
-  return (_packed_trains(q_shape, k_shape, dtype, streaming, tiles, backward_tiles)
-          and _xa_blocks_fit(q_shape, k_shape, xa_block, tiles, backward_tiles)
+  return (_packed_trains(q_shape, k_shape, dtype, streaming, tiles)
+          and _xa_blocks_fit(q_shape, k_shape, xa_block, tiles)
           and -(-q_shape[1] // 128) * 128 % xa_block == 0)
 
 
-def _build_packed_xa(tiles: MosaicTiles, training: str, backward_tiles: BackwardTiles):
+def _build_packed_xa(tiles: Tiles, training: str):
   """`make_hybrid(packed=True, xa=True)`: `pallas_gpu.make_hybrid(packed=True, xa=True)` (packed rows
   under the XAttention settings) with this kernel as the undifferentiated forward where it
   `xa_applies` and, at run time, `packed_rows_apply` (`packed_xa_forward_hard`; the Triton
@@ -789,20 +782,20 @@ def _build_packed_xa(tiles: MosaicTiles, training: str, backward_tiles: Backward
   train, grads = _training(
       lambda q_shape, k_shape, dtype, streaming, patterns, xa_block, interpret: (
           _mosaic_training(training, interpret) and _packed_xa_trains(
-              q_shape, k_shape, dtype, streaming, xa_block, tiles, backward_tiles)),
+              q_shape, k_shape, dtype, streaming, xa_block, tiles)),
       lambda q, k, v, gate_btk, seg, pos, xa_keep, streaming, patterns, xa_block, interpret: (
           packed_xa_forward_train(q, k, v, gate_btk, seg, pos, xa_keep, streaming,
                                   patterns=patterns, xa_block=xa_block, tiles=tiles,
-                                  backward_tiles=backward_tiles, interpret=interpret)),
+                                  interpret=interpret)),
       lambda streaming, patterns, xa_block, interpret, res, d_out: packed_xa_backward(
-          res, d_out, streaming, patterns=patterns, xa_block=xa_block,
-          backward_tiles=backward_tiles, interpret=interpret),
+          res, d_out, streaming, patterns=patterns, xa_block=xa_block, tiles=tiles,
+          interpret=interpret),
       triton_train, triton_backward, num_static=4, packed=True)
   return with_fused_backward(forward, train, grads, num_arrays=7, num_static=4)
 
 
-def make_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "auto",
-                backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES, *, packed: bool = False,
+@takes_backward_tiles(positional=True)
+def make_hybrid(tiles: Tiles = DEFAULT_TILES, training: str = "auto", *, packed: bool = False,
                 xa: bool = False):
   """This backend's op with a fused backward (`common.with_fused_backward`), the Triton
   kernels' counterpart (`pallas_gpu.make_hybrid` and its packed and XAttention kinds) with
@@ -815,7 +808,8 @@ def make_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "auto",
     make_hybrid(packed=True, xa=True)
                                    (q, k, v, gate [B, T, K], segment_ids, positions, xa_keep,
                                     streaming, patterns, xa_block, interpret)
-  tiles: the forward kernel's (`MosaicTiles`); backward_tiles: the dQ and dK/dV kernels'.
+  tiles (`Tiles`): the forward kernel's, the dQ and dK/dV kernels' (backward_tiles=, their
+  former own, is deprecated: merged into tiles).
   training (`TRAINING`): which training kernels run ("auto": the Mosaic GPU ones natively
   where they take the shapes, the Triton ones in interpret mode and elsewhere; "mosaic";
   "triton"). Where each kind's kernels run: `_build_plain`, `_build_packed`, `_build_xa`,
@@ -823,33 +817,33 @@ def make_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "auto",
   _check_training(training)
   build = {(False, False): _build_plain, (True, False): _build_packed,
            (False, True): _build_xa, (True, True): _build_packed_xa}[bool(packed), bool(xa)]
-  return build(tiles, training, backward_tiles)
+  return build(tiles, training)
 
 
 def _renamed(old: str, packed: bool, xa: bool):
   warnings.warn(f"mosaic_gpu.{old} is deprecated: use make_hybrid(packed={packed}, xa={xa})",
-                DeprecationWarning, stacklevel=3)
+                DeprecationWarning, stacklevel=4)   # past the `takes_backward_tiles` call
 
 
-def make_xa_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "auto",
-                   backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES):
+@takes_backward_tiles(positional=True)
+def make_xa_hybrid(tiles: Tiles = DEFAULT_TILES, training: str = "auto"):
   """Deprecated: `make_hybrid(xa=True)`."""
   _renamed("make_xa_hybrid", packed=False, xa=True)
-  return make_hybrid(tiles, training, backward_tiles, xa=True)
+  return make_hybrid(tiles, training, xa=True)
 
 
-def make_packed_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "auto",
-                       backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES):
+@takes_backward_tiles(positional=True)
+def make_packed_hybrid(tiles: Tiles = DEFAULT_TILES, training: str = "auto"):
   """Deprecated: `make_hybrid(packed=True)`."""
   _renamed("make_packed_hybrid", packed=True, xa=False)
-  return make_hybrid(tiles, training, backward_tiles, packed=True)
+  return make_hybrid(tiles, training, packed=True)
 
 
-def make_packed_xa_hybrid(tiles: MosaicTiles = DEFAULT_TILES, training: str = "auto",
-                          backward_tiles: BackwardTiles = DEFAULT_BACKWARD_TILES):
+@takes_backward_tiles(positional=True)
+def make_packed_xa_hybrid(tiles: Tiles = DEFAULT_TILES, training: str = "auto"):
   """Deprecated: `make_hybrid(packed=True, xa=True)`."""
   _renamed("make_packed_xa_hybrid", packed=True, xa=True)
-  return make_hybrid(tiles, training, backward_tiles, packed=True, xa=True)
+  return make_hybrid(tiles, training, packed=True, xa=True)
 
 
 hybrid_attention = functools.partial(kernel_or_reference, make_hybrid(),

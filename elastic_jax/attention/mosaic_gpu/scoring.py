@@ -19,7 +19,7 @@ over the same `rows` stride rows, share every key tile:
     softmax across tiles, the sums over a query block's rows and the mean over the group
     follow in jnp, one pass over the partial sums (`xattention.masses_from_tiles`).
 A program walks the column tiles on or left of its rows' diagonal (those holding a real
-column), S x H / depth steps each (`ScoringTiles.depth`: a step's share of head_dim);
+column), S x H / depth steps each (`Tiles.score_depth`: a step's share of head_dim);
 programs start heaviest first. Padding: T up to whole tiles of stride
 rows and columns; padded keys and queries are masked.
 
@@ -43,7 +43,6 @@ stride.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -53,6 +52,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from elastic_jax.attention.mosaic_gpu.forward import SMEM_BYTES
+from elastic_jax.attention.mosaic_gpu.tiles import (  # noqa: F401  (ScoringTiles: deprecated)
+    DEFAULT_TILES, ScoringTiles, Tiles)
 from elastic_jax.attention.reference import MASK_VALUE
 from elastic_jax.attention.xattention import XAttention, masses_from_tiles, num_blocks
 
@@ -69,44 +70,35 @@ _SUM_SCALE = 2.0 ** 14     # exp(score - m) <= 1, scaled into float16's normal r
 AUTO_BYTES = 2 << 30
 
 
-@dataclasses.dataclass(frozen=True)
-class ScoringTiles:
-  """Stride rows per compute warpgroup (one wgmma's 64), stride columns per tile, the depth of
-  one step's product (head_dim in pieces of `depth`: a step loads Q_t and K_t's columns
-  h*depth .. (h+1)*depth), ring slots."""
-  rows: int = 64
-  cols: int = 256
-  depth: int = 64
-  slots: int = 3
+DEFAULT_SCORING_TILES = DEFAULT_TILES   # deprecated: the one Tiles holds the scoring's fields
 
 
-DEFAULT_SCORING_TILES = ScoringTiles()
-
-
-def _smem_bytes(itemsize: int, blocks: int, tiles: ScoringTiles) -> int:
+def _smem_bytes(itemsize: int, blocks: int, tiles: Tiles) -> int:
   align = lambda n: -(-n // 1024) * 1024   # each allocation starts on 1024 bytes
-  ring = tiles.slots * (align(_COMPUTE_WGS * tiles.rows * tiles.depth * itemsize)
-                        + align(tiles.cols * tiles.depth * itemsize))
-  return (ring + align(tiles.cols * blocks * 2) + align(_COMPUTE_WGS * tiles.rows * blocks * 4)
-          + 2 * align(_COMPUTE_WGS * tiles.rows * 4) + 2304)   # + barriers, reserved
+  rows, cols, depth = tiles.score_rows, tiles.score_cols, tiles.score_depth
+  ring = tiles.score_slots * (align(_COMPUTE_WGS * rows * depth * itemsize)
+                              + align(cols * depth * itemsize))
+  return (ring + align(cols * blocks * 2) + align(_COMPUTE_WGS * rows * blocks * 4)
+          + 2 * align(_COMPUTE_WGS * rows * 4) + 2304)   # + barriers, reserved
 
 
 def applies(q_shape, k_shape, dtype, xa: XAttention,
-            tiles: ScoringTiles = DEFAULT_SCORING_TILES) -> bool:
+            tiles: Tiles = DEFAULT_TILES) -> bool:
   """Whether `block_mass_mosaic` takes these shapes (module docstring's constraints)."""
   _, _, n, d = q_shape
   kh = k_shape[2]
   per_block = xa.block // xa.stride
-  blocks = tiles.cols // per_block
+  blocks = tiles.score_cols // per_block
   return (plgpu is not None and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-          and d % tiles.depth == 0 and tiles.depth % 32 == 0 and n % kh == 0
-          and (n // kh) % 2 == 0 and tiles.rows == 64 and tiles.cols % per_block == 0
-          and blocks > 0 and blocks % 16 == 0 and tiles.cols % 64 == 0
+          and d % tiles.score_depth == 0 and tiles.score_depth % 32 == 0 and n % kh == 0
+          and (n // kh) % 2 == 0 and tiles.score_rows == 64
+          and tiles.score_cols % per_block == 0
+          and blocks > 0 and blocks % 16 == 0 and tiles.score_cols % 64 == 0
           and _smem_bytes(jnp.dtype(dtype).itemsize, blocks, tiles) <= SMEM_BYTES)
 
 
 def partial_sums_bytes(q_shape, xa: XAttention,
-                       tiles: ScoringTiles = DEFAULT_SCORING_TILES) -> int:
+                       tiles: Tiles = DEFAULT_TILES) -> int:
   """Bytes of the kernel's partial block sums, float32 [B, N, ns, nb'] (they grow as T^2:
   1 GiB at 128K tokens with 32 query heads, 16 GiB at 512K)."""
   b, t, n, _ = q_shape
@@ -114,20 +106,21 @@ def partial_sums_bytes(q_shape, xa: XAttention,
   return 4 * b * n * ns * (ns // (xa.block // xa.stride))
 
 
-def _stride_rows(t: int, xa: XAttention, tiles: ScoringTiles) -> int:
+def _stride_rows(t: int, xa: XAttention, tiles: Tiles) -> int:
   """Stride rows (and columns) after padding: whole tiles of rows and of columns."""
   per_block = xa.block // xa.stride
-  unit = math.lcm(tiles.rows, tiles.cols, per_block)
+  unit = math.lcm(tiles.score_rows, tiles.score_cols, per_block)
   return -(-max(num_blocks(t, xa) * per_block, -(-t // xa.stride)) // unit) * unit
 
 
 def _kernel(q_ref, k_ref, ind_ref, part_ref, max_ref, sum_ref, scoped, *, stride, per_block,
-            real, scale, groups, tiles: ScoringTiles, num_row_tiles):
+            real, scale, groups, tiles: Tiles, num_row_tiles):
   """One program: `rows` stride rows of two query heads of one KV head (module docstring)."""
   smem, ready, free = scoped
   q_smem, k_smem, ind_smem, part_smem, max_smem, sum_smem, e_smem = smem
   q_ready, k_ready, ind_ready = ready
-  rows, cols, depth, slots = tiles.rows, tiles.cols, tiles.depth, tiles.slots
+  rows, cols = tiles.score_rows, tiles.score_cols
+  depth, slots = tiles.score_depth, tiles.score_slots
   blocks = cols // per_block
   pieces = q_ref.shape[-1] // depth        # steps per stride offset t
   per_tile = stride * pieces               # steps per column tile
@@ -248,13 +241,14 @@ def _transforms(minor: int, dtype):
   return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
-def _call(q5, k5, ind, *, stride, per_block, real, scale, tiles: ScoringTiles, interpret):
+def _call(q5, k5, ind, *, stride, per_block, real, scale, tiles: Tiles, interpret):
   """The kernel over padded inputs q5 [B, ns, S, N, H], k5 [B, ns, S, K, H] and the indicator
   [cols, blocks] float16: (part float32 [B, N, ns, nb'], tile maxima and tile sums float32
   [B, N, nt, ns])."""
   b, ns, _, n, d = q5.shape
   kh = k5.shape[3]
-  rows, cols, depth, slots = tiles.rows, tiles.cols, tiles.depth, tiles.slots
+  rows, cols = tiles.score_rows, tiles.score_cols
+  depth, slots = tiles.score_depth, tiles.score_slots
   blocks = cols // per_block
   dtype = q5.dtype
 
@@ -299,7 +293,7 @@ def _call(q5, k5, ind, *, stride, per_block, real, scale, tiles: ScoringTiles, i
 
 @functools.partial(jax.jit, static_argnames=("xa", "tiles", "interpret"))
 def block_mass_mosaic(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention, *,
-                      tiles: ScoringTiles = DEFAULT_SCORING_TILES,
+                      tiles: Tiles = DEFAULT_TILES,
                       interpret: bool = False) -> jax.Array:
   """`xattention.block_mass` (unpacked rows) on the Mosaic GPU kernel: [B, K, nb, nb] float32.
   Raises ValueError where the kernel does not take the shapes (`applies`). Memory: the partial
@@ -320,12 +314,12 @@ def block_mass_mosaic(q_btnh: jax.Array, k_btkh: jax.Array, xa: XAttention, *,
   pad = lambda x: jnp.pad(x, [(0, 0), (0, ns * s - t), (0, 0), (0, 0)])
   q5 = pad(q_btnh).reshape(b, ns, s, n, d)
   k5 = pad(k_btkh).reshape(b, ns, s, kh, d)
-  blocks = tiles.cols // per_block
-  ind = (jnp.arange(tiles.cols)[:, None] // per_block
+  blocks = tiles.score_cols // per_block
+  ind = (jnp.arange(tiles.score_cols)[:, None] // per_block
          == jnp.arange(blocks)[None, :]).astype(jnp.float16)
   part, tile_max, tile_sum = _call(q5, k5, ind, stride=s, per_block=per_block, real=real,
                                    scale=1.0 / (d ** 0.5 * s), tiles=tiles,
                                    interpret=interpret)
-  return masses_from_tiles(part, tile_max, tile_sum, num_kv_heads=kh, rows=tiles.rows,
-                           cols=tiles.cols, per_block=per_block, real=real,
+  return masses_from_tiles(part, tile_max, tile_sum, num_kv_heads=kh, rows=tiles.score_rows,
+                           cols=tiles.score_cols, per_block=per_block, real=real,
                            nb=num_blocks(t, xa))
