@@ -25,6 +25,14 @@ SINK, RING = 8, 24
 D, G = 16, 4
 
 
+@pytest.fixture(autouse=True)
+def _float32_products():
+  """On a GPU, XLA multiplies float32 in TF32 by default (errors near 3e-4 here); the oracle
+  is float64, so the products run in full float32 on every platform."""
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
 def _oracle(q_gh, hist_k, hist_v, pos, streaming):
   """Softmax attention of one slot's G queries at position pos over positions 0..pos (those
   the streaming rule allows when `streaming`), in float64."""

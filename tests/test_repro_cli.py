@@ -103,9 +103,11 @@ def test_mixture_refuses_another_tokenizer(tmp_path):
 
 
 def test_shipped_gpu_routers_route_by_task_regime():
-  # The routers trained on the GPU with configs/mixture.yaml (docs/results.md) load against the
-  # shipped backbone and keep more heads on full attention for far-context questions than for
-  # local ones, on prompts of the held-out wording they never saw.
+  # The routers trained on the GPU with configs/mixture.yaml at the sparsest budget where they
+  # beat every trained static set (docs/results.md §7h) load against the shipped backbone and
+  # keep more heads on full attention for far-context questions than for local ones, on
+  # prompts of the held-out wording they never saw; the trained static gate shipped beside
+  # them is one head set for every input, at about their average MSR.
   import numpy as np
   import elastic_jax as ej
   from elastic_jax.eval import mixture
@@ -114,22 +116,25 @@ def test_shipped_gpu_routers_route_by_task_regime():
   rng = np.random.default_rng(11)
   static = ej.ElasticModel.from_pretrained(
       BACKBONE, dtype="float32", routers=os.path.join(BACKBONE, "..", "routers_static"))
-  msr, static_gates = {}, []
+  msr, gates, static_gates = {}, {}, []
   for task in ("kv", "summary"):
     prompts = []
     for _ in range(4):
       s = mixture.make_sample(task, rng, 512, mixture.HELDOUT_TEMPLATE)
       prompts.append([mixture.BOS, *s.context.tolist(), *s.question.tolist()])
     gen = model.generate(prompts, attention="elastic", max_new_tokens=1)
-    msr[task] = float(np.mean(gen.msr))
+    msr[task], gates[task] = float(np.mean(gen.msr)), np.asarray(gen.gates)
     static_gates.append(static.generate(prompts, attention="elastic", max_new_tokens=1).gates)
-  assert msr["kv"] + 0.04 < msr["summary"], msr
-  # The trained static gate (the baseline at elastic's average MSR): one head set for every
-  # input, sparser than elastic on retrieval and denser than it on the local task.
+  assert msr["kv"] < msr["summary"], msr
+  # Every head full for a local question is full for every retrieval one too: the retrieval
+  # inputs add heads to the local set.
+  local = gates["summary"].max(axis=1)                         # [L, K] over the 4 prompts
+  assert (gates["kv"] >= local[:, None]).all()
   g = np.concatenate(static_gates, axis=1)                       # [L, 8 prompts, K]
   assert (g == g[:, :1]).all()
   static_msr = 1 - float(g[:, 0].mean())
-  assert msr["kv"] < static_msr < msr["summary"], (msr, static_msr)
+  assert abs(static_msr - (msr["kv"] + msr["summary"]) / 2) <= 1.5 / g[:, 0].size, (
+      msr, static_msr)
 
 
 def _report_dir(path, benchmark, tasks):
