@@ -192,6 +192,14 @@ def router_logits(p: dict, pooled_bskh: jax.Array) -> jax.Array:
   return _dense(x, p["route_w3"], p["route_b3"])
 
 
+def static_margin(static_logits) -> jax.Array:
+  """[L, K] from a static router's logits [L, K, C]: how strongly it sends each (layer, KV
+  head) pair to full attention (the full logit minus the sparse one; the one logit of a
+  sigmoid router), which ranks the pairs for a static head set of any size."""
+  z = jnp.asarray(static_logits, jnp.float32)
+  return z[..., 1] - z[..., 0] if z.shape[-1] == 2 else z[..., 0]
+
+
 def gumbel(key: jax.Array, shape, eps: float = 1e-10) -> jax.Array:
   u = jax.random.uniform(key, shape, jnp.float32)
   return -jnp.log(-jnp.log(u + eps) + eps)

@@ -43,6 +43,14 @@ def model_dir(tmp_path_factory):
   save_routers(str(root / "export" / "elastic_jax"),
                Routers(trainable["router"], rcfg, trainable["lambdas"]), cfg,
                targets=ObjectiveConfig().targets)
+  # A trained static router's export (router.static): one gate per (layer, KV head), its
+  # logit margins distinct so that they rank the heads.
+  srcfg = dataclasses.replace(rcfg, static=True)
+  logits = np.zeros((2, 2, 2), np.float32)
+  logits[..., 1] = np.arange(4, dtype=np.float32).reshape(2, 2) - 1.5
+  save_routers(str(root / "static" / "export" / "elastic_jax"),
+               Routers({"static_logits": logits}, srcfg, trainable["lambdas"]), cfg,
+               targets=ObjectiveConfig().targets)
   return root
 
 
@@ -55,14 +63,29 @@ def _eval(*args):
 def test_ruler_report_plots_and_resume(model_dir):
   out = model_dir / "ruler"
   args = ("ruler", "--model", model_dir / "m", "--routers", model_dir / "export/elastic_jax",
+          "--static-routers", model_dir / "static/export/elastic_jax",
           "--lengths", "1024", "--tasks", "niah_single_1,vt", "--samples", "2",
           "--dtype", "float32", "--attn-impl", "reference", "--out", out)
   proc = _eval(*args)
   assert proc.returncode == 0, proc.stderr[-3000:]
   lines = (out / "predictions.jsonl").read_text().splitlines()
-  assert len(lines) == 2 * 2 * 3                       # tasks x samples x settings
+  assert len(lines) == 2 * 2 * 4                       # tasks x samples x settings
   report = json.loads((out / "report.json").read_text())
-  assert set(report["attention"]) == {"full", "elastic", "most-chosen"}
+  assert set(report["attention"]) == {"full", "elastic", "most-chosen", "static-gate"}
+  # The static gate keeps full its highest-margin pairs, as many as elastic's average: here
+  # the last of the four (layer 1, KV head 1) first.
+  recs = [json.loads(x) for x in lines]
+  n_full = round(4 * np.mean([np.mean(r["gates"]) for r in recs if r["attention"] == "elastic"]))
+  for r in recs:
+    if r["attention"] == "static-gate":
+      assert np.asarray(r["gates"]).reshape(-1).tolist() == [0] * (4 - n_full) + [1] * n_full
+  assert "elastic − static-gate" in (out / "report.md").read_text()
+  # Input-dependent routers are no static gate: one sentence, exit 2, nothing written.
+  bad = _eval("ruler", "--model", model_dir / "m", "--routers",
+              model_dir / "export/elastic_jax", "--static-routers",
+              model_dir / "export/elastic_jax", "--out", model_dir / "bad")
+  assert bad.returncode == 2 and "not a static router" in bad.stderr
+  assert not (model_dir / "bad").exists()
   for body in report["attention"].values():
     assert set(body["tasks"]) == {"niah_single_1@1024", "vt@1024"}
     for row in body["tasks"].values():

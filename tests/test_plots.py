@@ -205,13 +205,19 @@ def _eval_run(tmp_path, name, rng, ways=("full", "elastic", "sparse", "most-chos
 
 def test_eval_report_plots(figures, tmp_path):
   rng = np.random.default_rng(0)
-  records, items = _mixture_records(rng)
+  records, items = _mixture_records(rng, ("full", "elastic", "sparse", "most-chosen",
+                                          "static-gate"))
   meta = {"benchmark": "mixture", "model": MODEL, "device": "cpu", "items": len(items),
           "patterns": "fa-ssa", "routers": "runs/toy/export/elastic_jax"}
   targets = {f"{t}@{v}": (0.3 if t in mixture.SENSITIVE else 1.0) for t in mixture.TASKS
              for v in ("seen", "held-out")}
-  paths = report.write(_summary(records, items), records, str(tmp_path), "mixture: toy", meta,
-                       targets)
+  summary = _summary(records, items)
+  paths = report.write(summary, records, str(tmp_path), "mixture: toy", meta, targets)
+  # Elastic minus the static gate over every item, counted here from the records themselves.
+  right = lambda way: np.array([records[(way, it.key)]["prediction"] == "a" for it in items])
+  want = 100 * float(np.mean(right("elastic").astype(float) - right("static-gate")))
+  assert summary["elastic_minus"]["static-gate"]["all"]["diff"] == pytest.approx(want)
+  assert "| **every item** |" in (tmp_path / "report.md").read_text()
   assert set(figures) == {"routing_map.png", "msr_per_task.png", "quality_vs_speedup.png"}
   for name, found in figures.items():
     assert not found, (name, found)

@@ -39,8 +39,11 @@ and fixed baselines, on benchmarks generated or read locally (nothing is downloa
 DIR: an HF directory (safetensors; the authors' released models carry their own routers) or
 one `python -m elastic_jax.convert` wrote, with its tokenizer files. R: the routers train.py
 exported (runs/X/export/elastic_jax). --attention picks how heads attend (full, elastic,
-sparse, most-chosen; default full,elastic,most-chosen with routers, else full,sparse; the
-old name `static` still means most-chosen). The output
+sparse, most-chosen, static-gate; default full,elastic,most-chosen with routers, else
+full,sparse; the old name `static` still means most-chosen). --static-routers S (a trained
+static router, train.py with router.static=true) adds static-gate: S's heads ranked by their
+logit margin, as many full as elastic's average, and the report puts elastic beside it and
+beside its most-chosen heads, paired over the same items. The output
 directory gets predictions.jsonl (resumable), report.json, report.md (the paper's Table 1
 layout) and PNG plots. LongBench data: the published JSONL files of THUDM/LongBench
 (data/*.jsonl; LongBench-E: *_e.jsonl) or LongBench-v2's data.json, in --data.
@@ -59,8 +62,12 @@ def _common(p: argparse.ArgumentParser, benchmark) -> None:
                  + ("; default: the shipped backbone" if default else ""))
   p.add_argument("--routers", help="router export directory (train.py's export/elastic_jax); "
                                    "default: the model directory's own routers, if any")
+  p.add_argument("--static-routers",
+                 help="a trained static router's export (train.py with router.static=true): "
+                      "adds static-gate, its heads at elastic's average MSR")
   p.add_argument("--attention", help="comma-separated ways heads attend: full, elastic, "
-                                     "sparse, most-chosen (elastic's most-chosen heads)")
+                                     "sparse, most-chosen (elastic's most-chosen heads), "
+                                     "static-gate (--static-routers' heads)")
   p.add_argument("--out", help="output directory (default runs/eval_<benchmark>); one run at a "
                                "time writes there (a second is refused while the first runs)")
   p.add_argument("--overwrite", action="store_true",
@@ -365,8 +372,9 @@ def check_out(out: str, args) -> None:
   from elastic_jax.files import check_apart, check_creatable
   if os.path.exists(out) and not os.path.isdir(out):
     raise ElasticJaxError(f"--out {out}: is a file, not a directory")
-  check_apart(out, [args.model, getattr(args, "routers", None), getattr(args, "data", None)],
-              "an input (--model, --routers or --data)")
+  check_apart(out, [args.model, getattr(args, "routers", None), getattr(args, "data", None),
+                   getattr(args, "static_routers", None)],
+              "an input (--model, --routers, --static-routers or --data)")
   check_creatable(out, "--out")
 
 
@@ -379,8 +387,29 @@ def default_attention(args, has_routers: bool) -> list[str]:
     return csv(args.attention)
   if not has_routers:
     return ["full", "sparse"]
-  return (["full", "elastic", "sparse", "most-chosen"] if args.command == "mixture"
+  ways = (["full", "elastic", "sparse", "most-chosen"] if args.command == "mixture"
           else ["full", "elastic", "most-chosen"])
+  return ways + (["static-gate"] if getattr(args, "static_routers", None) else [])
+
+
+def static_margin(args, model):
+  """[L, K] the ranking of --static-routers' heads (router.static_margin), or None; refused
+  in one sentence when they are no static router or do not fit the model."""
+  path = getattr(args, "static_routers", None)
+  if not path:
+    return None
+  from elastic_jax import router_io
+  from elastic_jax.router import static_margin as margin
+  r = router_io.load_routers(path)
+  if not r.config.static:
+    raise ElasticJaxError(f"--static-routers {path}: input-dependent routers, not a static "
+                          "router (train.py with router.static=true)")
+  m = np.asarray(margin(r.params["static_logits"]))
+  want = (model.config.num_layers, model.config.num_kv_heads)
+  if m.shape != want:
+    raise ElasticJaxError(f"--static-routers {path}: gates for {m.shape[0]} layers x "
+                          f"{m.shape[1]} KV heads, the model has {want[0]} x {want[1]}")
+  return m
 
 
 def note_window_covers_prompts(rcfg, attention, items) -> None:
@@ -407,7 +436,8 @@ def run_benchmark(args) -> int:
     check_out(args.out, args)
   model, tokenizer = load(args)
   attention = default_attention(args, model.router_params is not None)
-  attention = runner.check_attention_list(attention, model.router_params)
+  margin = static_margin(args, model)
+  attention = runner.check_attention_list(attention, model.router_params, margin)
   items = benchmark.items(args, tokenizer, model.config.max_length)
   rcfg = model.router_config
   note_window_covers_prompts(rcfg, attention, items)
@@ -423,16 +453,21 @@ def run_benchmark(args) -> int:
     if lock.taken_over:
       print(f"note: {out} was locked by {lock.taken_over}, which has ended; continuing",
             flush=True)
-    check_provenance(out, provenance(args, model), args.overwrite)
+    record = provenance(args, model)
+    if margin is not None:   # recorded only when given: runs before it stay readable
+      record["static_routers"] = hashlib.sha256(margin.tobytes()).hexdigest()[:16]
+    check_provenance(out, record, args.overwrite)
     t0 = time.perf_counter()
     records = runner.run(model, tokenizer, items, attention, out, batch_size=args.batch_size,
-                         attn_impl=args.attn_impl)
+                         attn_impl=args.attn_impl, static_margin=margin)
     summary = report.summarize(records, items, benchmark.score, benchmark.category)
     name = os.path.basename(os.path.normpath(args.model))
     meta = {"benchmark": args.command, "model": name, "attention_requested": attention,
             "device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
             "items": len(items), "patterns": rcfg.patterns,
             **({"routers": os.path.normpath(args.routers)} if args.routers else {}),
+            **({"static_routers": os.path.normpath(args.static_routers)}
+               if margin is not None else {}),
             **({"xa_threshold": rcfg.xa_threshold} if rcfg.uses_xattention else {})}
     targets = _targets(model, benchmark, items)
     paths = report.write(summary, records, out, f"{args.command}: {name}", meta, targets)

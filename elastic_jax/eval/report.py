@@ -21,7 +21,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from elastic_jax.errors import ElasticJaxError
-from elastic_jax.eval.runner import ORDER
+from elastic_jax.eval.runner import AFTER_ELASTIC, ORDER
 from elastic_jax.files import atomic_file, atomic_write_text
 
 PLOTS_NEED = "drawing the plots needs matplotlib: pip install 'elastic-jax[eval]'"
@@ -128,6 +128,29 @@ def summarize(records: Mapping[tuple[str, str], dict], items, score_task: Callab
     body["average"]["prefill_speedup_vs_full"] = (
         full["average"]["prefill_seconds"] / body["average"]["prefill_seconds"]
         if full and body["average"]["prefill_seconds"] > 0 else None)
+  out["elastic_minus"] = elastic_minus(item_scores, by_task, category_of)
+  return out
+
+
+def elastic_minus(item_scores: Mapping[tuple[str, str], list[float]], by_task: Mapping[str, list],
+                  category_of: Callable[[str], str]) -> dict:
+  """{way: {"tasks": {task: d}, "categories": {category: d}, "all": d}}: elastic minus each
+  static head set taken at its average MSR (runner.AFTER_ELASTIC), d a paired difference over
+  the items both scored; pooled over each category's tasks and over every task."""
+  out = {}
+  for way in AFTER_ELASTIC:
+    pairs = {t: (item_scores[("elastic", t)], item_scores[(way, t)]) for t in by_task
+             if ("elastic", t) in item_scores and (way, t) in item_scores}
+    if not pairs:
+      continue
+    pooled = lambda tasks: paired_difference(*(sum((list(pairs[t][i]) for t in tasks), [])
+                                               for i in (0, 1)))
+    cats: dict[str, list[str]] = {}
+    for t in pairs:
+      cats.setdefault(category_of(t), []).append(t)
+    out[way] = {"tasks": {t: paired_difference(*ab) for t, ab in pairs.items()},
+                "categories": {c: pooled(ts) for c, ts in cats.items()},
+                "all": pooled(list(pairs))}
   return out
 
 
@@ -189,7 +212,30 @@ def markdown(summary: dict, title: str, device: str | None = None) -> str:
       lines.append(f"| {task} | {s} | {row['n']} | {row['score']:.1f} {fmt(*row['ci95'])} | "
                    f"{vs_text} | {row.get('patterns', '-')} | {row['msr']:.2f} "
                    f"({row.get('msr_sd', 0.0):.2f}) |")
-  return "\n".join(lines) + "\n"
+  return "\n".join(lines + elastic_minus_lines(summary, order)) + "\n"
+
+
+def elastic_minus_lines(summary: dict, order: Sequence[str]) -> list[str]:
+  """The table of elastic against each static head set at its MSR (`elastic_minus`), by
+  task, by category and over every item; none where no such head set ran."""
+  diffs = summary.get("elastic_minus") or {}
+  if not diffs:
+    return []
+  ways = list(diffs)
+  cell = lambda d: "-" if d is None else f"{d['diff']:+.1f} [{d['ci95'][0]:.1f}, {d['ci95'][1]:.1f}]"
+  lines = ["", "Elastic minus each static head set at elastic's average MSR, paired over the "
+           "same items, points [95% interval] (most-chosen: elastic's most often full heads; "
+           "static-gate: a trained static router's heads):", "",
+           "| | " + " | ".join(f"elastic − {w}" for w in ways) + " |",
+           "|---|" + "---|" * len(ways)]
+  for task in order:
+    lines.append(f"| {task} | " + " | ".join(cell(diffs[w]["tasks"].get(task)) for w in ways)
+                 + " |")
+  for cat in sorted({c for w in ways for c in diffs[w]["categories"]}):
+    lines.append(f"| **{cat}** | " + " | ".join(cell(diffs[w]["categories"].get(cat))
+                                                 for w in ways) + " |")
+  lines.append("| **every item** | " + " | ".join(cell(diffs[w]["all"]) for w in ways) + " |")
+  return lines
 
 
 def pyplot():

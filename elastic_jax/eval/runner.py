@@ -4,8 +4,10 @@ The ways (heads.ATTENTION): full (the unmodified backbone, dense cache), elastic
 decide per input; needs routers), sparse (every head on the sparse side), most-chosen (one
 fixed head set for every input, at the average MSR elastic reached on the same items: the
 (layer, KV head) pairs elastic sent to full attention most often stay full; a
-DuoAttention-style static baseline, run after elastic). Records written under the old name
-`static` are read as most-chosen.
+DuoAttention-style static baseline, run after elastic), static-gate (a trained static
+router's head set, `--static-routers`: its pairs ranked by their logit margin, as many full as
+elastic's average; the input-independent baseline trained by the same objective). Records
+written under the old name `static` are read as most-chosen.
 
 Each finished item is appended to `predictions.jsonl` in the output directory at once, so an
 interrupted run resumes where it stopped: items already there are not generated again.
@@ -28,8 +30,9 @@ from elastic_jax.generation.generate import SamplingConfig, generate
 from elastic_jax.files import append_whole, repair_jsonl_tail, write_error
 from elastic_jax.heads import canonical
 
-# most-chosen is derived from elastic's choices, so it comes after it
-ORDER = ("full", "elastic", "sparse", "most-chosen")
+# most-chosen and static-gate take elastic's average MSR, so they come after it
+ORDER = ("full", "elastic", "sparse", "most-chosen", "static-gate")
+AFTER_ELASTIC = ("most-chosen", "static-gate")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,35 +69,52 @@ def read_predictions(path: str) -> dict[tuple[str, str], dict]:
   return out
 
 
+def ranked_gates(scores_lk, elastic_records: Sequence[dict]) -> np.ndarray:
+  """[L, K] gates keeping full the highest-scoring (layer, KV head) pairs, as many as
+  elastic's average share of full pairs over these records (ties: the first pair)."""
+  freq = np.mean([np.asarray(r["gates"], np.float32) for r in elastic_records], axis=0)
+  scores = np.asarray(scores_lk, np.float32)
+  if scores.shape != freq.shape:
+    raise ElasticJaxError(f"a static head set of shape {scores.shape} does not fit elastic's "
+                          f"gates {freq.shape} (layers, KV heads)")
+  n_full = int(round(freq.mean() * freq.size))
+  gates = np.zeros(freq.size, np.float32)
+  gates[np.argsort(-scores.reshape(-1), kind="stable")[:n_full]] = 1.0
+  return gates.reshape(freq.shape)
+
+
 def most_chosen_gates(elastic_records: Sequence[dict]) -> np.ndarray:
   """[L, K] gates keeping full the pairs elastic chose most often, as many as elastic's
   average share of full pairs over these records."""
   freq = np.mean([np.asarray(r["gates"], np.float32) for r in elastic_records], axis=0)
-  n_full = int(round(freq.mean() * freq.size))
-  gates = np.zeros(freq.size, np.float32)
-  gates[np.argsort(-freq.reshape(-1), kind="stable")[:n_full]] = 1.0
-  return gates.reshape(freq.shape)
+  return ranked_gates(freq, elastic_records)
 
 
-def check_attention_list(attention: Sequence[str], router_params) -> list[str]:
-  """The ways to evaluate under their current names, each known; elastic and most-chosen
-  only with routers."""
+def check_attention_list(attention: Sequence[str], router_params,
+                         static_margin=None) -> list[str]:
+  """The ways to evaluate under their current names, each known; elastic, most-chosen and
+  static-gate only with routers, static-gate only with a static router's margins."""
   attention = [canonical(a) for a in attention]
   for a in attention:
     if a not in ORDER:
       raise ElasticJaxError(f"attention '{a}' is not evaluated (known: {', '.join(ORDER)})")
-  if ("elastic" in attention or "most-chosen" in attention) and router_params is None:
-    raise ElasticJaxError("elastic and most-chosen attention need trained routers (--routers)")
+  if {"elastic", *AFTER_ELASTIC} & set(attention) and router_params is None:
+    raise ElasticJaxError("elastic, most-chosen and static-gate attention need trained "
+                          "routers (--routers)")
+  if "static-gate" in attention and static_margin is None:
+    raise ElasticJaxError("static-gate attention needs a trained static router "
+                          "(--static-routers)")
   return attention
 
 
 def run(model, tokenizer, items: Sequence[Item], attention: Sequence[str], out_dir: str, *,
-        batch_size: int = 1, attn_impl: str = "auto", log=print) -> dict:
+        batch_size: int = 1, attn_impl: str = "auto", static_margin=None, log=print) -> dict:
   """Generates every (attention, item) not yet in `out_dir/predictions.jsonl` with `model`
   (and its routers); returns all records of the file for these items, {(attention, key):
-  record}."""
+  record}. static_margin: [L, K] a static router's ranking (router.static_margin), for
+  static-gate."""
   router_params = model.router_params
-  attention = check_attention_list(attention, router_params)
+  attention = check_attention_list(attention, router_params, static_margin)
   if batch_size < 1:
     raise ElasticJaxError(f"batch size must be >= 1, got {batch_size}")
   path = os.path.join(out_dir, "predictions.jsonl")
@@ -103,7 +123,8 @@ def run(model, tokenizer, items: Sequence[Item], attention: Sequence[str], out_d
     if repair_jsonl_tail(path):
       log(f"{path}: dropped a torn last line (a run stopped while writing it)")
     with open(path, "ab", buffering=0) as f:
-      return _run(model, tokenizer, items, attention, path, f, batch_size, attn_impl, log)
+      return _run(model, tokenizer, items, attention, path, f, batch_size, attn_impl,
+                  static_margin, log)
   except OSError as e:
     error = write_error(path, e, "; the predictions written before are kept, and a rerun goes "
                                  "on from them")
@@ -112,18 +133,22 @@ def run(model, tokenizer, items: Sequence[Item], attention: Sequence[str], out_d
     raise error from None
 
 
-def _run(model, tokenizer, items, attention, path, f, batch_size, attn_impl, log) -> dict:
+def _run(model, tokenizer, items, attention, path, f, batch_size, attn_impl, static_margin,
+         log) -> dict:
   router_params = model.router_params
   done = read_predictions(path)
   eos = () if tokenizer.eos_token_id is None else tuple(
       int(x) for x in np.atleast_1d(tokenizer.eos_token_id))
   order = [s for s in ORDER if s in attention]
-  if "most-chosen" in order and "elastic" not in order:
-    order.insert(order.index("most-chosen"), "elastic")   # derived from elastic's choices
+  after = [s for s in order if s in AFTER_ELASTIC]
+  if after and "elastic" not in order:
+    order.insert(order.index(after[0]), "elastic")   # they take elastic's average MSR
   for way in order:
     gates = None
     if way == "most-chosen":
       gates = most_chosen_gates([done[("elastic", it.key)] for it in items])
+    elif way == "static-gate":
+      gates = ranked_gates(static_margin, [done[("elastic", it.key)] for it in items])
     todo = [it for it in items if (way, it.key) not in done]
     if not todo:
       continue
@@ -138,7 +163,7 @@ def _run(model, tokenizer, items, attention, path, f, batch_size, attn_impl, log
         for start in range(0, len(group), batch_size):
           batch = group[start:start + batch_size]
           gen = generate(model.params, model.config, [list(it.prompt_ids) for it in batch],
-                         attention="forced" if way == "most-chosen" else way,
+                         attention="forced" if way in AFTER_ELASTIC else way,
                          rcfg=model.router_config, router_params=router_params,
                          gates=gates, sampling=SamplingConfig(max_new_tokens=max_new),
                          eos_ids=eos + stop_ids, attn_impl=attn_impl)

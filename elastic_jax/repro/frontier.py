@@ -260,6 +260,7 @@ def _model_name(path: str) -> str:
 def score(args) -> int:
   from elastic_jax import router_io
   from elastic_jax.repro.scoring import Scorer, eval_items, static_at
+  from elastic_jax.router import static_margin
   runs = {}
   for spec in args.runs:
     if "=" in spec:
@@ -341,17 +342,14 @@ def score(args) -> int:
     res_s, g = at_budget(freq)
     record(f"{name}/most-chosen", res_s, gates=g)
     for sname, s in statics.items():
-      z = np.asarray(s.params["static_logits"])
-      margin = z[..., 1] - z[..., 0] if z.shape[-1] == 2 else z[..., 0]
-      res_s, g = at_budget(margin)
+      res_s, g = at_budget(np.asarray(static_margin(s.params["static_logits"])))
       record(f"{name}/static:{sname}", res_s, gates=g, recipe=s.meta.get("recipe", "train"))
     if heads_json and "joint" in heads_json:
       res_s, g = at_budget(joint_order(heads_json, shape))
       record(f"{name}/greedy-oracle", res_s, gates=g)
     _write_json(args.out, results)
   for sname, s in statics.items():   # each static gate at its own trained decisions too
-    g = (np.asarray(s.params["static_logits"])[..., 1]
-         > np.asarray(s.params["static_logits"])[..., 0]).astype(np.float32)
+    g = (np.asarray(static_margin(s.params["static_logits"])) > 0).astype(np.float32)
     record(f"{sname}/as-trained", scorer.score(items, "forced", gates=g),
            gates=g.astype(int).tolist())
   _write_json(args.out, results)
