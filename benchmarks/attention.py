@@ -29,7 +29,12 @@ last ones) to SSA and the others to full causal attention. In order:
    the targets); ours (`hybrid_attention(attn_impl=--attn-impl)`, auto: on a
    Hopper GPU the Mosaic GPU forward) at each MSR and at 0 and 1, and any --also impls and
    --tiles / --mosaic-tiles kernel variants beside it; Flex hybrid; the ideal composition
-   min(cuDNN causal, ours MSR 0) * (1 - MSR) + min(cuDNN window, ours MSR 1) * MSR.
+   min(full kernels: cuDNN causal, tokamax causal, JAX Mosaic causal, ours MSR 0) * (1 - MSR)
+   + min(window kernels: cuDNN window, tokamax window, ours MSR 1) * MSR, and the peers'
+   composition, the same without ours. With --tokamax (a Hopper GPU): tokamax's Mosaic GPU
+   attention (`tokamax.dot_product_attention(implementation="mosaic")`), causal and causal
+   within the same window as cuDNN's, forward and forward+backward, its outputs compared
+   with cuDNN's.
 4. Training at --train-lengths: gradients of sum(out * cot) w.r.t. q, k, v (and the gate for
    ours, `jax.grad` through `hybrid_attention(attn_impl=--attn-impl)`) for cuDNN causal, cuDNN
    window, ours at each --train-msr and with every gate at 0.5 (all heads mixed, as under a
@@ -115,6 +120,34 @@ def jax_mosaic_causal(q, k, v):
   return attention_mgpu.attention(q, k, v, config)
 
 
+def import_tokamax():
+  """(tokamax, its version) or (None, why not). tokamax 0.0.17 imports xprof's profiler
+  command line when it loads (for its own benchmarking tools, which this script does not
+  use); where xprof is missing, that one import gets an empty stand-in."""
+  import importlib.util
+  import types
+  if importlib.util.find_spec("tokamax") is None:
+    return None, "tokamax is not installed"
+  if importlib.util.find_spec("xprof") is None:
+    for name in ("xprof", "xprof.cli", "xprof.cli.tools"):
+      sys.modules.setdefault(name, types.ModuleType(name))
+    sys.modules["xprof.cli.tools"].get_kernel_stats_tool = None
+  try:
+    import tokamax
+  except Exception as e:   # noqa: BLE001 - a peer that does not load is reported, not fatal
+    return None, f"tokamax does not load ({type(e).__name__}: {e})"
+  return tokamax, tokamax.__version__
+
+
+def tokamax_attention(q, k, v, *, window: int | None = None):
+  """tokamax's Mosaic GPU flash attention (`tokamax.dot_product_attention(implementation=
+  "mosaic")`), causal, or causal within the last `window` keys (local_window_size)."""
+  import tokamax
+  return tokamax.dot_product_attention(
+      q, k, v, is_causal=True, implementation="mosaic",
+      local_window_size=None if window is None else (window - 1, 0))
+
+
 @dataclasses.dataclass(frozen=True)
 class Bench:
   """The problem and the functions under test (built once; jit retraces per length)."""
@@ -131,6 +164,7 @@ class Bench:
   mosaic_tiles: tuple = ()  # Mosaic GPU kernel variants, "BQxBKVxSLOTS[+flag...]" each
   triton_training: bool = False  # on Hopper, also train through the Triton training kernels
   jax_mosaic: bool = False  # on Hopper, also time JAX's own Mosaic GPU flash attention
+  tokamax: bool = False     # also time tokamax's Mosaic GPU attention (causal and window)
 
   @property
   def window(self) -> int:
@@ -457,6 +491,12 @@ def forward_rows(b: Bench, t: int, streams, flex: Flex) -> list[Row]:
             jax.jit(b.cudnn), (q, k, v)),
            (Row(f"{b.peer} window {b.window}", "cudnn_window", None, 4 * b.d * b.n * window),
             jax.jit(functools.partial(b.cudnn, window=True)), (q, k, v))]
+  if b.tokamax:
+    cases += [(Row("tokamax Mosaic GPU causal", "tokamax_causal", None, b.hybrid_work(t, 0)),
+               jax.jit(tokamax_attention), (q, k, v)),
+              (Row(f"tokamax Mosaic GPU window {b.window}", "tokamax_window", None,
+                   4 * b.d * b.n * window),
+               jax.jit(functools.partial(tokamax_attention, window=b.window)), (q, k, v))]
   if b.jax_mosaic:
     cases.append((Row("JAX Mosaic GPU causal", "jax_mosaic_causal", None, b.hybrid_work(t, 0)),
                   jax.jit(jax_mosaic_causal), jax_mosaic_inputs(q, k, v)))
@@ -475,6 +515,14 @@ def forward_rows(b: Bench, t: int, streams, flex: Flex) -> list[Row]:
     err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
     rows[-1].note = f"output against cuDNN causal's: relative difference {err:.2e}"
     log(f"{label}: JAX Mosaic GPU causal: {rows[-1].note}")
+  for i, row in enumerate(rows):   # tokamax's outputs against cuDNN's of the same pattern
+    if row.key.startswith("tokamax_") and row.sec is not None:
+      want_case = cases[0 if row.key == "tokamax_causal" else 1]
+      got = cases[i][1](*cases[i][2]).astype(jnp.float32)
+      want = want_case[1](*want_case[2]).astype(jnp.float32)
+      err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+      row.note = f"output against cuDNN's: relative difference {err:.2e}"
+      log(f"{label}: {row.name}: {row.note}")
   for s in streams:
     work = b.hybrid_work(t, s)
     rows += [r for r in timed_rows[peers:] if r.streams == s]
@@ -487,18 +535,25 @@ def forward_rows(b: Bench, t: int, streams, flex: Flex) -> list[Row]:
                        + ("same pattern" if ok else "MISMATCH"))
       log(f"{label}: Flex {msr_label(rows[-1], b.kh)}: {rows[-1].note}")
     rows.append(ideal(timed_rows, b.kh, s, work))
+    rows.append(ideal(timed_rows, b.kh, s, work, peers_only=True))
   return rows
 
 
-def ideal(rows: list[Row], kh: int, s: int, work: float) -> Row:
-  """min(full kernels) * (1 - MSR) + min(window kernels) * MSR, from the length's rows."""
+def ideal(rows: list[Row], kh: int, s: int, work: float, peers_only: bool = False) -> Row:
+  """min(full kernels) * (1 - MSR) + min(window kernels) * MSR, from the length's rows; with
+  peers_only, of the peers' kernels alone (what a user could compose without ours: a causal
+  call for the full heads plus a local-window call for the streaming ones)."""
   def best(*which):
     secs = [r.sec for r in rows if (r.key, r.streams) in which and r.sec is not None]
     return min(secs) if secs else None
   m = s / kh
-  full = best(("cudnn_causal", None), ("ours", 0)) if m < 1 else 0.0
-  window = best(("cudnn_window", None), ("ours", kh)) if m > 0 else 0.0
-  row = Row("ideal composition", "ideal", s, work)
+  ours_full, ours_window = ((), ()) if peers_only else ((("ours", 0),), (("ours", kh),))
+  full = best(("cudnn_causal", None), ("tokamax_causal", None), ("jax_mosaic_causal", None),
+              *ours_full) if m < 1 else 0.0
+  window = best(("cudnn_window", None), ("tokamax_window", None),
+                *ours_window) if m > 0 else 0.0
+  row = (Row("peers' composition", "peers_ideal", s, work) if peers_only
+         else Row("ideal composition", "ideal", s, work))
   if full is None or window is None:
     row.error = "its parts were not timed"
   else:
@@ -516,6 +571,14 @@ def train_rows(b: Bench, t: int, train_streams, flex: Flex) -> list[Row]:
            (Row(f"{b.peer} window {b.window}", "cudnn_window", None,
                 TRAIN_FLOPS * 4 * b.d * b.n * window),
             fwd_bwd(functools.partial(b.cudnn, window=True), 3), (cot, q, k, v))]
+  if b.tokamax:
+    cases += [(Row("tokamax Mosaic GPU causal", "tokamax_causal", None, full),
+               fwd_bwd(tokamax_attention, 3), (cot, q, k, v)),
+              (Row(f"tokamax Mosaic GPU window {b.window}", "tokamax_window", None,
+                   TRAIN_FLOPS * 4 * b.d * b.n * window),
+               fwd_bwd(functools.partial(tokamax_attention, window=b.window), 3),
+               (cot, q, k, v))]
+  peers = len(cases)
   ours = fwd_bwd(b.ours, 4)
   mixed = jnp.full((1, b.kh), 0.5, jnp.float32)
   cases += [(Row("ours", "ours", s, TRAIN_FLOPS * b.hybrid_work(t, s)), ours,
@@ -534,8 +597,8 @@ def train_rows(b: Bench, t: int, train_streams, flex: Flex) -> list[Row]:
     cases += [(Row(f"ours, tiles {spec}", f"ours[{spec}]", s, TRAIN_FLOPS * b.hybrid_work(t, s)),
                variant, (cot, q, k, v, b.gate(s))) for s in train_streams]
   rows = measure_together(b, label, cases)
-  # the table: cuDNN's rows, ours at each MSR, Flex's at each, then the rest
-  at = len(train_streams) + 2
+  # the table: the peers' rows, ours at each MSR, Flex's at each, then the rest
+  at = len(train_streams) + peers
   return rows[:at] + [flex.row("train", t, s, TRAIN_FLOPS * b.hybrid_work(t, s))
                       for s in train_streams] + rows[at:]
 
@@ -683,6 +746,9 @@ def parse_args(argv=None):
   p.add_argument("--seconds", type=float, default=2.0,
                  help="stop timing a case after this many seconds of timed calls (and >= 3)")
   p.add_argument("--skip-torch", action="store_true", help="no FlexAttention")
+  p.add_argument("--tokamax", action="store_true",
+                 help="also time tokamax's Mosaic GPU attention (causal and local window), "
+                      "forward and forward+backward, on a Hopper GPU")
   p.add_argument("--skip-train", action="store_true", help="forward only")
   p.add_argument("--triton-training", action="store_true",
                  help="on a Hopper GPU (where ours trains on the Mosaic GPU kernels), also "
@@ -777,6 +843,16 @@ def main(argv=None):
                    and mosaic_gpu.trains(*shapes))
   if hopper and not args.dry_run:
     b = dataclasses.replace(b, jax_mosaic=True)
+  tokamax_version = None
+  if args.tokamax:
+    tokamax, tokamax_version = import_tokamax()
+    version = tokamax_version
+    if tokamax is None:
+      log(f"tokamax rows: not added ({version})")
+    elif not hopper or args.dry_run:
+      log("tokamax rows: not added (its Mosaic GPU kernels need a Hopper GPU)")
+    else:
+      b = dataclasses.replace(b, tokamax=True)
   if args.triton_training and mosaic_trains:
     b = dataclasses.replace(b, triton_training=True)
   elif args.triton_training:
@@ -787,7 +863,8 @@ def main(argv=None):
           "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
           "jax": jax.__version__, "python": platform.python_version(), "argv": sys.argv,
           "shape": {"B": 1, "N": b.n, "K": b.kh, "D": b.d, "dtype": "bfloat16"},
-          "streaming": dataclasses.asdict(b.st), "dry_run": args.dry_run}
+          "streaming": dataclasses.asdict(b.st), "dry_run": args.dry_run,
+          "tokamax": tokamax_version}
   report = {"meta": meta}
 
   def finish(code: int = 0):
@@ -856,14 +933,27 @@ def main(argv=None):
     bound = "" if tg["bound"] is None else f"  (at the ceiling: {tg['bound']:.2f})"
     print(f"  {tg['target']:<{width}} {v:>6}  target {tg['goal']:<7} {state:<7}{bound}"
           .rstrip())
-  # Full heads against the other FlashAttention-3-class kernel of the run (no target).
-  report["full_heads_vs_jax_mosaic"] = {}
+  # Full heads against the other FlashAttention-3-class kernels of the run, and the hybrid
+  # forward against the fastest composition of the peers' kernels (no targets here).
+  report["full_heads_vs_jax_mosaic"], report["full_heads_vs_tokamax"] = {}, {}
+  report["hybrid_vs_peers_composition"] = {}
   for t, rows in fwd.items():
     sec = {r["key"]: r["sec"] for r in rows if r["streams"] in (None, 0) and r["sec"]}
-    if "jax_mosaic_causal" in sec and "ours" in sec:
-      x = sec["jax_mosaic_causal"] / sec["ours"]
-      report["full_heads_vs_jax_mosaic"][t] = x
-      print(f"  T={t} MSR 0: ours / JAX Mosaic GPU causal throughput {x:.2f} (no target)")
+    for key, name, out in (("jax_mosaic_causal", "JAX Mosaic GPU causal",
+                            report["full_heads_vs_jax_mosaic"]),
+                           ("tokamax_causal", "tokamax Mosaic GPU causal",
+                            report["full_heads_vs_tokamax"])):
+      if key in sec and "ours" in sec:
+        out[t] = sec[key] / sec["ours"]
+        print(f"  T={t} MSR 0: ours / {name} throughput {out[t]:.2f} (no target)")
+    for s in streams:
+      if 0 < s < b.kh:
+        at = {r["key"]: r["sec"] for r in rows if r["streams"] == s and r["sec"]}
+        if "peers_ideal" in at and "ours" in at:
+          x = at["peers_ideal"] / at["ours"]
+          report["hybrid_vs_peers_composition"][f"{t}/{s}"] = x
+          print(f"  T={t} MSR {s / b.kh:g}: ours / the peers' fastest composition "
+                f"{x:.2f} (no target)")
   log("done")
   finish(0)
 
