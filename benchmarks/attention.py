@@ -522,7 +522,7 @@ def forward_rows(b: Bench, t: int, streams, flex: Flex) -> list[Row]:
       want = want_case[1](*want_case[2]).astype(jnp.float32)
       err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
       row.note = f"output against cuDNN's: relative difference {err:.2e}"
-      log(f"{label}: {row.name}: {row.note}")
+      log(f"{label}: {row.kernel}: {row.note}")
   for s in streams:
     work = b.hybrid_work(t, s)
     rows += [r for r in timed_rows[peers:] if r.streams == s]
@@ -656,17 +656,18 @@ def annotate(rows: list[Row], kh: int, ceiling: float | None = None) -> list[dic
 
 
 def print_table(title: str, rows: list[dict]):
+  w = max([24] + [len(r["kernel"]) for r in rows])   # the kernel column fits every name
   print(f"\n{title}")
-  print(f"  {'kernel':<24} {'MSR':>5} {'ms':>10} {'reps':>4} {'TFLOP/s':>8} {'of matmul':>9} "
+  print(f"  {'kernel':<{w}} {'MSR':>5} {'ms':>10} {'reps':>4} {'TFLOP/s':>8} {'of matmul':>9} "
         f"{'vs cuDNN causal':>15} {'vs Flex hybrid':>14}")
   x = lambda v: f"{v:.2f}x" if v is not None else "-"
   for r in rows:
     if r["ms"] is None:
-      print(f"  {r['kernel']:<24} {r['msr']:>5} {'n/a':>10}  ({r['error']})")
+      print(f"  {r['kernel']:<{w}} {r['msr']:>5} {'n/a':>10}  ({r['error']})")
       continue
     reps = r["reps"] or "-"
     share = "-" if r["of_ceiling"] is None else f"{r['of_ceiling']:.0%}"
-    print(f"  {r['kernel']:<24} {r['msr']:>5} {r['ms']:>10.3f} {reps:>4} {r['tflops']:>8.1f} "
+    print(f"  {r['kernel']:<{w}} {r['msr']:>5} {r['ms']:>10.3f} {reps:>4} {r['tflops']:>8.1f} "
           f"{share:>9} {x(r['vs_cudnn_causal']):>15} {x(r['vs_flex']):>14}")
 
 
