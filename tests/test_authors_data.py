@@ -6,20 +6,17 @@ import os
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 import elastic_jax as ej
-from elastic_jax.config import config_from_hf_dict
 from elastic_jax.errors import ElasticJaxError
-from elastic_jax.model import init_params
 from elastic_jax.train.authors_data import AUTHORS_TASKS
 from elastic_jax.train.data import TrainData
 from elastic_jax.router_io import load_routers
-from toktools import CHAT_TEMPLATE, make_tokenizer
+from toktools import CHAT_TEMPLATE, make_tokenizer, save_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ("the river keeps a secret number seven under the old bridge while the baker counts "
@@ -156,14 +153,9 @@ def test_bad_parquet_is_refused(tok_dir, tmp_path):
 def test_train_py_on_their_data_exports_the_full_model(tok_dir, tmp_path):
   """train.py reads their SFT parquet, trains, and writes the backbone with the trained
   routers in their full-model layout, which loads back with those routers."""
-  cfg = config_from_hf_dict(dict(model_type="qwen3", vocab_size=512, hidden_size=32,
-                                 intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                 max_position_embeddings=2048))
   model_dir = tmp_path / "model"
-  ej.save_pretrained(ej.ElasticModel(cfg, init_params(cfg, jax.random.key(0), "float32"),
-                                     cfg.to_hf_dict()), model_dir)
-  make_tokenizer(model_dir, [" ".join(WORDS)], chat_template=CHAT_TEMPLATE)
+  save_tiny_model(model_dir, [" ".join(WORDS)], max_position_embeddings=2048,
+                  chat_template=CHAT_TEMPLATE)
   _write_sft(tmp_path / "train.parquet", _sft_records(12))
   run = tmp_path / "run"
   proc = subprocess.run(

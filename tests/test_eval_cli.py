@@ -12,13 +12,11 @@ import numpy as np
 import pytest
 
 import elastic_jax as ej
-from elastic_jax.config import config_from_hf_dict
 from elastic_jax.generation.generate import SamplingConfig
-from elastic_jax.model import init_params
 from elastic_jax.router import RouterConfig, init_router_params
 from elastic_jax.router_io import Routers, save_routers
 from elastic_jax.train.objective import ObjectiveConfig, init_lambdas
-from toktools import make_tokenizer
+from toktools import save_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXTS = ["the special magic number for apple is 12345 and the grass is green and the sky is "
@@ -29,14 +27,7 @@ TEXTS = ["the special magic number for apple is 12345 and the grass is green and
 def model_dir(tmp_path_factory):
   """A tiny Qwen3 model with a tokenizer, and routers exported as train.py does."""
   root = tmp_path_factory.mktemp("eval")
-  cfg = config_from_hf_dict(dict(model_type="qwen3", vocab_size=512, hidden_size=32,
-                                 intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                 max_position_embeddings=4096))
-  model = ej.ElasticModel(cfg, init_params(cfg, jax.random.key(0), "float32"),
-                          cfg.to_hf_dict())
-  ej.save_pretrained(model, root / "m")
-  make_tokenizer(root / "m", TEXTS)
+  cfg = save_tiny_model(root / "m", TEXTS)
   rcfg = RouterConfig(block=16, local_blocks=4, boundary=8)
   trainable = {"router": init_router_params(cfg, rcfg, jax.random.key(1)),
                "lambdas": init_lambdas(jax.random.key(2))}

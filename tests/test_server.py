@@ -9,15 +9,12 @@ import socket
 import threading
 import time
 
-import jax
 import pytest
 
 import elastic_jax as ej
-from elastic_jax.config import config_from_hf_dict
 from elastic_jax.generation.engine import Engine
 from elastic_jax.generation.generate import SamplingConfig
-from elastic_jax.model import init_params
-from toktools import CHAT_TEMPLATE, make_tokenizer
+from toktools import CHAT_TEMPLATE, save_tiny_model
 
 uvicorn = pytest.importorskip("uvicorn")
 server_mod = pytest.importorskip("elastic_jax.generation.server")
@@ -29,13 +26,8 @@ NUM_PAGES, PAGE, MAX_SEQ = 48, 16, 256
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
   root = tmp_path_factory.mktemp("serve")
-  cfg = config_from_hf_dict(dict(model_type="qwen3", vocab_size=512, hidden_size=32,
-                                 intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                 max_position_embeddings=1024))
-  ej.save_pretrained(ej.ElasticModel(cfg, init_params(cfg, jax.random.key(3), "float32"),
-                                     cfg.to_hf_dict()), root / "m")
-  make_tokenizer(root / "m", [WORDS], chat_template=CHAT_TEMPLATE)
+  save_tiny_model(root / "m", [WORDS], seed=3, max_position_embeddings=1024,
+                  chat_template=CHAT_TEMPLATE)
   model = ej.from_pretrained(root / "m", dtype="float32", show_progress=False)
   eos = model.tokenizer.eos_token_id
   engine = Engine.from_model(model, "full", eos_ids=[eos], num_pages=NUM_PAGES, page_size=PAGE,

@@ -71,23 +71,14 @@ def read_predictions(path: str) -> dict[tuple[str, str], dict]:
 
 def ranked_gates(scores_lk, elastic_records: Sequence[dict]) -> np.ndarray:
   """[L, K] gates keeping full the highest-scoring (layer, KV head) pairs, as many as
-  elastic's average share of full pairs over these records (ties: the first pair)."""
+  elastic's average share of full pairs over these records (ties: the first pair); scores
+  None: the pairs elastic chose most often (most-chosen)."""
   freq = np.mean([np.asarray(r["gates"], np.float32) for r in elastic_records], axis=0)
-  scores = np.asarray(scores_lk, np.float32)
-  if scores.shape != freq.shape:
-    raise ElasticJaxError(f"a static head set of shape {scores.shape} does not fit elastic's "
-                          f"gates {freq.shape} (layers, KV heads)")
+  scores = freq if scores_lk is None else np.asarray(scores_lk, np.float32)
   n_full = int(round(freq.mean() * freq.size))
   gates = np.zeros(freq.size, np.float32)
   gates[np.argsort(-scores.reshape(-1), kind="stable")[:n_full]] = 1.0
   return gates.reshape(freq.shape)
-
-
-def most_chosen_gates(elastic_records: Sequence[dict]) -> np.ndarray:
-  """[L, K] gates keeping full the pairs elastic chose most often, as many as elastic's
-  average share of full pairs over these records."""
-  freq = np.mean([np.asarray(r["gates"], np.float32) for r in elastic_records], axis=0)
-  return ranked_gates(freq, elastic_records)
 
 
 def check_attention_list(attention: Sequence[str], router_params,
@@ -145,10 +136,9 @@ def _run(model, tokenizer, items, attention, path, f, batch_size, attn_impl, sta
     order.insert(order.index(after[0]), "elastic")   # they take elastic's average MSR
   for way in order:
     gates = None
-    if way == "most-chosen":
-      gates = most_chosen_gates([done[("elastic", it.key)] for it in items])
-    elif way == "static-gate":
-      gates = ranked_gates(static_margin, [done[("elastic", it.key)] for it in items])
+    if way in AFTER_ELASTIC:
+      gates = ranked_gates(static_margin if way == "static-gate" else None,
+                           [done[("elastic", it.key)] for it in items])
     todo = [it for it in items if (way, it.key) not in done]
     if not todo:
       continue
