@@ -145,6 +145,8 @@ def main(argv=None):
   p.add_argument("--peer", action="store_true",
                  help="also run transformers' generate on the same shape first "
                       "(peer_transformers_generate.py, a subprocess; needs torch and CUDA)")
+  p.add_argument("--routers-only", action="store_true",
+                 help="time only the routers of every layer at each --lengths")
   p.add_argument("--dry-run", action="store_true")
   args = p.parse_args(argv)
   peer = run_peer(args) if args.peer and not args.dry_run else {}
@@ -160,6 +162,12 @@ def main(argv=None):
   chunk = args.prefill_chunk
   cfg = config_from_hf_dict(hf, f"{args.model} shape")
   dtype = jnp.float32 if args.dry_run else jnp.bfloat16
+  if args.routers_only:
+    print(f"{args.model}: {cfg.num_layers} layers, {cfg.num_kv_heads} KV heads; "
+          f"{jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+    for t in args.lengths:
+      router_overhead(cfg, rcfg, t, dtype)
+    return
   params = init_params(cfg, jax.random.key(0), jnp.dtype(dtype).name)
   l, k = cfg.num_layers, cfg.num_kv_heads
   weights = aot.tree_bytes(params)
@@ -278,23 +286,30 @@ def run_peer(args) -> dict:
   return {r["length"]: r for r in rows}
 
 
-def router_overhead(cfg, rcfg, length: int, dtype) -> None:
-  """The routers of every layer (pooling and both MLPs) timed alone on one prompt's keys, as
-  the model runs them on one input per row (boundary tokens gathered) and with the weighted
-  sum over every token that packed rows need."""
+def router_overhead(cfg, rcfg, length: int, dtype, segments: int = 16) -> None:
+  """The routers of every layer (pooling and both MLPs) timed alone on one row of keys: one
+  input per row read by its boundary tokens (`pool_prompt_prefix`), the same row through the
+  packed pooling (`pool_prompt`), and a row packing `segments` inputs of equal length, each
+  with its own routing slot, as in packed training."""
   l, k = cfg.num_layers, cfg.num_kv_heads
   router = rt.init_router_params(cfg, rcfg, jax.random.key(1))
   keys = jax.random.normal(jax.random.key(2), (l, 1, length, k, cfg.head_dim), dtype)
   seg = jnp.ones((1, length), jnp.int32)
   pos = jnp.arange(length, dtype=jnp.int32)[None]
-  for name, pool in (
-      ("boundary tokens", lambda x: rt.pool_prompt_prefix(x, seg, seg > 0, rcfg, 2)),
-      ("packed pooling", lambda x: rt.pool_prompt(x, seg, pos, seg > 0, rcfg, 2))):
+  each = length // segments
+  seg_p = jnp.minimum(jnp.arange(length) // each + 1, segments)[None].astype(jnp.int32)
+  pos_p = (jnp.arange(length) - (seg_p[0] - 1) * each)[None].astype(jnp.int32)
+  prompt_p = pos_p < (3 * each) // 4
+  for name, slots, pool in (
+      ("boundary tokens, 1 input", 2, lambda x: rt.pool_prompt_prefix(x, seg, seg > 0, rcfg, 2)),
+      ("packed pooling, 1 input", 2, lambda x: rt.pool_prompt(x, seg, pos, seg > 0, rcfg, 2)),
+      (f"packed pooling, {segments} inputs", segments + 1,
+       lambda x: rt.pool_prompt(x, seg_p, pos_p, prompt_p, rcfg, segments + 1))):
     routers = jax.jit(lambda router, keys: jax.vmap(
         lambda r, x: rt.gate_from_logits(rt.router_logits(r, pool(x)), rcfg)[0])(router, keys))
     print(f"routers of all {l} layers at T={length} ({name}): "
           f"{timed(lambda: routers(router, keys), 10) * 1e3:.3f} ms (median of 10; the paper "
-          f"reports about 0.2 ms)")
+          f"reports about 0.2 ms)", flush=True)
 
 
 if __name__ == "__main__":

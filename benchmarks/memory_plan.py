@@ -327,6 +327,11 @@ def plan(args, say: Callable[[str], None] = print) -> dict[str, Any]:
       "replicated_large": big_whole if param_axes else [],
       "compiled": None,
   }
+  rows = d.rows_per_pass // max(mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1), 1)
+  act = activation_model(out["model"], max(rows, 1), d.seq_len, dict(mesh_shape),
+                         item_bytes(dtype), cfg.model.remat)
+  act["peak"] = per_device["total"] + act["activations"]
+  out["activations_on_paper"] = act
   report(out, say)
   if d.seq_len > mcfg.max_position_embeddings:
     say(f"note: data.seq_len {d.seq_len} exceeds the model's max_position_embeddings "
@@ -337,6 +342,41 @@ def plan(args, say: Callable[[str], None] = print) -> dict[str, Any]:
                    attn_impl=cfg.model.attn_impl, remat=cfg.model.remat, rules=rules)
     out["compiled"] = compile_step(state, backbone, batch, step_kw, mesh, say)
     report_compiled(out, say)
+  return out
+
+
+# The loss's chunk of tokens (objective.chunked_answer_cross_entropy's default).
+LOSS_CHUNK = 1024
+
+
+def activation_model(m: dict, rows: int, tokens: int, mesh: dict, dtype_bytes: int = 2,
+                     remat: bool = True) -> dict[str, int]:
+  """Bytes per device of the train step's activations, worked out on paper from the model's
+  shapes (m: plan()'s "model"), `rows` rows of `tokens` tokens in one pass. The terms:
+
+  - layer_inputs: with remat, the layer scan keeps each layer's input for the backward pass
+    ([L, rows, T, E] in the compute dtype), the one activation kept for every layer;
+  - layer_backward: the backward pass of one layer, which first recomputes its forward: per
+    token, its input, the two norms' outputs, the attention output and its projection (5 E),
+    q and the attention output per head (2 N H), k and v (2 K H), the MLP's gate, up and
+    product with their three gradients (6 F), and the kernel's log-sum-exp (N, float32);
+  - loss: one chunk of LOSS_CHUNK tokens' float32 logits, their softmax and its gradient
+    (3 c V x 4 bytes); the loss keeps nothing per chunk for its backward pass.
+
+  Tokens split over the mesh's sequence axis, rows over data x fsdp, heads and the MLP over
+  tensor. Without remat every layer keeps its whole forward (L x layer_backward, roughly).
+  The peak is the arguments plus layer_inputs plus the larger of the other two.
+  """
+  seq, tp = mesh.get("sequence", 1), mesh.get("tensor", 1)
+  t = rows * -(-tokens // seq)
+  e, f, l = m["hidden"], m["intermediate"] // tp, m["layers"]
+  n, k, h = m["heads"] // tp, max(m["kv_heads"] // tp, 1), m["head_dim"]
+  per_token = dtype_bytes * (5 * e + 2 * n * h + 2 * k * h + 6 * f) + 4 * n
+  layer = t * per_token
+  out = {"layer_inputs": l * t * e * dtype_bytes if remat else l * layer,
+         "layer_backward": layer,
+         "loss": 3 * rows * min(LOSS_CHUNK, tokens) * m["vocab"] * 4}
+  out["activations"] = out["layer_inputs"] + max(out["layer_backward"], out["loss"])
   return out
 
 
@@ -386,6 +426,16 @@ def report(p: dict, say) -> None:
   else:
     say(f"every backbone weight of >= 1 MiB is sharded (over "
         f"{' and '.join(p['param_sharding_axes'])})")
+  a = p.get("activations_on_paper")
+  if a:
+    say("")
+    say("activations per device, on paper (activation_model: one pass's rows):")
+    labels = {"layer_inputs": "each layer's input, kept by the layer scan",
+              "layer_backward": "one layer's recomputed forward + backward",
+              "loss": f"one loss chunk ({LOSS_CHUNK} tokens' logits)",
+              "peak": "peak: arguments + inputs + the larger of the two"}
+    for k, label in labels.items():
+      say(f"  {label:<48}{fmt(a[k]):>14}")
 
 
 class Ticker:

@@ -30,6 +30,14 @@ import time
 # An 8B backbone at 64K tokens needs ~100 GiB of temporaries: let XLA take 95% of the device
 # rather than its default 75% (set the variable to override).
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+# --top-buffers asks XLA for its buffer assignment of the train step, which only a flag set
+# before jax starts can do.
+_DUMP = None
+if "--top-buffers" in sys.argv:
+  import tempfile
+  _DUMP = tempfile.mkdtemp(prefix="train_step_hlo_")
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={_DUMP}"
+                             " --xla_dump_hlo_module_re=.*train_step.* --xla_dump_hlo_as_text")
 
 import jax  # noqa: E402
 import jax.numpy as jnp
@@ -58,6 +66,9 @@ def main(argv=None):
                  help="run the unpacked and the packed layout, side by side")
   p.add_argument("--layout", choices=("unpacked", "packed"), default="unpacked")
   p.add_argument("--no-remat", action="store_true")
+  p.add_argument("--top-buffers", type=int, default=0, metavar="N",
+                 help="print the N largest buffers of XLA's buffer assignment of the step, "
+                      "with the operation that produces each")
   p.add_argument("--dry-run", action="store_true", help="tiny shapes, runs on a CPU")
   args = p.parse_args(argv)
   if args.packed:
@@ -117,8 +128,35 @@ def main(argv=None):
         f"(real tokens), "
         f"MSR {float(m['msr']):.2f}, peak device memory "
         f"{'n/a' if peak is None else f'{peak / 2**30:.1f} GiB'}")
+  if args.top_buffers and _DUMP:
+    print_top_buffers(_DUMP, args.top_buffers)
   print(f"reference point (ANCHORS, another machine): authors ≈2.1K tokens/s per A800 at 64K; "
         f"ratio {real / sec / 2100:.2f}")
+
+
+def print_top_buffers(dump_dir: str, n: int) -> None:
+  """The n largest values in XLA's buffer assignment of the compiled train step (after
+  optimisation): size, shape and the JAX operation (op_name metadata) that produces each."""
+  import glob
+  import re
+  done = sorted(glob.glob(os.path.join(dump_dir, "*train_step*after_optimizations.txt")))
+  assign = sorted(glob.glob(os.path.join(dump_dir, "*train_step*buffer-assignment.txt")))
+  if not done or not assign:
+    print(f"no buffer assignment of the train step was dumped under {dump_dir}")
+    return
+  hlo = open(done[-1]).read()
+  origin = {m.group(1): m.group(2) for m in re.finditer(
+      r"^\s*(?:ROOT )?%?([\w.-]+) = [^\n]*?op_name=\"([^\"]*)\"", hlo, re.M)}
+  values = {}
+  for m in re.finditer(r"value: <\d+ ([\w.-]+)(?:\{[^}]*\})? @\d+> \(size=(\d+),"
+                       r"offset=\d+\): (\S+)", open(assign[-1]).read()):
+    name, size, shape = m.group(1), int(m.group(2)), m.group(3)
+    values[name] = max(values.get(name, (0, ""))[0], size), shape
+  top = sorted(values.items(), key=lambda kv: -kv[1][0])[:n]
+  print(f"the {len(top)} largest buffers of the compiled train step (XLA's buffer assignment):")
+  for name, (size, shape) in top:
+    print(f"  {size / 2**30:8.3f} GiB  {shape:<40} {name:<32} "
+          f"{origin.get(name, '(no op_name)')[-120:]}")
 
 
 def packed_batch(length: int, lo: int, vocab: int, seed: int = 0):

@@ -124,22 +124,49 @@ def pool_prompt(k_btkh: jax.Array, segment_ids_bt: jax.Array, positions_bt: jax.
   Boundary pooling averages the first `boundary` and the last `boundary` prompt tokens of each
   segment, as the concatenation of the two spans (a short prompt counts its overlap twice, as
   the authors' `cat(k[:100], k[-100:]).mean()` does). A segment's prompt is its tokens with
-  `prompt_mask` set; positions count from the segment's start. Slots with no prompt give 0.
+  `prompt_mask` set, its first tokens; positions count from the segment's start. Slots with no
+  prompt give 0.
+
+  Boundary pooling reads only the 2 x boundary keys of each slot: the row's token indices
+  are scattered into [B, S, 2 x boundary] slots (integers only), then those keys are gathered.
+  Its cost does not grow with the row's length times the number of segments, as a weighted
+  sum over every token per segment would (at 128K tokens such a sum reads every key of the
+  layer once per slot). Prompt-mean pooling sums each segment's keys once.
   """
-  onehot_bts = jax.nn.one_hot(segment_ids_bt, num_segments, dtype=jnp.float32)
-  prompt = prompt_mask_bt.astype(jnp.float32)
+  b, t = segment_ids_bt.shape
+  seg = segment_ids_bt.astype(jnp.int32)
+  prompt = prompt_mask_bt.astype(bool)
+  per_row_sum = jax.vmap(lambda x, s: jax.ops.segment_sum(x, s, num_segments))
+  plen_bs = per_row_sum(prompt.astype(jnp.int32), seg)                       # [B, S]
   if rcfg.pooling == "prompt_mean":
-    w_bts = onehot_bts * prompt[..., None]
-  else:
-    plen_bs = jnp.einsum("bts,bt->bs", onehot_bts, prompt)
-    plen_bt = jnp.einsum("bts,bs->bt", onehot_bts, plen_bs)
-    pos = positions_bt.astype(jnp.float32)
-    w_bt = prompt * ((pos < rcfg.boundary).astype(jnp.float32)
-                     + (pos >= plen_bt - rcfg.boundary).astype(jnp.float32))
-    w_bts = onehot_bts * w_bt[..., None]
-  total_bs = w_bts.sum(1)
-  pooled = jnp.einsum("bts,btkh->bskh", w_bts, k_btkh.astype(jnp.float32))
-  return pooled / jnp.maximum(total_bs, 1.0)[:, :, None, None]
+    w = prompt.astype(jnp.float32)[..., None, None]
+    pooled = per_row_sum(k_btkh.astype(jnp.float32) * w, seg)
+    return pooled / jnp.maximum(plen_bs, 1).astype(jnp.float32)[:, :, None, None]
+  nb = rcfg.boundary
+  pos = positions_bt.astype(jnp.int32)
+  plen_bt = jnp.take_along_axis(plen_bs, jnp.clip(seg, 0, num_segments - 1), axis=1)
+  last = pos - (plen_bt - nb)                     # rank among the last `nb` prompt tokens
+  off = 2 * nb                                    # an index past the slots: dropped
+  first_slot = jnp.where(prompt & (pos < nb), pos, off)
+  last_slot = jnp.where(prompt & (last >= 0) & (last < nb), nb + last, off)
+  rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+  tok = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+  idx = jnp.full((b, num_segments, 2 * nb), -1, jnp.int32)
+  idx = idx.at[rows, seg, first_slot].set(tok, mode="drop")
+  idx = idx.at[rows, seg, last_slot].set(tok, mode="drop")
+  return _mean_of_tokens(k_btkh, idx)
+
+
+def _mean_of_tokens(k_btkh: jax.Array, idx_bsn: jax.Array) -> jax.Array:
+  """Mean of the keys at token indices idx [B, S, N] (-1: no token) per slot: [B, S, K, H]
+  float32, 0 for a slot with no token."""
+  b, s, n = idx_bsn.shape
+  ok = (idx_bsn >= 0).astype(jnp.float32)
+  flat = jnp.clip(idx_bsn, 0, k_btkh.shape[1] - 1).reshape(b, s * n)
+  got = jnp.take_along_axis(k_btkh, flat[:, :, None, None], axis=1)
+  got = got.reshape((b, s, n) + k_btkh.shape[2:]).astype(jnp.float32)
+  return (jnp.einsum("bsn,bsnkh->bskh", ok, got)
+          / jnp.maximum(ok.sum(-1), 1.0)[:, :, None, None])
 
 
 def pool_prompt_prefix(k_btkh: jax.Array, segment_ids_bt: jax.Array,
@@ -149,21 +176,17 @@ def pool_prompt_prefix(k_btkh: jax.Array, segment_ids_bt: jax.Array,
   0 .. n-1, then the answer or right padding), as in unpacked batches: [B, S, K, H] float32.
 
   Boundary pooling then needs only the first and last `boundary` prompt tokens of each row,
-  read by index instead of a weighted sum over all T tokens (at 128K tokens that sum reads
-  every key of the layer). The row's result goes to the slot of its first token's segment.
+  read by index. The row's result goes to the slot of its first token's segment.
   """
   if rcfg.pooling != "boundary":
     raise ValueError("pool_prompt_prefix implements boundary pooling only")
-  t = k_btkh.shape[1]
   plen_b = prompt_mask_bt.astype(jnp.int32).sum(1)
   span = jnp.arange(rcfg.boundary, dtype=jnp.int32)[None]
   first = jnp.broadcast_to(span, (plen_b.shape[0], rcfg.boundary))         # [B, boundary]
   last = plen_b[:, None] - rcfg.boundary + span
-  idx = jnp.concatenate([first, last], axis=1)
-  ok = jnp.concatenate([first < plen_b[:, None], last >= 0], axis=1).astype(jnp.float32)
-  got = jnp.take_along_axis(k_btkh, jnp.clip(idx, 0, t - 1)[:, :, None, None], axis=1)
-  pooled_bkh = (jnp.einsum("bn,bnkh->bkh", ok, got.astype(jnp.float32))
-                / jnp.maximum(ok.sum(1), 1.0)[:, None, None])
+  idx = jnp.concatenate([jnp.where(first < plen_b[:, None], first, -1),
+                         jnp.where(last >= 0, last, -1)], axis=1)
+  pooled_bkh = _mean_of_tokens(k_btkh, idx[:, None])[:, 0]
   slot_bs = jax.nn.one_hot(segment_ids_bt[:, 0], num_segments, dtype=jnp.float32)
   return slot_bs[:, :, None, None] * pooled_bkh[:, None]
 

@@ -71,6 +71,17 @@ def test_per_device_bytes_follow_the_shapes(model, mesh, fsdp, tensor):
   assert len(p["roles"]) == 1 and p["roles"][0]["devices"] == [d.id for d in jax.devices()]
   assert p["per_device_bytes"]["total"] == sum(
       p["per_device_bytes"][k] for k in memory_plan.CATEGORIES)
+  # Activations on paper: one pass of 4 rows over fsdp (1 row per device at fsdp 4), tokens
+  # over sequence, heads and the MLP over tensor; each layer's input kept in bf16.
+  a = p["activations_on_paper"]
+  rows, t = 4 // fsdp, 512 // 2
+  e, f, n, k = m["hidden"], m["intermediate"] // tensor, m["heads"] // tensor, m["kv_heads"]
+  k = max(k // tensor, 1)
+  assert a["layer_inputs"] == l * rows * t * e * BF16
+  assert a["layer_backward"] == rows * t * (BF16 * (5 * e + 2 * (n + k) * h + 6 * f) + F32 * n)
+  assert a["loss"] == 3 * rows * 512 * m["vocab"] * F32
+  assert a["peak"] == p["per_device_bytes"]["total"] + a["layer_inputs"] + max(
+      a["layer_backward"], a["loss"])
 
 
 def test_a_rule_that_cannot_split_is_flagged(monkeypatch):

@@ -72,6 +72,48 @@ def test_pooling_per_packed_segment(mode):
   np.testing.assert_allclose(np.asarray(got)[:, 1:], want[:, 1:], atol=1e-6)
 
 
+def _random_packed_rows(rng, b, t, max_segments):
+  """Rows packing segments of random lengths (each prompt a prefix of its segment, some
+  shorter than the boundary, some whole), then padding (segment 0)."""
+  seg = np.zeros((b, t), np.int32)
+  pos = np.zeros((b, t), np.int32)
+  prompt = np.zeros((b, t), bool)
+  for bi in range(b):
+    off, s = 0, 1
+    while s < max_segments and off < t:
+      n = int(min(rng.integers(1, 16), t - off))
+      seg[bi, off:off + n] = s
+      pos[bi, off:off + n] = np.arange(n)
+      prompt[bi, off:off + int(rng.integers(1, n + 1))] = True
+      off, s = off + n, s + 1
+  return seg, pos, prompt
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_packed_boundary_pooling_on_random_layouts(seed):
+  """The gathered boundary pooling equals the numpy pooling on random packings, and its
+  gradient reaches exactly the keys it averages (each with its weight)."""
+  rng = np.random.default_rng(seed)
+  b, t, slots, boundary = 3, 64, 7, int(rng.integers(2, 6))
+  k = rng.normal(size=(b, t, 2, 4)).astype(np.float32)
+  seg, pos, prompt = _random_packed_rows(rng, b, t, slots)
+  rcfg = RouterConfig(boundary=boundary)
+  f = jax.jit(lambda k: pool_prompt(k, jnp.asarray(seg), jnp.asarray(pos), jnp.asarray(prompt),
+                                    rcfg, slots))
+  want = _numpy_pool(k, seg, pos, prompt & (seg > 0), slots, boundary, "boundary")
+  np.testing.assert_allclose(np.asarray(f(jnp.asarray(k)))[:, 1:], want[:, 1:], atol=1e-6)
+  # d(sum of slot s's pooled keys)/dk: 1/count for each selected token (twice if in both spans).
+  grad = np.asarray(jax.grad(lambda k: f(k)[:, 1:].sum())(jnp.asarray(k)))[..., 0, 0]
+  expect = np.zeros((b, t))
+  for bi in range(b):
+    for s in range(1, slots):
+      idx = [i for i in range(t) if seg[bi, i] == s and prompt[bi, i]]
+      rows = idx[:boundary] + idx[-boundary:]
+      for i in rows:
+        expect[bi, i] += 1.0 / len(rows)
+  np.testing.assert_allclose(grad, expect, atol=1e-6)
+
+
 def test_prefix_pooling_reads_only_the_boundaries():
   """Unpacked rows (one input each, prompt a prefix, right padding): the boundary-only
   gather equals the numpy pooling, including prompts shorter than 2 x boundary."""

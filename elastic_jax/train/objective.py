@@ -12,9 +12,11 @@ gates, so the penalty's gradient reaches the routers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 # The authors' task types, in the order of their multiplier vectors.
 TASK_TYPES = ("single_qa", "multihop_qa", "summarization", "code", "icl")
@@ -58,39 +60,101 @@ def answer_cross_entropy(logits_btv, targets_bt, loss_mask_bt):
 def chunked_answer_cross_entropy(x_bte, head_ev, targets_bt, loss_mask_bt, chunk: int = 1024):
   """`answer_cross_entropy` of the logits x @ head, without the [B, T, V] logits tensor.
 
-  Tokens are taken `chunk` at a time (a scan; each chunk's logits are recomputed in the
-  backward pass), and a chunk with no loss position is skipped: at 64K tokens and a 128K
-  vocabulary the full float32 logits would take 32 GiB, while answers are a small share of
-  the tokens.
+  Tokens are taken `chunk` at a time and a chunk with no loss position is skipped: at 64K
+  tokens and a 128K vocabulary the full float32 logits would take 32 GiB, while answers are a
+  small share of the tokens. The gradient has its own rule (`_chunked_ce_sum`): the backward
+  pass walks the chunks again, recomputing each chunk's logits, and keeps nothing per chunk.
+  Left to autodiff, a scan keeps the output head once per chunk for its backward pass (one
+  [E, V] copy per 1,024 tokens: 31 GiB at 32K tokens for an 8B model's 128K vocabulary).
+  The head's gradient is computed only when the head is differentiated (it is frozen in
+  router training).
   """
   b, t, e = x_bte.shape
   c = min(chunk, t)
   pad = -t % c
+  mask = loss_mask_bt.astype(jnp.float32)
   if pad:
     x_bte = jnp.pad(x_bte, ((0, 0), (0, pad), (0, 0)))
     targets_bt = jnp.pad(targets_bt, ((0, 0), (0, pad)))
-    loss_mask_bt = jnp.pad(loss_mask_bt, ((0, 0), (0, pad)))
-  n = (t + pad) // c
-  split = lambda a: jnp.moveaxis(a.reshape((b, n, c) + a.shape[2:]), 1, 0)
-  mask = loss_mask_bt.astype(jnp.float32)
+    mask = jnp.pad(mask, ((0, 0), (0, pad)))
+  total = _chunked_ce_sum(c, x_bte, head_ev, targets_bt, mask)
+  return total / jnp.maximum(mask.sum(), 1.0)
 
-  @jax.checkpoint
-  def chunk_loss(x_bce, tgt_bc, m_bc):
-    logits = jnp.einsum("bce,ev->bcv", x_bce, head_ev,
-                        preferred_element_type=jnp.float32)
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, tgt_bc[..., None], axis=-1)[..., 0]
-    return jnp.sum((logz - picked) * m_bc)
 
+def _chunks(c, a):
+  """[B, T, ...] -> [T / c, B, c, ...]: the scan's leading axis."""
+  b, t = a.shape[:2]
+  return jnp.moveaxis(a.reshape((b, t // c, c) + a.shape[2:]), 1, 0)
+
+
+def _chunk_logits(x_bce, head_ev):
+  return jnp.einsum("bce,ev->bcv", x_bce, head_ev, preferred_element_type=jnp.float32)
+
+
+def _ce_sum_fwd_only(c, x_bte, head_ev, targets_bt, mask_bt):
   def body(total, xs):
     x_bce, tgt_bc, m_bc = xs
-    part = jax.lax.cond(jnp.any(m_bc > 0), chunk_loss, lambda *_: jnp.zeros((), jnp.float32),
-                        x_bce, tgt_bc, m_bc)
-    return total + part, None
+
+    def part(x_bce, tgt_bc, m_bc):
+      logits = _chunk_logits(x_bce, head_ev)
+      logz = jax.nn.logsumexp(logits, axis=-1)
+      picked = jnp.take_along_axis(logits, tgt_bc[..., None], axis=-1)[..., 0]
+      return jnp.sum((logz - picked) * m_bc)
+
+    skip = lambda *_: jnp.zeros((), jnp.float32)
+    return total + jax.lax.cond(jnp.any(m_bc > 0), part, skip, x_bce, tgt_bc, m_bc), None
 
   total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
-                          (split(x_bte), split(targets_bt), split(mask)))
-  return total / jnp.maximum(mask.sum(), 1.0)
+                          (_chunks(c, x_bte), _chunks(c, targets_bt), _chunks(c, mask_bt)))
+  return total
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunked_ce_sum(c, x_bte, head_ev, targets_bt, mask_bt):
+  """Sum over positions of mask * (logsumexp(x @ head) - (x @ head)[target]), float32."""
+  return _ce_sum_fwd_only(c, x_bte, head_ev, targets_bt, mask_bt)
+
+
+def _chunked_ce_sum_fwd(c, x, head, targets, mask):
+  total = _ce_sum_fwd_only(c, x.value, head.value, targets.value, mask.value)
+  return total, (x.value, head.value, targets.value, mask.value, head.perturbed)
+
+
+def _chunked_ce_sum_bwd(c, res, g):
+  x_bte, head_ev, targets_bt, mask_bt, head_grad = res
+  if isinstance(g, SymbolicZero):
+    return None, None, None, None
+  e, v = head_ev.shape
+
+  def body(dhead, xs):
+    x_bce, tgt_bc, m_bc = xs
+
+    def part(dhead, x_bce, tgt_bc, m_bc):
+      logits = _chunk_logits(x_bce, head_ev)
+      # d/dlogits of mask * (logsumexp - picked): mask * (softmax - onehot(target)).
+      dlogits = jax.nn.softmax(logits, axis=-1) - jax.nn.one_hot(tgt_bc, v, dtype=jnp.float32)
+      dlogits = dlogits * (m_bc * g)[..., None]
+      dx = jnp.einsum("bcv,ev->bce", dlogits.astype(head_ev.dtype), head_ev,
+                      preferred_element_type=jnp.float32).astype(x_bce.dtype)
+      if head_grad:
+        dhead = dhead + jnp.einsum("bce,bcv->ev", x_bce, dlogits.astype(x_bce.dtype),
+                                   preferred_element_type=jnp.float32)
+      return dhead, dx
+
+    def skip(dhead, x_bce, tgt_bc, m_bc):
+      return dhead, jnp.zeros_like(x_bce)
+
+    return jax.lax.cond(jnp.any(m_bc > 0), part, skip, dhead, x_bce, tgt_bc, m_bc)
+
+  dhead0 = jnp.zeros((e, v) if head_grad else (), jnp.float32)
+  dhead, dx_nbce = jax.lax.scan(body, dhead0, (_chunks(c, x_bte), _chunks(c, targets_bt),
+                                               _chunks(c, mask_bt)))
+  n, b = dx_nbce.shape[:2]
+  dx_bte = jnp.moveaxis(dx_nbce, 0, 1).reshape(x_bte.shape)
+  return dx_bte, (dhead.astype(head_ev.dtype) if head_grad else None), None, None
+
+
+_chunked_ce_sum.defvjp(_chunked_ce_sum_fwd, _chunked_ce_sum_bwd, symbolic_zeros=True)
 
 
 def sparsity_penalty(msr_bs, task_bs, lambdas, ocfg: ObjectiveConfig):
