@@ -249,3 +249,38 @@ def test_the_command_serves_a_model_directory(served, tmp_path):
   finally:
     proc.terminate()
     proc.wait(timeout=60)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_incremental_text_equals_the_whole_decode(tmp_path, seed):
+  """The streamed text (tokens added a few at a time, decoded with a short window) is at
+  every step a prefix of the tokenizer's decode of all tokens so far, the final text equals
+  that decode, and a stop string cuts at its first occurrence as on the whole text. Random
+  byte-level tokens, so multi-byte characters split across events occur."""
+  import random
+
+  from transformers import AutoTokenizer
+
+  from toktools import make_tokenizer
+  tok = AutoTokenizer.from_pretrained(make_tokenizer(tmp_path / "t", [WORDS, "café über naïve ☃ 雪"]))
+  rng = random.Random(seed)
+  ids = [rng.randrange(3, len(tok)) for _ in range(300)]
+  whole = lambda n: tok.decode(ids[:n], skip_special_tokens=True)
+  text = server_mod.Text(tok, (), frozenset())
+  n = 0
+  while n < len(ids):
+    k = rng.randint(1, 4)
+    last = n + k >= len(ids)
+    text.add(ids[n:n + k], "length" if last else None)
+    n = min(n + k, len(ids))
+    assert whole(n).startswith(text.text)
+    # Held back: at most the last 3 tokens (an unfinished character).
+    assert len(text.text) >= len(whole(max(n - 3, 0))) - 1
+  assert text.text == whole(len(ids))
+  stop = whole(len(ids))[150:153]
+  cut = server_mod.Text(tok, (stop,), frozenset())
+  for i in range(0, len(ids), 3):
+    cut.add(ids[i:i + 3], None)
+    if cut.stopped:
+      break
+  assert cut.stopped and cut.text == whole(len(ids))[:whole(len(ids)).find(stop)]

@@ -253,28 +253,61 @@ def parse(body: Any, *, chat: bool, tokenizer, max_seq_len: int, name: str) -> J
 
 class Text:
   """The decoded text of a request's tokens, cut at the first stop string; `ready()` is what
-  may be sent so far (a tail that could begin a stop string is held back)."""
+  may be sent so far (a tail that could begin a stop string is held back).
+
+  Decoding is incremental: each event decodes its new tokens with a few tokens of left
+  context (a window from the previous event's start), not the whole output again, and stop
+  strings are searched only in the new text and the tail before it. So the work per event
+  does not grow with the output's length. A window that ends inside a multi-byte character
+  (decoded as U+FFFD) waits for up to 3 more tokens. When the request ends, the whole output is
+  decoded once, so the final text is exactly the tokenizer's decode of it.
+  """
 
   def __init__(self, tokenizer, stop_strings, eos: frozenset):
     self.tokenizer, self.stop_strings, self.eos = tokenizer, stop_strings, eos
     self.tokens: list[int] = []
     self.text, self.stopped, self.sent = "", False, 0
+    self._prefix = self._read = 0     # token offsets: the decode window's context and end
+    self._searched = 0                # text already searched for stop strings
+    self._longest = max((len(x) for x in stop_strings), default=0)
+
+  def _decode(self, ids) -> str:
+    return self.tokenizer.decode(ids, skip_special_tokens=True)
 
   def add(self, tokens, finish: str | None) -> None:
+    if self.stopped:
+      return
     self.tokens += tokens
-    kept = self.tokens
-    if finish in ("eos", "stop") and kept:       # the token that ended it is not text
-      kept = kept[:-1]
-    text = self.tokenizer.decode(kept, skip_special_tokens=True) if self.tokenizer else ""
-    cut = min((i for i in (text.find(s) for s in self.stop_strings) if i >= 0), default=-1)
+    n = len(self.tokens)
+    if finish in ("eos", "stop") and n:           # the token that ended it is not text
+      n -= 1
+    if self.tokenizer is None:
+      return
+    if finish is not None:
+      self.text = self._decode(self.tokens[:n])
+    elif n > self._read:
+      before = self._decode(self.tokens[self._prefix:self._read])
+      window = self._decode(self.tokens[self._prefix:n])
+      # A character of up to 4 bytes may still complete; past that, U+FFFD is the text.
+      if window.endswith("\ufffd") and n - self._read < 4:
+        pass
+      elif window.startswith(before):
+        self.text += window[len(before):]
+        self._prefix, self._read = self._read, n
+      else:                                         # the context changed earlier text
+        self.text = self._decode(self.tokens[:n])
+        self._prefix = self._read = n
+    start = 0 if finish is not None else max(0, self._searched - self._longest + 1)
+    cut = min((i for i in (self.text.find(x, start) for x in self.stop_strings) if i >= 0),
+              default=-1)
     if cut >= 0:
-      text, self.stopped = text[:cut], True
-    self.text = text
+      self.text, self.stopped = self.text[:cut], True
+    self._searched = len(self.text)
 
   def ready(self, finished: bool) -> str:
     end = len(self.text)
     if not finished and not self.stopped and self.stop_strings:
-      end -= max(len(s) for s in self.stop_strings) - 1
+      end -= self._longest - 1
     end = max(end, self.sent)
     chunk, self.sent = self.text[self.sent:end], end
     return chunk
