@@ -253,3 +253,69 @@ def test_bad_requests_and_settings():
     elastic.submit([1, 2], max_new_tokens=0)
   with pytest.raises(ElasticJaxError, match="stop must be a list of integer token ids"):
     elastic.submit([1, 2], stop=["a"])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_paged_kernel_reads_only_the_slots_pages(seed):
+  """The Triton kernel over pages (interpret mode) against the plain-jnp spec: random pools
+  and tables, full slots at positions on and off page boundaries, streaming slots past their
+  window, an empty row, any number of splits. Pages past what a slot uses hold NaN: the
+  kernel must not read them (the spec masks them, so its output is finite too)."""
+  from elastic_jax.attention.pallas_gpu.paged import paged_attention
+  rng = np.random.default_rng(seed)
+  b, kh, g, h, page, num_pages = 4, 2, 3, 16, 16, 48
+  st = RCFG.streaming
+  sink, ring = st.block * st.sink_blocks, st.block * st.local_blocks
+  used_st = paged.stream_pages(st, page)
+  pos = np.asarray([rng.integers(40, 90), 47, rng.integers(0, 16), -1], np.int32)
+  full = rng.random((b, kh)) < 0.5
+  width = 6
+  table = np.full((b, kh, width), num_pages, np.int32)
+  order = iter(rng.permutation(num_pages).tolist())
+  pool_k = rng.standard_normal((num_pages, page, h)).astype(np.float32)
+  pool_v = rng.standard_normal((num_pages, page, h)).astype(np.float32)
+  spare = []
+  for i in range(b):
+    for j in range(kh):
+      n = 0 if pos[i] < 0 else (pos[i] // page + 1 if full[i, j] else used_st)
+      table[i, j, :n] = [next(order) for _ in range(n)]
+      extra = next(order)                     # a page past the slot's use, in its table
+      if n < width:
+        table[i, j, n] = extra
+      spare.append(extra)
+  pool_k[spare], pool_v[spare] = np.nan, np.nan
+  q = jnp.asarray(rng.standard_normal((b, kh, g, h)), jnp.float32)
+  args = (q, jnp.asarray(pool_k), jnp.asarray(pool_v), jnp.asarray(table), jnp.asarray(full),
+          jnp.asarray(pos))
+  kw = dict(sink_len=sink, ring=ring, streaming=st, scale=h ** -0.5)
+  clean = [jnp.where(jnp.isnan(x), 0.0, x) for x in args[1:3]]
+  want = decode_reference.paged_reference(args[0], *clean, *args[3:], **kw)
+  for splits in (None, 1, 4):
+    got = paged_attention(*args, splits=splits, interpret=True, **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+  assert not np.asarray(got[3]).any()
+
+
+def test_engine_decodes_through_the_paged_kernel():
+  """The engine with decode_impl='pallas_gpu:interpret' gives the reference engine's tokens
+  (elastic routing: full and streaming heads), and refuses an unknown impl or shapes the
+  kernel does not take."""
+  cfg, params = _model("qwen3")
+  router = init_router_params(cfg, RCFG, jax.random.key(3))
+  rng = np.random.default_rng(2)
+  prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (37, 21, 44)]
+  tokens = {}
+  for impl in ("reference", "pallas_gpu:interpret"):
+    engine = Engine(params, cfg, rcfg=RCFG, router_params=router, num_pages=64, page_size=16,
+                    max_batch=3, attn_impl="reference", prefill_chunk=None, max_seq_len=96,
+                    decode_impl=impl)
+    handles = [engine.submit(p, max_new_tokens=m) for p, m in zip(prompts, (9, 4, 6))]
+    engine.run()
+    tokens[impl] = [h.tokens for h in handles]
+    assert any(0 < h.full.mean() < 1 for h in handles)
+  assert tokens["reference"] == tokens["pallas_gpu:interpret"]
+  with pytest.raises(ElasticJaxError, match="decode impl 'mosaic'"):
+    Engine(params, cfg, attention="full", rcfg=RCFG, num_pages=8, decode_impl="mosaic")
+  with pytest.raises(ElasticJaxError, match="powers of two >= 16, got 16 and 8"):
+    Engine(params, cfg, attention="full", rcfg=RCFG, num_pages=8, page_size=8,
+           decode_impl="pallas_gpu")

@@ -86,3 +86,24 @@ def reference(q_rows, k_rows, v_rows, full_k, full_v, start, full_row, full_pos,
   ok = stream_visible(j, st_pos[:, None], sink_len, ring, streaming) & (st_row[:, None] >= 0)
   out_st = masked_softmax(q_rows[st_row], st_k[layer], st_v[layer], ok, scale)
   return (out_full, out_st), (full_k, full_v, st_k, st_v)
+
+
+def paged_reference(q_bkgh, k_pool, v_pool, table, full, pos_b, *, sink_len: int, ring: int,
+                    streaming: Streaming, scale: float):
+  """Decode attention over a paged pool (generation/paged.py), after the new keys are
+  written: each slot (row b, KV head k) reads its pages table [B, K, S] of the pool [P, page,
+  H]; a full slot sees indices 0 .. pos, a streaming slot its sink and ring (`stream_visible`);
+  a row at position -1 gets zeros. q [B, K, G, H] -> float32 [B, K, G, H].
+
+  This is the spec: it gathers every slot's whole table (S pages), which the kernel
+  (`pallas_gpu.paged.paged_attention`) does not."""
+  b, kh, g, h = q_bkgh.shape
+  num_pages, page, _ = k_pool.shape
+  span = table.shape[-1] * page
+  keys = jnp.take(k_pool, table, axis=0, mode="clip").reshape(b, kh, span, h)
+  values = jnp.take(v_pool, table, axis=0, mode="clip").reshape(b, kh, span, h)
+  j = jnp.arange(span)[None, None]
+  p3 = pos_b.astype(jnp.int32)[:, None, None]                        # [B, 1, 1]
+  ok = jnp.where(full[..., None], j <= p3, stream_visible(j, p3, sink_len, ring, streaming))
+  ok = ok & (p3 >= 0)
+  return masked_softmax(q_bkgh, keys, values, ok, scale)

@@ -101,10 +101,11 @@ def _choose_rows(logits_bv, temperature_b, top_p_b, seed_b, count_b):
 _choose = jax.jit(_choose_rows)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "rcfg"), donate_argnames=("cache",))
-def _step(params, cache, tok_b, pos_b, temperature_b, top_p_b, seed_b, count_b, *, cfg, rcfg):
+@functools.partial(jax.jit, static_argnames=("cfg", "rcfg", "impl"), donate_argnames=("cache",))
+def _step(params, cache, tok_b, pos_b, temperature_b, top_p_b, seed_b, count_b, *, cfg, rcfg,
+          impl="reference"):
   """One decode step of the whole batch: (next tokens [B], the cache)."""
-  logits, cache = decode_step(params, tok_b, pos_b, cache, cfg=cfg, rcfg=rcfg)
+  logits, cache = decode_step(params, tok_b, pos_b, cache, cfg=cfg, rcfg=rcfg, impl=impl)
   return _choose_rows(logits, temperature_b, top_p_b, seed_b, count_b), cache
 
 
@@ -133,14 +134,18 @@ class Engine:
   or as a fraction of the device's free memory. page_size: tokens per page. max_batch: rows of
   the decode step (requests decoding at once). max_seq_len: the longest prompt plus
   max_new_tokens a request may have (default: the model's). eos_ids: tokens that end every
-  request. layer_loop: "scan" or "split" (`generate`'s)."""
+  request. layer_loop: "scan" or "split" (`generate`'s). decode_impl: the attention over
+  pages (`paged.paged_kernel`): "reference" (plain jnp; reads every slot's whole page table),
+  "pallas_gpu" (the Triton kernel, which reads only each slot's own pages; ":interpret" on a
+  CPU) or "auto" (the kernel on a GPU)."""
 
   def __init__(self, params: Params, cfg: ModelConfig, *, attention: str = "elastic",
                rcfg: RouterConfig | None = None, router_params: Params | None = None,
                gates=None, num_pages: int | None = None, memory_fraction: float | None = None,
                page_size: int = 16, max_batch: int = 8, max_seq_len: int | None = None,
                eos_ids: Sequence[int] = (), attn_impl: str = "auto",
-               prefill_chunk: int | None = 8192, layer_loop: str = "scan"):
+               prefill_chunk: int | None = 8192, layer_loop: str = "scan",
+               decode_impl: str = "reference"):
     check_attention(attention, FORWARD)
     if attention == "elastic" and router_params is None:
       raise ElasticJaxError("attention='elastic' needs trained routers (router_params)")
@@ -149,6 +154,8 @@ class Engine:
         raise ElasticJaxError(f"{name} must be an integer >= 1, got {value!r}")
     if layer_loop not in ("scan", "split"):
       raise ElasticJaxError(f"layer_loop must be scan or split, got {layer_loop!r}")
+    paged.check_decode_impl(decode_impl, cfg.head_dim, page_size)
+    self.decode_impl = decode_impl
     self.cfg, self.rcfg = cfg, rcfg or RouterConfig()
     self.params, self.attention, self.router_params = params, attention, router_params
     self.attn_impl, self.prefill_chunk, self.page_size = attn_impl, prefill_chunk, page_size
@@ -362,7 +369,8 @@ class Engine:
     if dirty is not None:
       self.cache = paged.set_rows(self.cache, *(jnp.asarray(x) for x in dirty))
     new, self.cache = _step(self.step_params, self.cache, *(jnp.asarray(x) for x in (
-        tok, pos, temperature, top_p, seed, count)), cfg=self.cfg, rcfg=self.rcfg)
+        tok, pos, temperature, top_p, seed, count)), cfg=self.cfg, rcfg=self.rcfg,
+        impl=self.decode_impl)
     new = np.asarray(new)
     return events + [self._take(r, int(new[row])) for row, r in live]
 

@@ -12,9 +12,11 @@ list grows by a page whenever decoding crosses a page boundary. A streaming slot
 streaming slots (`decode_reference.stream_index`): index j at page j // page, offset j % page.
 
 The host side (`PageAllocator`, `PageTables`) hands out pages from a free list, keeps each
-request's page tables and returns its pages the moment it ends. `attend` is decode attention
-over the pages in plain jnp (gathers each slot's pages, then the same masks and softmax as
-`decode_reference.reference`): the spec that kernels over pages would follow.
+request's page tables and returns its pages the moment it ends. `attend` writes the new
+keys and values into their pages, then runs the attention over pages that its impl names:
+`decode_reference.paged_reference` (plain jnp, the spec: it gathers every slot's whole page
+table) or `attention.pallas_gpu.paged` (a Triton kernel that reads only the pages each slot
+uses: a full slot's up to its position, a streaming slot's sink and ring).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from elastic_jax.attention.decode_reference import masked_softmax, stream_index, stream_visible
+from elastic_jax.attention.decode_reference import stream_index
 from elastic_jax.attention.reference import Streaming
 from elastic_jax.errors import ElasticJaxError
 from elastic_jax.generation.kv_cache import HeadCache, stream_width
@@ -46,11 +48,9 @@ def attend(q_bnh, k_bkh, v_bkh, pos_b, cache: "PagedCache", layer, streaming: St
            scale: float, impl: str = "reference"):
   """One decode step of layer `layer` over the pages, with `kv_cache.attend`'s arguments:
   write each row's new key/value at position pos_b (into its full slots' page of pos_b, into
-  its streaming slots' sink or ring), then attend. A row at position -1 is empty: it writes
-  nothing and gets zeros. Returns (out [B, N, H], the updated cache)."""
-  if impl != "reference":
-    raise ElasticJaxError(f"the paged cache decodes with the plain-jnp reference only, got "
-                          f"decode impl {impl!r}")
+  its streaming slots' sink or ring), then attend (impl: `paged_kernel`'s). A row at
+  position -1 is empty: it writes nothing and gets zeros. Returns (out [B, N, H], the updated
+  cache)."""
   b, n, h = q_bnh.shape
   kh = k_bkh.shape[1]
   num_pages, page, _ = cache.k.shape
@@ -64,15 +64,40 @@ def attend(q_bnh, k_bkh, v_bkh, pos_b, cache: "PagedCache", layer, streaming: St
   at_page = jnp.where(live, at_page, num_pages)                      # out of range: dropped
   k_pool = cache.k.at[at_page, index % page].set(k_bkh.astype(cache.k.dtype), mode="drop")
   v_pool = cache.v.at[at_page, index % page].set(v_bkh.astype(cache.v.dtype), mode="drop")
-  span = table.shape[-1] * page
-  keys = jnp.take(k_pool, table, axis=0, mode="clip").reshape(b, kh, span, h)
-  values = jnp.take(v_pool, table, axis=0, mode="clip").reshape(b, kh, span, h)
-  j = jnp.arange(span)[None, None]
-  p3 = pos[:, :, None]                                               # [B, 1, 1]
-  ok = jnp.where(full[..., None], j <= p3, stream_visible(j, p3, sink_len, ring, streaming))
-  ok = ok & live[:, :, None]
-  out = masked_softmax(q_bnh.reshape(b, kh, n // kh, h), keys, values, ok, scale)
+  q = q_bnh.reshape(b, kh, n // kh, h)
+  kw = dict(sink_len=sink_len, ring=ring, streaming=streaming, scale=scale)
+  out = paged_kernel(impl)(q, k_pool, v_pool, table, full, pos_b, **kw)
   return out.reshape(b, n, h).astype(q_bnh.dtype), cache.replace(k=k_pool, v=v_pool)
+
+
+def paged_kernel(impl: str):
+  """The attention over pages that decode impl `impl` names: "reference" (plain jnp, gathers
+  every slot's whole page table), "pallas_gpu" (the Triton kernel, which reads only each
+  slot's own pages; ":interpret" runs it on a CPU), or "auto" (the kernel on a GPU, else the
+  reference)."""
+  from elastic_jax.attention.decode_reference import paged_reference
+  name, _, mode = impl.partition(":")
+  if name == "auto":
+    name = "pallas_gpu" if jax.default_backend() == "gpu" else "reference"
+  if name == "reference":
+    return paged_reference
+  if name == "pallas_gpu":
+    from elastic_jax.attention.pallas_gpu.paged import paged_attention
+    return functools.partial(paged_attention, interpret=mode == "interpret")
+  raise ElasticJaxError(f"the paged cache decodes with reference, auto or pallas_gpu"
+                        f"[:interpret], got decode impl {impl!r}")
+
+
+def check_decode_impl(impl: str, head_dim: int, page_size: int) -> None:
+  """Raises ElasticJaxError where `impl` is unknown or its kernel cannot take the shapes."""
+  if not isinstance(impl, str):
+    raise ElasticJaxError(f"decode_impl must be a string, got {impl!r}")
+  paged_kernel(impl)
+  if impl.partition(":")[0] == "pallas_gpu":
+    from elastic_jax.attention.pallas_gpu.paged import paged_applies
+    if not paged_applies(head_dim, page_size):
+      raise ElasticJaxError(f"the pallas_gpu paged kernel needs a head dim and a page size "
+                            f"that are powers of two >= 16, got {head_dim} and {page_size}")
 
 
 @flax.struct.dataclass
