@@ -314,8 +314,11 @@ def test_engine_decodes_through_the_paged_kernel():
     tokens[impl] = [h.tokens for h in handles]
     assert any(0 < h.full.mean() < 1 for h in handles)
   assert tokens["reference"] == tokens["pallas_gpu:interpret"]
-  with pytest.raises(ElasticJaxError, match="decode impl 'mosaic'"):
+  with pytest.raises(ElasticJaxError, match="over pages 'mosaic' is not one of reference, "
+                                             "auto, pallas_gpu"):
     Engine(params, cfg, attention="full", rcfg=RCFG, num_pages=8, decode_impl="mosaic")
-  with pytest.raises(ElasticJaxError, match="powers of two >= 16, got 16 and 8"):
+  with pytest.raises(ElasticJaxError, match="has no decode kernel over pages"):
+    Engine(params, cfg, attention="full", rcfg=RCFG, num_pages=8, decode_impl="pallas_tpu")
+  with pytest.raises(ElasticJaxError, match="does not take head dim 16 with pages of 8"):
     Engine(params, cfg, attention="full", rcfg=RCFG, num_pages=8, page_size=8,
            decode_impl="pallas_gpu")

@@ -47,7 +47,10 @@ class Backend:
                   arguments, plus `interpret`), with `decode_applies(head_dim, capacity,
                   width)` saying which caches it takes;
   preferred       whether "auto" picks this backend on its platform (Mosaic GPU on Hopper);
-  xa_scorer       its XAttention scoring kernel, if any.
+  xa_scorer       its XAttention scoring kernel, if any;
+  paged_decode    decode attention over a paged pool (`decode_reference.paged_reference`'s
+                  arguments, plus `interpret`), if any, with `paged_applies(head_dim,
+                  page_size)` saying which pools it takes.
   """
   name: str
   platform: str
@@ -56,3 +59,5 @@ class Backend:
   decode_applies: Callable = lambda head_dim, capacity, width: True
   preferred: Callable[[], bool] = always
   xa_scorer: XAScorer | None = None
+  paged_decode: Callable | None = None
+  paged_applies: Callable = lambda head_dim, page_size: True

@@ -138,6 +138,35 @@ def decode_kernel(impl: str, head_dim: int, capacity: int, width: int):
   return BACKENDS[name].decode, interpret
 
 
+def paged_kernel(impl: str, head_dim: int, page_size: int):
+  """(kernel or None for the reference, interpret) of decode attention over a paged pool
+  (generation/paged.py) for `impl`: a backend's name (with ":interpret") takes its paged
+  kernel (an error where it has none or it does not take the shapes); "auto" a kernel of
+  this machine's platform that takes them (the preferred backend's first), else the
+  reference; "reference" the reference."""
+  name, interpret = parse_impl(impl)
+  if name not in ("reference", "auto", *KERNELS):
+    raise ElasticJaxError(f"decode attention over pages '{impl}' is not one of reference, "
+                          f"auto, {', '.join(b for b in KERNELS if BACKENDS[b].paged_decode)}")
+  if name == "reference":
+    return None, False
+  if name == "auto":
+    first = native()
+    order = ([first] if first else []) + [b for b in BACKENDS.values() if b is not first]
+    for b in order:
+      if (b.platform == jax.default_backend() and b.paged_decode is not None
+          and b.paged_applies(head_dim, page_size)):
+        return b.paged_decode, False
+    return None, False
+  backend = BACKENDS[name]
+  if backend.paged_decode is None:
+    raise ElasticJaxError(f"backend '{name}' has no decode kernel over pages")
+  if not backend.paged_applies(head_dim, page_size):
+    raise ElasticJaxError(f"the {name} kernel over pages does not take head dim {head_dim} "
+                          f"with pages of {page_size} tokens (powers of two >= 16)")
+  return backend.paged_decode, interpret
+
+
 # The implementations by name: causal (every name; a backend's name routes unrouted layers as
 # "auto" does) and hybrid. An entry added to IMPLS (and to HYBRID_IMPLS for a hybrid one)
 # makes a new name usable everywhere `attn_impl` is taken.

@@ -66,38 +66,24 @@ def attend(q_bnh, k_bkh, v_bkh, pos_b, cache: "PagedCache", layer, streaming: St
   v_pool = cache.v.at[at_page, index % page].set(v_bkh.astype(cache.v.dtype), mode="drop")
   q = q_bnh.reshape(b, kh, n // kh, h)
   kw = dict(sink_len=sink_len, ring=ring, streaming=streaming, scale=scale)
-  out = paged_kernel(impl)(q, k_pool, v_pool, table, full, pos_b, **kw)
+  out = paged_kernel(impl, h, page)(q, k_pool, v_pool, table, full, pos_b, **kw)
   return out.reshape(b, n, h).astype(q_bnh.dtype), cache.replace(k=k_pool, v=v_pool)
 
 
-def paged_kernel(impl: str):
-  """The attention over pages that decode impl `impl` names: "reference" (plain jnp, gathers
-  every slot's whole page table), "pallas_gpu" (the Triton kernel, which reads only each
-  slot's own pages; ":interpret" runs it on a CPU), or "auto" (the kernel on a GPU, else the
-  reference)."""
+def paged_kernel(impl: str, head_dim: int, page_size: int):
+  """The attention over pages that decode impl `impl` names (`registry.paged_kernel`):
+  "reference" (plain jnp, gathers every slot's whole page table), a backend's kernel, which
+  reads only each slot's own pages (":interpret" runs it on a CPU), or "auto" (a kernel of
+  this machine that takes the shapes, else the reference)."""
+  from elastic_jax.attention import registry
   from elastic_jax.attention.decode_reference import paged_reference
-  name, _, mode = impl.partition(":")
-  if name == "auto":
-    name = "pallas_gpu" if jax.default_backend() == "gpu" else "reference"
-  if name == "reference":
-    return paged_reference
-  if name == "pallas_gpu":
-    from elastic_jax.attention.pallas_gpu.paged import paged_attention
-    return functools.partial(paged_attention, interpret=mode == "interpret")
-  raise ElasticJaxError(f"the paged cache decodes with reference, auto or pallas_gpu"
-                        f"[:interpret], got decode impl {impl!r}")
+  fn, interpret = registry.paged_kernel(impl, head_dim, page_size)
+  return paged_reference if fn is None else functools.partial(fn, interpret=interpret)
 
 
 def check_decode_impl(impl: str, head_dim: int, page_size: int) -> None:
   """Raises ElasticJaxError where `impl` is unknown or its kernel cannot take the shapes."""
-  if not isinstance(impl, str):
-    raise ElasticJaxError(f"decode_impl must be a string, got {impl!r}")
-  paged_kernel(impl)
-  if impl.partition(":")[0] == "pallas_gpu":
-    from elastic_jax.attention.pallas_gpu.paged import paged_applies
-    if not paged_applies(head_dim, page_size):
-      raise ElasticJaxError(f"the pallas_gpu paged kernel needs a head dim and a page size "
-                            f"that are powers of two >= 16, got {head_dim} and {page_size}")
+  paged_kernel(impl, head_dim, page_size)
 
 
 @flax.struct.dataclass

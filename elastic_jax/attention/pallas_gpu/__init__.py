@@ -1,9 +1,10 @@
 """The Pallas Triton backend, for any GPU: the fused hybrid FA/SSA/XA kernels with their
-backward passes (`hybrid.py`) and decode over the per-head cache (`decode.py`)."""
+backward passes (`hybrid.py`), decode over the per-head cache (`decode.py`) and over the
+serving engine's pages (`paged.py`)."""
 
 from elastic_jax.attention import xattention
 from elastic_jax.attention.backend import Backend, XAScorer, on_hopper
-from elastic_jax.attention.pallas_gpu import decode, hybrid
+from elastic_jax.attention.pallas_gpu import decode, hybrid, paged
 from elastic_jax.attention.pallas_gpu.hybrid import (  # noqa: F401  (the backend's API)
     DKV_TILES, DQ_TILES, FORWARD_TILES, LOG2E, TRAIN_FORWARD_TILES, PackedXA, Tiles,
     hybrid_attention, hybrid_forward, make_hybrid, online_update, parts, xa_hybrid_forward,
@@ -24,7 +25,8 @@ BACKEND = Backend(
     decode=decode.decode_attention, decode_applies=decode.decode_applies,
     preferred=lambda: not on_hopper(),
     xa_scorer=XAScorer(block_mass=xattention.block_mass_pallas, takes=_scorer_takes,
-                       preferred=lambda q_shape, xa: False))
+                       preferred=lambda q_shape, xa: False),
+    paged_decode=paged.paged_attention, paged_applies=paged.paged_applies)
 
 
 def __getattr__(name):   # the rest of the kernels' module, as before the backend was a folder

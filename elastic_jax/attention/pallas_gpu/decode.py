@@ -104,7 +104,7 @@ def _triton_kernel(meta_ref, row_ref, pos_ref, q_ref, k_ref, v_ref, fk_in, fv_in
             (st, split), (sk_ref, sv_ref), (layer, st, pl.ds(at, 1), slice(None)))
 
 
-def _combine(o, m, l):
+def combine_splits(o, m, l):
   """Partial softmaxes (base 2) [R, splits, ...] of key ranges into one [R, G, H]."""
   m_all = m.max(axis=1, keepdims=True)
   w = jnp.exp2(m - m_all) * (l > 0)
@@ -166,7 +166,7 @@ def decode_attention(q_rows, k_rows, v_rows, full_k, full_v, start, full_row, fu
       compiler_params=tiles.params(d),
       interpret=interpret, name="elastic_decode_attention",
   )(*operands)
-  return (_combine(o, m, l)[:f, :g], _combine(so, sm, sl)[:s_n, :g]), tuple(caches)
+  return (combine_splits(o, m, l)[:f, :g], combine_splits(so, sm, sl)[:s_n, :g]), tuple(caches)
 
 
 def decode_applies(head_dim: int, capacity: int, width: int) -> bool:

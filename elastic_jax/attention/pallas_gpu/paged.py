@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 
 from elastic_jax.attention.common import LOG2E, online_init, online_update
 from elastic_jax.attention.decode_reference import stream_visible
-from elastic_jax.attention.pallas_gpu.decode import _combine
+from elastic_jax.attention.pallas_gpu.decode import combine_splits
 from elastic_jax.attention.pallas_gpu.hybrid import Tiles
 from elastic_jax.attention.reference import Streaming
 
@@ -96,7 +96,7 @@ def paged_attention(q_bkgh, k_pool, v_pool, table, full, pos_b, *, sink_len: int
       out_shape=out_shape, compiler_params=tiles.params(h), interpret=interpret,
       name="elastic_paged_decode_attention",
   )(*operands)
-  return _combine(o, m, l)[:, :g].reshape(b, kh, g, h)
+  return combine_splits(o, m, l)[:, :g].reshape(b, kh, g, h)
 
 
 def paged_applies(head_dim: int, page_size: int) -> bool:
