@@ -181,3 +181,23 @@ def test_report_sets_score_files_of_the_same_items_side_by_side(tmp_path, capsys
   (tmp_path / "other.json").write_text(json.dumps(other))
   with pytest.raises(ej.ElasticJaxError, match="scores other items"):
     frontier.main(["report", r1, str(tmp_path / "other.json"), "--runs", "boundary100"])
+
+
+def test_heads_keep_reads_an_earlier_file_of_the_same_settings(tmp_path):
+  """`frontier heads --keep`: the tasks of an earlier file with the same settings are kept;
+  one made with other settings, or not a heads file, is refused in one sentence."""
+  import json
+
+  from elastic_jax.errors import ElasticJaxError
+  from elastic_jax.repro.frontier import _earlier_heads
+  settings = {"seed": 3, "samples": 64, "tolerance": 0.02, "lengths": 384}
+  path = tmp_path / "heads.json"
+  assert _earlier_heads(str(path), settings) == {}
+  kv = {"gates": [[0, 1]], "size": 1, "full": 1.0, "sparse": 0.1, "path": []}
+  path.write_text(json.dumps({**settings, "tasks": {"kv": kv}}))
+  assert _earlier_heads(str(path), settings) == {"kv": kv}
+  with pytest.raises(ElasticJaxError, match="made with other samples"):
+    _earlier_heads(str(path), {**settings, "samples": 32})
+  path.write_text("[1, 2]")
+  with pytest.raises(ElasticJaxError, match="is not a heads file"):
+    _earlier_heads(str(path), settings)

@@ -295,7 +295,15 @@ def main(argv=None) -> int:
                       "and random wordings, never the held-out one) instead of --templates")
   p.add_argument("--seed", type=int, default=0,
                  help="seed of the generated records (the same seed, the same files)")
+  p.add_argument("--tasks", default=",".join(TASKS),
+                 help=f"comma-separated tasks (default the five; also RULER's families "
+                      f"{', '.join(FAMILY_TASKS)})")
   args = p.parse_args(argv)
+  tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
+  bad = [t for t in tasks if t not in ALL_TASKS]
+  if bad or not tasks or len(set(tasks)) != len(tasks):
+    raise ElasticJaxError(f"--tasks: distinct names among {', '.join(ALL_TASKS)}, got "
+                          f"{args.tasks!r}")
   if args.per_task < 1 or args.eval_per_task < 0:
     raise ElasticJaxError("--per-task must be >= 1 and --eval-per-task >= 0")
   if not 0.0 <= args.random_wordings <= 1.0:
@@ -307,14 +315,14 @@ def main(argv=None) -> int:
                           "2") from None
   variant = Variant("train", templates, args.min_len, args.max_len)
   n = write_jsonl(os.path.join(args.out, "train.jsonl"), variant, args.per_task, args.seed,
-                  random_wordings=args.random_wordings)
+                  tasks, random_wordings=args.random_wordings)
   worded = (f"templates {list(templates)}" if not args.random_wordings else
             f"templates {list(templates)}, {args.random_wordings:.0%} pretraining wordings")
-  print(f"mixture: {n} training records ({', '.join(TASKS)}; prompts of {args.min_len}-"
+  print(f"mixture: {n} training records ({', '.join(tasks)}; prompts of {args.min_len}-"
         f"{args.max_len} tokens, {worded}) in {args.out}/train.jsonl")
   if args.eval_per_task:
     m = write_jsonl(os.path.join(args.out, "eval.jsonl"), variant, args.eval_per_task,
-                    args.seed + 1, random_wordings=args.random_wordings)
+                    args.seed + 1, tasks, random_wordings=args.random_wordings)
     print(f"mixture: {m} held-out records in {args.out}/eval.jsonl")
   return 0
 

@@ -196,9 +196,14 @@ def heads(args) -> int:
   model, scorer = _load(args)
   out = {"seed": args.seed, "samples": args.samples, "tolerance": args.tolerance,
          "lengths": args.lengths, "tasks": {}}
+  done = _earlier_heads(args.out, out) if args.keep else {}
+  out["tasks"].update(done)
   t0 = time.time()
   tasks = args.tasks.split(",")
   for task in tasks:
+    if task in done:
+      print(f"{task}: kept from {args.out} ({done[task]['size']} heads)", flush=True)
+      continue
     items = eval_items(args.seed, args.samples, (task,), (args.lengths,), (args.lengths,))
     items = [it for it in items if it.variant == "seen"] if args.seen_only else items
     print(f"[{time.time() - t0:5.0f}s] {task}: greedy ablation over {len(items)} items",
@@ -223,6 +228,25 @@ def heads(args) -> int:
   _write_json(args.out, out)
   print(f"wrote {args.out} ({time.time() - t0:.0f}s)")
   return 0
+
+
+def _earlier_heads(path: str, settings: dict) -> dict:
+  """The per-task sets of an earlier `heads` file at `path` made with the same settings
+  (seed, samples, tolerance, lengths), so that a run stopped midway goes on where it was; {}
+  where there is none. A file made with other settings is refused rather than mixed in."""
+  if not os.path.exists(path):
+    return {}
+  try:
+    with open(path, encoding="utf-8") as f:
+      earlier = json.load(f)
+    tasks = dict(earlier["tasks"])
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise ElasticJaxError(f"--keep: {path} is not a heads file ({type(e).__name__})") from None
+  differ = [k for k in ("seed", "samples", "tolerance", "lengths") if earlier.get(k) != settings[k]]
+  if differ:
+    raise ElasticJaxError(f"--keep: {path} was made with other {', '.join(differ)}; give "
+                          "another --out or the same settings")
+  return tasks
 
 
 def joint_order(heads_json: dict, shape: tuple[int, int]) -> np.ndarray:
@@ -508,6 +532,8 @@ def parse_args(argv=None):
                  help="tasks to find sets for (the families of eval/families.py too)")
   h.add_argument("--tolerance", type=float, default=0.02)
   h.add_argument("--seen-only", action="store_true", help="the seen variant's items only")
+  h.add_argument("--keep", action="store_true",
+                 help="keep the tasks already in --out (same settings) and measure the rest")
   s = sub.choices["score"]
   s.add_argument("--seed", type=int, default=1)
   s.add_argument("runs", nargs="+", help="sweep folders (train's --out) or NAME=ROUTER_DIR")
