@@ -40,20 +40,11 @@ import statistics
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from elastic_jax.config import config_from_hf_dict
 from elastic_jax.errors import ElasticJaxError
-from elastic_jax.generation import aot
-from elastic_jax.generation.engine import Engine
-from elastic_jax.generation.kv_cache import stream_width
-from elastic_jax.model import init_params
-from elastic_jax.router import RouterConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from generate_speed import read_bandwidth, run_peer, step_bytes  # noqa: E402
 from shapes import SHAPES  # noqa: E402
 
 GiB = 2 ** 30
@@ -114,6 +105,7 @@ class Clock:
 
 
 def make_engine(params, cfg, rcfg, gates, args):
+  from elastic_jax.generation.engine import Engine
   pool = (dict(num_pages=args.num_pages) if args.num_pages
           else dict(memory_fraction=args.memory_fraction))
   how = (dict(attention="full") if gates is None
@@ -187,7 +179,16 @@ def batch_one(engine, t, args, vocab, rng):
 
 
 def main(argv=None) -> int:
-  args = parse_args(argv)
+  args = parse_args(argv)         # before jax and the model load: bad input fails at once
+  import jax
+  import jax.numpy as jnp
+
+  from elastic_jax.config import config_from_hf_dict
+  from elastic_jax.generation import aot
+  from elastic_jax.generation.kv_cache import stream_width
+  from elastic_jax.model import init_params
+  from elastic_jax.router import RouterConfig
+  from generate_speed import read_bandwidth, run_peer, step_bytes
   peer = run_peer(args) if args.peer and not args.dry_run else {}
   hf = dict(SHAPES[args.model], max_position_embeddings=max(max(args.lengths), 131072) + 1024)
   rcfg = RouterConfig()
