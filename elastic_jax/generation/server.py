@@ -487,6 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="auto (default: the checkpoint's own dtype) | float32 | bfloat16")
   p.add_argument("--attn-impl", default="auto",
                  help="prefill attention implementation (auto, reference, a kernel's name)")
+  p.add_argument("--decode-impl", default="reference",
+                 help="decode attention over the pages: reference (plain jnp), pallas_gpu "
+                      "(a kernel that reads only each head's pages) or auto")
   return p
 
 
@@ -502,7 +505,8 @@ def main(argv=None) -> int:
       model, args.attention, eos_ids=() if eos is None else [int(eos)],
       num_pages=args.num_pages,
       memory_fraction=(None if args.num_pages else args.memory_fraction or 0.9),
-      page_size=args.page_size, max_batch=args.max_batch, max_seq_len=args.max_seq_len)
+      page_size=args.page_size, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+      decode_impl=args.decode_impl)
   import uvicorn
   worker = Worker(engine)
   name = args.name or os.path.basename(os.path.normpath(args.model))
