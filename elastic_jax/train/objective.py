@@ -149,7 +149,6 @@ def _chunked_ce_sum_bwd(c, res, g):
   dhead0 = jnp.zeros((e, v) if head_grad else (), jnp.float32)
   dhead, dx_nbce = jax.lax.scan(body, dhead0, (_chunks(c, x_bte), _chunks(c, targets_bt),
                                                _chunks(c, mask_bt)))
-  n, b = dx_nbce.shape[:2]
   dx_bte = jnp.moveaxis(dx_nbce, 0, 1).reshape(x_bte.shape)
   return dx_bte, (dhead.astype(head_ev.dtype) if head_grad else None), None, None
 
