@@ -125,9 +125,7 @@ def warm(engine, lengths, vocab, rng):
 
 def offline(engine, t, args, vocab, rng):
   """As many requests of t tokens as the pool holds, submitted together."""
-  probe = engine.submit(rng.integers(0, vocab, t).tolist(), max_new_tokens=args.new_tokens)
-  per = engine.pages_for(probe)
-  engine.cancel(probe)
+  per = engine.tables.need(engine.known_full, t + args.new_tokens - 1)   # Request.positions
   n = max(1, min(args.max_requests, engine.num_pages // per))
   reqs = [engine.submit(rng.integers(0, vocab, t).tolist(), max_new_tokens=args.new_tokens)
           for _ in range(n)]

@@ -205,6 +205,11 @@ CASES = {
                                                       "8192"], 2, "within the config's"),
     "mixture data random wordings 2": ("mixture", ["{root}/mix", "--random-wordings", "2"], 2,
                                        "--random-wordings 2.0: a share in [0, 1]"),
+    "mixture data unknown task": ("mixture", ["{root}/mix", "--tasks", "kv,xx"], 2,
+                                  "--tasks: distinct names among"),
+    "frontier heads keep a file that is not heads": ("frontier", ["heads", "--out",
+                                                                 "{root}/scores.json", "--keep"],
+                                                     2, "is not a heads file"),
     "frontier plan without runs": ("frontier", ["train", "{root}/plan_empty.yaml", "--out",
                                                 "{root}/sweep"], 2,
                                    "a plan is a mapping with a non-empty 'runs' mapping"),
@@ -233,6 +238,8 @@ CASES = {
     "report run not label=dir": ("report", ["--run", "{root}"], 2, "expected LABEL=DIR"),
     "report out under a file": ("report", ["--run", "elastic={root}", "--out",
                                            "{root}/afile/table.md"], 2, "is a file, not a directory"),
+    "serve unknown decode impl": ("serve", ["{root}/m", "--num-pages", "8", "--decode-impl",
+                                            "mosaic"], 2, "over pages 'mosaic' is not one of"),
     "serve bench budget out of range": ("benchmarks/serve", ["--dry-run", "--msr", "1.5"], 2,
                                         "--msr values lie in [0, 1)"),
     "serve bench one new token": ("benchmarks/serve", ["--dry-run", "--new-tokens", "1"], 2,
@@ -287,6 +294,10 @@ def _main(entry):
     return main
   if entry == "frontier":
     from elastic_jax.repro.frontier import main
+    return main
+  if entry == "serve":
+    pytest.importorskip("uvicorn")
+    from elastic_jax.generation.server import main
     return main
   if entry.startswith("benchmarks/"):   # a benchmark imports its own folder's helpers
     folder = os.path.join(ROOT, "benchmarks")

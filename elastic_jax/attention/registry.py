@@ -151,13 +151,10 @@ def paged_kernel(impl: str, head_dim: int, page_size: int):
   if name == "reference":
     return None, False
   if name == "auto":
-    first = native()
-    order = ([first] if first else []) + [b for b in BACKENDS.values() if b is not first]
-    for b in order:
-      if (b.platform == jax.default_backend() and b.paged_decode is not None
-          and b.paged_applies(head_dim, page_size)):
-        return b.paged_decode, False
-    return None, False
+    here = [b for b in BACKENDS.values() if b.platform == jax.default_backend()
+            and b.paged_decode is not None and b.paged_applies(head_dim, page_size)]
+    here.sort(key=lambda b: b is not native())          # the preferred backend's first
+    return (here[0].paged_decode if here else None), False
   backend = BACKENDS[name]
   if backend.paged_decode is None:
     raise ElasticJaxError(f"backend '{name}' has no decode kernel over pages")

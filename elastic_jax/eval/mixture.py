@@ -278,6 +278,16 @@ def build_tokenizer(directory: str) -> None:
   fast.save_pretrained(directory)
 
 
+def parse_tasks(text: str, flag: str = "--tasks") -> tuple[str, ...]:
+  """A comma-separated list of distinct task names of ALL_TASKS; one sentence if not."""
+  tasks = tuple(t.strip() for t in text.split(",") if t.strip())
+  if (not tasks or len(set(tasks)) != len(tasks)
+      or any(t not in ALL_TASKS for t in tasks)):
+    raise ElasticJaxError(f"{flag}: distinct names among {', '.join(ALL_TASKS)}, got "
+                          f"{','.join(tasks) or 'none'}")
+  return tasks
+
+
 def main(argv=None) -> int:
   """python -m elastic_jax.eval.mixture OUT_DIR [--per-task N] ...: training data of the
   mixture for train.py (OUT_DIR/train.jsonl, OUT_DIR/eval.jsonl; name them in
@@ -299,11 +309,7 @@ def main(argv=None) -> int:
                  help=f"comma-separated tasks (default the five; also RULER's families "
                       f"{', '.join(FAMILY_TASKS)})")
   args = p.parse_args(argv)
-  tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
-  bad = [t for t in tasks if t not in ALL_TASKS]
-  if bad or not tasks or len(set(tasks)) != len(tasks):
-    raise ElasticJaxError(f"--tasks: distinct names among {', '.join(ALL_TASKS)}, got "
-                          f"{args.tasks!r}")
+  tasks = parse_tasks(args.tasks)
   if args.per_task < 1 or args.eval_per_task < 0:
     raise ElasticJaxError("--per-task must be >= 1 and --eval-per-task >= 0")
   if not 0.0 <= args.random_wordings <= 1.0:

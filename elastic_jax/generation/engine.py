@@ -154,7 +154,7 @@ class Engine:
         raise ElasticJaxError(f"{name} must be an integer >= 1, got {value!r}")
     if layer_loop not in ("scan", "split"):
       raise ElasticJaxError(f"layer_loop must be scan or split, got {layer_loop!r}")
-    paged.check_decode_impl(decode_impl, cfg.head_dim, page_size)
+    paged.paged_kernel(decode_impl, cfg.head_dim, page_size)   # refused here, not at a step
     self.decode_impl = decode_impl
     self.cfg, self.rcfg = cfg, rcfg or RouterConfig()
     self.params, self.attention, self.router_params = params, attention, router_params

@@ -81,11 +81,6 @@ def paged_kernel(impl: str, head_dim: int, page_size: int):
   return paged_reference if fn is None else functools.partial(fn, interpret=interpret)
 
 
-def check_decode_impl(impl: str, head_dim: int, page_size: int) -> None:
-  """Raises ElasticJaxError where `impl` is unknown or its kernel cannot take the shapes."""
-  paged_kernel(impl, head_dim, page_size)
-
-
 @flax.struct.dataclass
 class PagedCache:
   """The device side (module docstring): the pool and the decode batch's page tables."""

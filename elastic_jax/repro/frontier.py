@@ -193,10 +193,10 @@ def _load(args):
 def heads(args) -> int:
   from elastic_jax.eval import mixture
   from elastic_jax.repro.scoring import eval_items, minimal_head_set
-  model, scorer = _load(args)
   out = {"seed": args.seed, "samples": args.samples, "tolerance": args.tolerance,
          "lengths": args.lengths, "tasks": {}}
-  done = _earlier_heads(args.out, out) if args.keep else {}
+  done = _earlier_heads(args.out, out) if args.keep else {}     # refused before the model loads
+  model, scorer = _load(args)
   out["tasks"].update(done)
   t0 = time.time()
   tasks = args.tasks.split(",")

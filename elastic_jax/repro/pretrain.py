@@ -107,11 +107,7 @@ def parse_args(argv=None):
   if not (0 <= args.decay <= 1 and 0 <= args.copy_fraction < 1 and args.long_from >= 0):
     raise ElasticJaxError("--decay must lie in [0, 1], --copy-fraction in [0, 1) and "
                           "--long-from be >= 0")
-  args.tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
-  unknown = [t for t in args.tasks if t not in mixture.ALL_TASKS]
-  if unknown or not args.tasks or len(set(args.tasks)) != len(args.tasks):
-    raise ElasticJaxError(f"--tasks: distinct names among {', '.join(mixture.ALL_TASKS)}, got "
-                          f"{','.join(args.tasks) or 'none'}")
+  args.tasks = mixture.parse_tasks(args.tasks)
   for name in ("seq_len", "short_seq_len"):
     if getattr(args, name) % 128 or getattr(args, name) < 128:
       raise ElasticJaxError(f"--{name.replace('_', '-')} must be a multiple of 128")
