@@ -3,7 +3,8 @@ cache (elastic_jax.generation.engine), full attention against elastic at fixed b
 
     python benchmarks/serve.py [--model llama3_8b] [--lengths 32768 131072] [--new-tokens 256]
         [--msr 0.5 0.75] [--rates 0.05 0.1 0.2] [--stream-requests 24] [--page-size 256]
-        [--max-batch 64] [--memory-fraction 0.9] [--decode-impl auto] [--peer] [--dry-run]
+        [--max-batch 64] [--memory-fraction 0.9] [--decode-impl auto] [--prefill-layers 0 4]
+        [--peer] [--dry-run]
         [--json results.json]
 
 The backbone has the published shapes of --model with random bf16 weights. "full" keeps every
@@ -19,15 +20,18 @@ pool takes --memory-fraction of the memory free once the weights are in.
 2. A mixed stream: --stream-requests requests with prompt lengths log-uniform over 8K-128K
    (rounded to 8K, so that prefills compile once per length before timing) and outputs of
    128-512 tokens, arriving as a Poisson process at each of --rates requests/s: time to
-   first token and time per output token (p50, p99), output tokens/s, requests in flight.
+   first token and time per output token (p50, p99), output tokens/s, requests in flight;
+   once per --prefill-layers value (0: each prefill runs whole when admitted, the others'
+   decoding waits for it; n: n layers of prefill between two decode steps).
 3. Batch-1 decode through the engine against the bandwidth bound (every weight and the live
    cache read once per token at the measured read bandwidth).
 4. --peer: transformers' own generate on the same shape (benchmarks/peer_transformers_generate.py,
    a subprocess before JAX takes the device), batch 1 at each --lengths.
 
 Times exclude compilation: every prefill length and the decode step run once untimed first.
---dry-run shrinks the model and lengths so that the script runs on a CPU in about a minute
-(a pool of --num-pages pages there: a CPU reports no free memory).
+--dry-run shrinks the model and lengths and makes arrivals 100 times faster, so that the
+script runs on a CPU in about a minute (a pool of --num-pages pages there: a CPU reports no
+free memory).
 """
 
 from __future__ import annotations
@@ -67,12 +71,17 @@ def parse_args(argv=None):
   p.add_argument("--memory-fraction", type=float, default=0.9)
   p.add_argument("--num-pages", type=int, help="the pool in pages (instead of a fraction)")
   p.add_argument("--decode-impl", default="auto", help="the engine's attention over pages")
+  p.add_argument("--prefill-layers", type=int, nargs="+", default=[0],
+                 help="the mixed stream once per value: 0 prefills whole at admission, n "
+                      "interleaves n layers of prefill per decode step")
   p.add_argument("--peer", action="store_true", help="transformers' generate, batch 1")
   p.add_argument("--json", help="write every figure here")
   p.add_argument("--dry-run", action="store_true")
   args = p.parse_args(argv)
   if args.new_tokens < 2 or args.stream_requests < 1 or args.max_batch < 1:
     raise ElasticJaxError("--new-tokens must be >= 2, --stream-requests and --max-batch >= 1")
+  if any(n < 0 for n in args.prefill_layers):
+    raise ElasticJaxError("--prefill-layers values are >= 0 (0: prefills run whole)")
   if any(not 0 <= m < 1 for m in args.msr) or any(r <= 0 for r in args.rates):
     raise ElasticJaxError("--msr values lie in [0, 1) and --rates are > 0")
   return args
@@ -200,6 +209,7 @@ def main(argv=None) -> int:
     args.new_tokens, args.stream_requests = min(args.new_tokens, 8), min(args.stream_requests, 4)
     args.page_size, args.max_batch = 16, min(args.max_batch, 4)
     args.num_pages = args.num_pages or 256
+    args.rates = [100 * r for r in args.rates]      # the same stream, 100 times faster
     lo, hi, bucket = 64, 256, 64
   cfg = config_from_hf_dict(hf, f"{args.model} shape")
   dtype = jnp.float32 if args.dry_run else jnp.bfloat16
@@ -244,10 +254,17 @@ def main(argv=None) -> int:
             f"{r['tokens_per_s']:,.0f} output tokens/s, at most {r['most_decoding']} "
             f"decoding at once; batch 1: {b1:.1f} tokens/s = {b1 / bound:.0%} of the "
             f"bandwidth bound", flush=True)
-    for rate in args.rates:
+    warmed = 0
+    for rate, layers in ((r, n) for n in args.prefill_layers for r in args.rates):
+      engine.prefill_layers = layers or None          # the engine is idle between streams
+      if layers != warmed:                            # the other prefill path compiled
+        warm(engine, list(s_len), cfg.vocab_size, rng)
+        warmed = layers
       r = stream(engine, rate, args, cfg.vocab_size, rng, s_len, s_out)
+      r["prefill_layers"] = layers
       row["stream"].append(r)
-      print(f"  stream at {rate:g}/s: {r['tokens_per_s']:,.0f} output tokens/s, in flight "
+      how = f"{layers} layers of prefill a step" if layers else "prefills whole"
+      print(f"  stream at {rate:g}/s, {how}: {r['tokens_per_s']:,.0f} output tokens/s, in flight "
             f"{r['in_flight_mean']:.1f}; TTFT p50 {r['ttft_p50']:.2f} s p99 "
             f"{r['ttft_p99']:.2f} s; TPOT p50 {r['tpot_p50'] * 1e3:.1f} ms p99 "
             f"{r['tpot_p99'] * 1e3:.1f} ms", flush=True)

@@ -109,7 +109,10 @@ def test_engine_tokens_equal_generate_alone(routing, lengths, limits, pages):
   fewer rows than requests and a pool that makes one wait for pages: each request's greedy
   tokens are `generate`'s for its prompt alone, and its routing (elastic: some heads
   streaming, prefilled layer by layer here) is the one `generate` decides. No page leaks at
-  any step, a finished request's pages return at once and the pool is whole at the end."""
+  any step, a finished request's pages return at once and the pool is whole at the end.
+  Elastic runs with prefills interleaved with decoding (one layer a step): a newcomer's
+  prefill spans steps in which the requests already decoding each get their token, and its
+  cancel mid-prefill returns its reservation."""
   cfg, params = _model("qwen3")
   kw = dict(attention=routing)
   if routing == "elastic":
@@ -118,16 +121,28 @@ def test_engine_tokens_equal_generate_alone(routing, lengths, limits, pages):
   prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
   engine = Engine(params, cfg, rcfg=RCFG, num_pages=pages, page_size=PAGE, max_batch=3,
                   attn_impl="reference", layer_loop="split" if routing == "elastic" else "scan",
-                  prefill_chunk=64 if routing == "elastic" else None, **kw)
+                  prefill_chunk=64 if routing == "elastic" else None,
+                  prefill_layers=1 if routing == "elastic" else None, **kw)
   first = len(prompts) // 2
   handles = [engine.submit(p, max_new_tokens=m) for p, m in zip(prompts[:first],
                                                                    limits[:first])]
-  waited, seen = False, {}
+  waited, seen, overlapped, dropped = False, {}, 0, None
   for step in range(200):
     if step == 2:                                   # these arrive while the first decode
       handles += [engine.submit(p, max_new_tokens=m) for p, m in zip(prompts[first:],
                                                                       limits[first:])]
+      if routing == "elastic":
+        dropped = engine.submit(prompts[0][::-1], max_new_tokens=4)
+    if dropped is not None and dropped.finish is None and any(
+        r is dropped for r, _ in engine.prefilling):
+      engine.cancel(dropped)                        # mid-prefill: its reservation returns
+      assert dropped.row is None and engine.alloc.owned(dropped.id) == []
+      assert dropped not in engine.rows and not dropped.tokens
+    under_way = {r.id for r, _ in engine.prefilling}
     events = engine.step()
+    # A step that neither began nor ended a prefill still under way decoded the others.
+    decoded = {e.request.id for e in events} - under_way
+    overlapped += bool(under_way & {r.id for r, _ in engine.prefilling}) and bool(decoded)
     for event in events:
       seen.setdefault(event.request.id, []).extend(event.tokens)
       if event.finished:
@@ -141,6 +156,8 @@ def test_engine_tokens_equal_generate_alone(routing, lengths, limits, pages):
       break
   assert engine.idle and engine.alloc.free_pages == engine.alloc.available == pages
   assert waited, "no request waited for pages while a row was free"
+  assert overlapped if routing == "elastic" else not engine.prefilling
+  assert routing != "elastic" or dropped.finish == "cancelled" and not dropped.tokens
   mixed = 0
   for handle, prompt, limit in zip(handles, prompts, limits):
     want, gates = _alone(params, cfg, prompt, limit, **kw)
@@ -232,6 +249,9 @@ def test_bad_requests_and_settings():
     Engine(params, cfg, attention="full", rcfg=RCFG, memory_fraction=0.5)   # a CPU
   with pytest.raises(ElasticJaxError, match=r"max_seq_len must be an integer in \[1, 512\]"):
     Engine(params, cfg, attention="full", rcfg=RCFG, num_pages=8, max_seq_len=600)
+  for bad in (0, 1.5, True):
+    with pytest.raises(ElasticJaxError, match="prefill_layers must be an integer >= 1"):
+      Engine(params, cfg, attention="full", rcfg=RCFG, num_pages=8, prefill_layers=bad)
   model = ElasticModel(config=cfg, params=params, hf_config={}, router_params=router,
                        router_config=RCFG)
   made = Engine.from_model(model, num_pages=8)

@@ -7,7 +7,12 @@ Requests arrive at any time (`Engine.submit`) and wait in a queue; each `Engine.
      (`prefill.whole`, or `prefill.by_layer` past `prefill_chunk`), which decides its routing
      as `generate` does, its per-head keys and values are copied into its pages
      (`paged.copy_in`), and its first token is chosen from the prefill's logits;
-  2. advances every active request by one token in one jitted decode step over the fixed
+     with `prefill_layers` set, prefills are interleaved with decoding instead: an admitted
+     request's prefill runs layer by layer (`prefill.layer_steps`), at most `prefill_layers`
+     layers of prefill work per step (oldest first), so that the requests already decoding
+     wait for a few layers of a newcomer's prompt at each step, not for all of it; the
+     request decodes from the step its last layer ran;
+  2. advances every decoding request by one token in one jitted decode step over the fixed
      batch of `max_batch` rows (`model.decode_step` over a `paged.PagedCache`; empty rows sit
      at position -1 and write nothing), each row with its own position, stop tokens, limit and
      sampling settings;
@@ -23,9 +28,12 @@ reservation to the exact need once its routing is decided. Pages are taken from 
 reservation as the slots fill; what was not taken returns when the request ends. A request
 whose reservation exceeds the whole pool is refused when submitted.
 
-Not here: prefill in chunks interleaved with decode steps (a prefill runs whole, between
-steps), preemption, decode kernels over pages (the plain-jnp `paged.attend` runs), stop
-strings (stop on token ids).
+Why layers and not token chunks are the unit of interleaving: a layer's router reads the
+keys of the prompt's last tokens (prefill.py's docstring), so a prompt cannot be cut along
+its tokens before routing; a layer over the whole prompt is the smallest piece of prefill
+that decides its heads exactly as the one-shot prefill does.
+
+Not here: preemption, stop strings (stop on token ids).
 """
 
 from __future__ import annotations
@@ -130,7 +138,9 @@ class Engine:
   """Continuous batching over a paged per-head cache (module docstring).
 
   params, cfg, attention, rcfg, router_params, gates ([L, K], the same for every request),
-  attn_impl, prefill_chunk: as `generate`'s. num_pages or memory_fraction: the pool, in pages
+  attn_impl, prefill_chunk: as `generate`'s. prefill_layers: None, each prefill runs whole
+  at its admission; n >= 1, prefills interleaved with decoding, n layers per step (module
+  docstring). num_pages or memory_fraction: the pool, in pages
   or as a fraction of the device's free memory. page_size: tokens per page. max_batch: rows of
   the decode step (requests decoding at once). max_seq_len: the longest prompt plus
   max_new_tokens a request may have (default: the model's). eos_ids: tokens that end every
@@ -145,13 +155,15 @@ class Engine:
                page_size: int = 16, max_batch: int = 8, max_seq_len: int | None = None,
                eos_ids: Sequence[int] = (), attn_impl: str = "auto",
                prefill_chunk: int | None = 8192, layer_loop: str = "scan",
-               decode_impl: str = "reference"):
+               decode_impl: str = "reference", prefill_layers: int | None = None):
     check_attention(attention, FORWARD)
     if attention == "elastic" and router_params is None:
       raise ElasticJaxError("attention='elastic' needs trained routers (router_params)")
-    for name, value in (("page_size", page_size), ("max_batch", max_batch)):
-      if not isinstance(value, (int, np.integer)) or value < 1:
+    for name, value in (("page_size", page_size), ("max_batch", max_batch),
+                        ("prefill_layers", 1 if prefill_layers is None else prefill_layers)):
+      if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
         raise ElasticJaxError(f"{name} must be an integer >= 1, got {value!r}")
+    self.prefill_layers = prefill_layers
     if layer_loop not in ("scan", "split"):
       raise ElasticJaxError(f"layer_loop must be scan or split, got {layer_loop!r}")
     paged.paged_kernel(decode_impl, cfg.head_dim, page_size)   # refused here, not at a step
@@ -176,6 +188,7 @@ class Engine:
     self.step_params = split_layers(params) if layer_loop == "split" else params
     self.rows: list[Request | None] = [None] * max_batch
     self.queue: list[Request] = []
+    self.prefilling: list[tuple[Request, object]] = []   # (request, its layer_steps), oldest first
     self._ids = itertools.count()
 
   @staticmethod
@@ -274,6 +287,11 @@ class Engine:
       return
     if request in self.queue:
       self.queue.remove(request)
+    for entry in self.prefilling:
+      if entry[0] is request:
+        self.prefilling.remove(entry)
+        entry[1].close()                 # its layers' keys and values are dropped
+        break
     request.finish = "cancelled"
     self._release(request)
 
@@ -288,23 +306,51 @@ class Engine:
   def idle(self) -> bool:
     return not self.queue and not any(self.rows)
 
-  def _prefill(self, request: Request) -> prefill.Prefilled:
+  def _prefill(self, request: Request, interleaved: bool):
+    """The prefill of `request` alone: its `Prefilled`, or (interleaved) its
+    `prefill.layer_steps` generator."""
     rows = prefill.arrange([request.prompt], pack=False)
     capacity = prefill.round_up(int(rows.ids.shape[1]), self.page_size)
     forced = None
     if self.attention == "forced":
       forced = jnp.asarray(self.gates[:, None])
+    args = (self.params, self.cfg, rows, self.router_params, forced)
     how = dict(attention=self.attention, rcfg=self.rcfg, attn_impl=self.attn_impl,
                capacity=capacity)
+    if interleaved:
+      return prefill.layer_steps(*args, chunk=self.prefill_chunk or 0, **how)
     if self.prefill_chunk is not None and rows.ids.shape[1] > self.prefill_chunk:
-      return prefill.by_layer(self.params, self.cfg, rows, self.router_params, forced,
-                              chunk=self.prefill_chunk, **how)
-    return prefill.whole(self.params, self.cfg, rows, self.router_params, forced, **how)
+      return prefill.by_layer(*args, chunk=self.prefill_chunk, **how)
+    return prefill.whole(*args, **how)
 
-  def _admit(self, request: Request, row: int) -> Event:
-    """Prefill `request` into batch row `row` (its reservation already made): its pages
-    filled, its first token chosen."""
-    pre = self._prefill(request)
+  def _admit(self, request: Request, row: int) -> Event | None:
+    """Start `request` in batch row `row` (its reservation already made): prefilled now and
+    its first token's event returned, or (prefill_layers) its prefill queued for
+    `_advance_prefills`."""
+    request.row, self.rows[row] = row, request
+    if self.prefill_layers is not None:
+      self.prefilling.append((request, self._prefill(request, interleaved=True)))
+      return None
+    return self._start_decoding(request, self._prefill(request, interleaved=False))
+
+  def _advance_prefills(self) -> list[Event]:
+    """At most `prefill_layers` layers of the prefills under way, oldest first; the first
+    token's event of each that completes."""
+    events, budget = [], self.prefill_layers or 0
+    while budget and self.prefilling:
+      request, steps = self.prefilling[0]
+      budget -= 1
+      try:
+        next(steps)
+      except StopIteration as done:
+        self.prefilling.pop(0)
+        events.append(self._start_decoding(request, done.value))
+    return events
+
+  def _start_decoding(self, request: Request, pre: prefill.Prefilled) -> Event:
+    """`request`'s prefill done: its routing known, its pages filled, its first token
+    chosen."""
+    row = request.row
     request.full = paged.cache_modes(pre.cache, self.cfg.num_layers, self.cfg.num_kv_heads)
     self.alloc.shrink(request.id, self.tables.need(request.full, request.positions))
     self.tables.assign(row, request.full, len(request.prompt), self.alloc, request.id)
@@ -313,7 +359,6 @@ class Engine:
                                            self.page_size, self.stream_pages)
       self.cache = paged.copy_in(self.cache, c.full_k, c.full_v, c.st_k, c.st_v, full_dest,
                                  st_dest)
-    request.row, self.rows[row] = row, request
     s = request.sampling
     tok = _choose(pre.logits, jnp.asarray([s.temperature], jnp.float32),
                   jnp.asarray([s.top_p], jnp.float32), jnp.asarray([self._seed(s)], jnp.int32),
@@ -346,14 +391,18 @@ class Engine:
         break                       # first come, first served: the head waits for pages
       self.queue.pop(0)
       self.alloc.reserve(request.id, need)
-      events.append(self._admit(request, self.rows.index(None)))
+      event = self._admit(request, self.rows.index(None))
+      if event is not None:
+        events.append(event)
     return events
 
   def step(self) -> list[Event]:
     """Admit what fits, then one decode step of every active request (module docstring);
     the events of this step, in row order after the admissions'."""
-    events = self._admit_waiting()
-    live = [(row, r) for row, r in enumerate(self.rows) if r is not None]
+    events = self._admit_waiting() + self._advance_prefills()
+    waiting = {id(r) for r, _ in self.prefilling}
+    live = [(row, r) for row, r in enumerate(self.rows)
+            if r is not None and id(r) not in waiting]
     if not live:
       return events
     b = len(self.rows)

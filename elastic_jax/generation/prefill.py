@@ -224,6 +224,22 @@ def by_layer(params: Params, cfg: ModelConfig, rows: Rows, router_params, forced
   layer's keys and values live until then (two layers' at most). A compilation due on the
   way (the first call of a shape) first lets the device finish its queue, so that the time
   reported leaves it out exactly."""
+  steps = layer_steps(params, cfg, rows, router_params, forced_lbk, attention=attention,
+                      rcfg=rcfg, attn_impl=attn_impl, capacity=capacity, chunk=chunk)
+  while True:
+    try:
+      next(steps)
+    except StopIteration as done:
+      return done.value
+
+
+def layer_steps(params: Params, cfg: ModelConfig, rows: Rows, router_params, forced_lbk, *,
+                attention: str, rcfg: RouterConfig, attn_impl: str, capacity: int,
+                chunk: int):
+  """`by_layer` as a generator that pauses after each layer's call (cfg.num_layers - 1
+  pauses; the last `next` returns the `Prefilled` through StopIteration), so that a caller
+  may run other work on the device between two layers: the engine decodes its other requests
+  there. Timed between the pauses too, so `seconds` counts what ran in them."""
   static = dict(cfg=cfg, rcfg=rcfg, attention=attention, attn_impl=attn_impl, chunk=chunk)
   embed, compile_s = aot.compiled(_embed, (params, rows), dict(cfg=cfg))
   start, timed_compile = time.perf_counter(), 0.0    # compilations inside the timed span
@@ -259,6 +275,8 @@ def by_layer(params: Params, cfg: ModelConfig, rows: Rows, router_params, forced
       gates.append(g[0])
       kept.append(xa)
     pending = ran
+    if index < cfg.num_layers - 1:
+      yield
   head, seconds = aot.compiled(_head, (params, x, rows), dict(cfg=cfg), drain)
   timed_compile += seconds
   logits = head(params, x, rows)

@@ -490,6 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--decode-impl", default="reference",
                  help="decode attention over the pages: reference (plain jnp), pallas_gpu "
                       "(a kernel that reads only each head's pages) or auto")
+  p.add_argument("--prefill-layers", type=int,
+                 help="interleave prefills with decoding, this many layers of prefill per "
+                      "step (default: a prefill runs whole at its admission)")
   return p
 
 
@@ -506,7 +509,7 @@ def main(argv=None) -> int:
       num_pages=args.num_pages,
       memory_fraction=(None if args.num_pages else args.memory_fraction or 0.9),
       page_size=args.page_size, max_batch=args.max_batch, max_seq_len=args.max_seq_len,
-      decode_impl=args.decode_impl)
+      decode_impl=args.decode_impl, prefill_layers=args.prefill_layers)
   import uvicorn
   worker = Worker(engine)
   name = args.name or os.path.basename(os.path.normpath(args.model))
