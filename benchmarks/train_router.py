@@ -1,7 +1,7 @@
 """Router training speed and memory on an 8B-shaped backbone at long context, one device.
 
     python benchmarks/train_router.py [--model llama3_8b|qwen3_8b] [--seq-len 65536]
-        [--steps 4] [--attn-impl auto] [--packed] [--dry-run]
+        [--steps 4] [--attn-impl auto] [--packed] [--profile] [--top-buffers N] [--dry-run]
     python benchmarks/train_router.py --layout packed ...     # one layout only
 
 The backbone has the published shapes of Llama-3.1-8B or Qwen3-8B (the config dicts below,
@@ -30,10 +30,10 @@ import time
 # An 8B backbone at 64K tokens needs ~100 GiB of temporaries: let XLA take 95% of the device
 # rather than its default 75% (set the variable to override).
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-# --top-buffers asks XLA for its buffer assignment of the train step, which only a flag set
-# before jax starts can do.
+# --top-buffers and --profile ask XLA for its optimised HLO and buffer assignment of the train
+# step, which only a flag set before jax starts can do.
 _DUMP = None
-if "--top-buffers" in sys.argv:
+if "--top-buffers" in sys.argv or "--profile" in sys.argv:
   import tempfile
   _DUMP = tempfile.mkdtemp(prefix="train_step_hlo_")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={_DUMP}"
@@ -69,6 +69,10 @@ def main(argv=None):
   p.add_argument("--top-buffers", type=int, default=0, metavar="N",
                  help="print the N largest buffers of XLA's buffer assignment of the step, "
                       "with the operation that produces each")
+  p.add_argument("--profile", action="store_true",
+                 help="trace one more step and split its device time by part of the model "
+                      "(attention, router, MLP, loss, optimizer, the rest) and by phase "
+                      "(forward, remat's recomputation, backward): benchmarks/xprof.py")
   p.add_argument("--dry-run", action="store_true", help="tiny shapes, runs on a CPU")
   args = p.parse_args(argv)
   if args.packed:
@@ -130,6 +134,17 @@ def main(argv=None):
         f"{'n/a' if peak is None else f'{peak / 2**30:.1f} GiB'}")
   if args.top_buffers and _DUMP:
     print_top_buffers(_DUMP, args.top_buffers)
+  if args.profile:
+    import tempfile
+    import xprof
+    trace_dir = tempfile.mkdtemp(prefix="train_step_trace_")
+    with jax.profiler.trace(trace_dir):
+      state, m = train_step(state, backbone, batch, **kw)
+      jax.block_until_ready(m["loss"])
+    print("profile of one step (jax.profiler; benchmarks/xprof.py):")
+    split = xprof.print_split(xprof.device_ops(trace_dir, "train_step"),
+                              xprof.hlo_origins(_DUMP, "train_step"))
+    print("PROFILE " + " ".join(f"{k}={v:.2f}" for k, v in split.items()))
   print(f"reference point (ANCHORS, another machine): authors ≈2.1K tokens/s per A800 at 64K; "
         f"ratio {real / sec / 2100:.2f}")
 
@@ -139,14 +154,12 @@ def print_top_buffers(dump_dir: str, n: int) -> None:
   optimisation): size, shape and the JAX operation (op_name metadata) that produces each."""
   import glob
   import re
-  done = sorted(glob.glob(os.path.join(dump_dir, "*train_step*after_optimizations.txt")))
+  import xprof
+  origin = xprof.hlo_origins(dump_dir, "train_step")
   assign = sorted(glob.glob(os.path.join(dump_dir, "*train_step*buffer-assignment.txt")))
-  if not done or not assign:
+  if not origin or not assign:
     print(f"no buffer assignment of the train step was dumped under {dump_dir}")
     return
-  hlo = open(done[-1]).read()
-  origin = {m.group(1): m.group(2) for m in re.finditer(
-      r"^\s*(?:ROOT )?%?([\w.-]+) = [^\n]*?op_name=\"([^\"]*)\"", hlo, re.M)}
   values = {}
   for m in re.finditer(r"value: <\d+ ([\w.-]+)(?:\{[^}]*\})? @\d+> \(size=(\d+),"
                        r"offset=\d+\): (\S+)", open(assign[-1]).read()):

@@ -156,16 +156,19 @@ class Attention(nn.Module):
                           layer.get("impl", "reference"))
       return self._out_proj(out[:, None]), {"cache": cache}
     if self.attention == "elastic":
-      # The router reads the keys after k-norm and before RoPE (docs/method.md §4).
-      if self.packed or self.rcfg.pooling != "boundary":
-        pooled = rt.pool_prompt(kk, segment_ids_bt, ctx.positions, ctx.prompt_mask,
-                                self.rcfg, ctx.num_segments)
-      else:   # one input per row, its prompt a prefix: read only the boundary tokens
-        pooled = rt.pool_prompt_prefix(kk, segment_ids_bt, ctx.prompt_mask, self.rcfg,
-                                       ctx.num_segments)
-      z_bskc = rt.router_logits(layer["router"], pooled)
-      gate_bsk, soft_bsk = rt.gate_from_logits(z_bskc, self.rcfg, key=layer.get("key"),
-                                               tau=ctx.tau)
+      # The router reads the keys after k-norm and before RoPE (docs/method.md §4). The
+      # named scopes here ("router", "attention_core", "mlp") only label the operations for
+      # profiles (benchmarks/xprof.py).
+      with jax.named_scope("router"):
+        if self.packed or self.rcfg.pooling != "boundary":
+          pooled = rt.pool_prompt(kk, segment_ids_bt, ctx.positions, ctx.prompt_mask,
+                                  self.rcfg, ctx.num_segments)
+        else:   # one input per row, its prompt a prefix: read only the boundary tokens
+          pooled = rt.pool_prompt_prefix(kk, segment_ids_bt, ctx.prompt_mask, self.rcfg,
+                                         ctx.num_segments)
+        z_bskc = rt.router_logits(layer["router"], pooled)
+        gate_bsk, soft_bsk = rt.gate_from_logits(z_bskc, self.rcfg, key=layer.get("key"),
+                                                 tau=ctx.tau)
       stats = {"gate": gate_bsk, "soft_gate": soft_bsk, "logits": z_bskc, "pooled": pooled}
     elif self.attention == "forced":
       gate_bsk = layer["gate"].astype(jnp.float32)
@@ -175,6 +178,14 @@ class Attention(nn.Module):
                                     ("batch", "seq", "act_kv_heads", None))
     if ctx.return_kv:
       stats = dict(stats, k=kk, v=v)
+    with jax.named_scope("attention_core"):
+      out, stats = self._core(q, kk, v, ctx, stats, gate_bsk if self.attention in (
+          "elastic", "forced") else None)
+    return self._out_proj(out), stats
+
+  def _core(self, q, kk, v, ctx: Context, stats: dict, gate_bsk):
+    """Attention itself over the projected, rotated heads: (its output, the stats)."""
+    segment_ids_bt = ctx.segment_ids
     if self.attention == "full":
       # A mesh and rules that split "seq" make this sequence parallel
       # (attention/sequence_parallel.py).
@@ -202,7 +213,7 @@ class Attention(nn.Module):
         wrapped = functools.partial(hybrid, patterns=self.rcfg.patterns, xa_keep=keep,
                                     xa_block=xa.block)
       out = wrapped(q, kk, v, gate_btk, self.rcfg.streaming, seg, pos)
-    return self._out_proj(out), stats
+    return out, stats
 
   def _out_proj(self, out_btnh):
     cfg = self.cfg
@@ -231,10 +242,11 @@ class MLP(nn.Module):
                              nn.initializers.zeros, dt), y.ndim)
       return y
 
-    gate = dense("gate", (e, f), ("embed", "mlp"), x_bte, "bte,ef->btf")
-    up = dense("up", (e, f), ("embed", "mlp"), x_bte, "bte,ef->btf")
-    hidden = nn.with_logical_constraint(nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
-    return dense("down", (f, e), ("mlp", "embed"), hidden, "btf,fe->bte")
+    with jax.named_scope("mlp"):
+      gate = dense("gate", (e, f), ("embed", "mlp"), x_bte, "bte,ef->btf")
+      up = dense("up", (e, f), ("embed", "mlp"), x_bte, "bte,ef->btf")
+      hidden = nn.with_logical_constraint(nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
+      return dense("down", (f, e), ("mlp", "embed"), hidden, "btf,fe->bte")
 
 
 class DecoderLayer(nn.Module):

@@ -64,3 +64,59 @@ def test_the_ceiling_is_the_fastest_of_the_runs_measurements():
   assert got["runs"] == {"before the rows": before, "after the rows": after}
   assert bench.combined_ceiling({"before the rows": after, "after the rows": before})[
       "tflops"] == 587.0
+
+
+def test_profile_split_labels_each_scope_and_phase():
+  """benchmarks/xprof.py on a CPU trace of a rematerialised gradient with the model's named
+  scopes: every scope's operations are found in each phase they run in (forward, remat's
+  recomputation, backward), nothing the program ran is counted twice, and the split sums to
+  the operations' total."""
+  import jax
+  import jax.numpy as jnp
+  import tempfile
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  try:
+    import xprof
+  finally:
+    sys.path.pop(0)
+
+  def layer(x, w):
+    with jax.named_scope("attention_core"):
+      x = x * w[:1, :x.shape[1]]
+      x = jax.nn.softmax(x @ x.T, axis=-1) @ x
+    with jax.named_scope("mlp"):
+      x = jnp.tanh(x @ w) @ w.T
+    return x
+
+  def f(x, w):
+    y = jax.checkpoint(layer)(x, w)
+    with jax.named_scope("router"):
+      y = y * jax.nn.sigmoid(y.mean())
+    with jax.named_scope("loss"):
+      return (y ** 2).sum()
+
+  step = jax.jit(jax.value_and_grad(f, argnums=1))
+  x, w = jnp.ones((128, 64)) * 0.01, jnp.ones((64, 256)) * 0.02
+  compiled = step.lower(x, w).compile()
+  origins = xprof.origins(compiled.as_text())
+  assert origins and all(v.startswith("jit(") or "/" not in v for v in origins.values())
+  jax.block_until_ready(compiled(x, w))
+  trace = tempfile.mkdtemp()
+  with jax.profiler.trace(trace):
+    jax.block_until_ready(compiled(x, w))
+  ops = xprof.device_ops(trace, "jit_f")
+  assert ops and not any(xprof._CONTAINERS.fullmatch(op) for op, _ in ops)
+  by_label, by_op, total = xprof.split(ops, origins)
+  assert total == sum(ns for _, ns in ops) == sum(by_label.values()) == sum(by_op.values())
+  seen = {key for key, ns in by_label.items() if ns > 0}
+  for scope in ("attention_core", "mlp"):
+    assert {(scope, "forward"), (scope, "recompute"), (scope, "backward")} <= seen, seen
+  assert ("router", "backward") in seen
+  assert xprof.label("jit(s)/transpose(jvp(T))/while/body/checkpoint/rematted_computation/"
+                     "layers/router/dot_general") == ("router", "recompute")
+  assert xprof.label("jit(s)/transpose(jvp(T))/layers/attention_core/pallas_call") == (
+      "attention_core", "backward")
+  assert xprof.label("jit(s)/jvp(T)/layers/attn/add") == ("rest", "forward")
+  assert xprof.label("jit(s)/transpose(jvp(router))/add_any") == ("router", "backward")
+  assert xprof.label("jit(s)/jvp(loss)/reduce_sum") == ("loss", "forward")
+  assert xprof.label(None) == ("unmatched", "-")

@@ -77,7 +77,8 @@ def chunked_answer_cross_entropy(x_bte, head_ev, targets_bt, loss_mask_bt, chunk
     x_bte = jnp.pad(x_bte, ((0, 0), (0, pad), (0, 0)))
     targets_bt = jnp.pad(targets_bt, ((0, 0), (0, pad)))
     mask = jnp.pad(mask, ((0, 0), (0, pad)))
-  total = _chunked_ce_sum(c, x_bte, head_ev, targets_bt, mask)
+  with jax.named_scope("loss"):        # a label for profiles (benchmarks/xprof.py)
+    total = _chunked_ce_sum(c, x_bte, head_ev, targets_bt, mask)
   return total / jnp.maximum(mask.sum(), 1.0)
 
 

@@ -187,8 +187,9 @@ def train_step(state: TrainState, backbone: dict, batch: dict, *, cfg: ModelConf
   (loss, aux), grads = _loss_and_grads(state.trainable, backbone, batch, step_key, tau,
                                        cfg=cfg, rcfg=rcfg, ocfg=ocfg, tcfg=tcfg,
                                        attn_impl=attn_impl, remat=remat, rules=rules)
-  updates, opt_state = make_optimizer(tcfg).update(grads, state.opt_state, state.trainable)
-  trainable = optax.apply_updates(state.trainable, updates)
+  with jax.named_scope("optimizer"):   # a label for profiles (benchmarks/xprof.py)
+    updates, opt_state = make_optimizer(tcfg).update(grads, state.opt_state, state.trainable)
+    trainable = optax.apply_updates(state.trainable, updates)
   per_layer_norm = jnp.sqrt(sum(jnp.sum(g.reshape(g.shape[0], -1) ** 2, axis=1)
                                 for g in jax.tree.leaves(grads["router"])))
   # A non-finite loss or gradient leaves the state as it was (step included): the host
