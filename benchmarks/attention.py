@@ -18,8 +18,10 @@ last ones) to SSA and the others to full causal attention. In order:
 2. PyTorch FlexAttention (torch.compile; create_block_mask, BLOCK_SIZE = the SSA block, with
    the same per-head pattern), forward and forward+backward, in a subprocess
    (attention_torch.py): torch is never imported here, and it has given its GPU memory back
-   before JAX times anything. No torch, an out-of-memory case or a failure marks Flex "n/a"
-   with the reason.
+   before JAX times anything; the same worker times PyTorch's dense causal attention
+   (`scaled_dot_product_attention(is_causal=True, enable_gqa=True)` pinned to its cuDNN and to
+   its FlashAttention backend), forward and forward+backward. No torch, an out-of-memory case
+   or a failure marks a row "n/a" with the reason.
 3. Forward at --lengths: cuDNN causal (`jax.nn.dot_product_attention(implementation="cudnn",
    is_causal=True)`); cuDNN sliding window of sink + local tokens (no sink: the window-only
    cost of an all-streaming model); on a Hopper GPU, JAX's own Mosaic GPU flash attention,
@@ -29,9 +31,11 @@ last ones) to SSA and the others to full causal attention. In order:
    the targets); ours (`hybrid_attention(attn_impl=--attn-impl)`, auto: on a
    Hopper GPU the Mosaic GPU forward) at each MSR and at 0 and 1, and any --also impls and
    --tiles / --mosaic-tiles kernel variants beside it; Flex hybrid; the ideal composition
-   min(full kernels: cuDNN causal, tokamax causal, JAX Mosaic causal, ours MSR 0) * (1 - MSR)
+   min(full kernels: cuDNN causal, tokamax causal, JAX Mosaic causal, PyTorch SDPA cuDNN and
+   FlashAttention causal, ours MSR 0) * (1 - MSR)
    + min(window kernels: cuDNN window, tokamax window, ours MSR 1) * MSR, and the peers'
-   composition, the same without ours. With --tokamax (a Hopper GPU): tokamax's Mosaic GPU
+   composition, the same without ours; after the targets, ours at MSR 0 against each full
+   peer and against the fastest of them. With --tokamax (a Hopper GPU): tokamax's Mosaic GPU
    attention (`tokamax.dot_product_attention(implementation="mosaic")`), causal and causal
    within the same window as cuDNN's, forward and forward+backward, its outputs compared
    with cuDNN's.
@@ -91,7 +95,9 @@ from elastic_jax.attention import HYBRID_IMPLS, Streaming, mosaic_gpu
 from elastic_jax.attention.pallas_gpu import Tiles, hybrid_forward, make_hybrid
 from elastic_jax.router import streaming_kept_fraction
 
-from attention_torch import TAG, short, timed  # this folder's PyTorch side; imports no torch
+from attention_torch import SDPA_BACKENDS, TAG, short, timed  # imports no torch
+SDPA_NAMES = {"sdpa_cudnn": "cuDNN", "sdpa_flash": "FlashAttention"}
+assert set(SDPA_NAMES) == set(SDPA_BACKENDS)
 
 FWD_ERR_MAX = 1e-2       # the check's limit on the forward's relative error
 MIN_REPS = 3
@@ -334,8 +340,13 @@ class Flex:
   meta: dict
   missing: str
 
-  def row(self, mode: str, t: int, s: int, work: float) -> Row:
-    row = Row("Flex hybrid", "flex", s, work)
+  def row(self, mode: str, t: int, s, work: float) -> Row:
+    """Flex's row at s streaming KV heads, or (s a key of attention_torch.SDPA_BACKENDS) the
+    dense causal SDPA row of that backend."""
+    if isinstance(s, str):
+      row = Row(f"PyTorch SDPA {SDPA_NAMES[s]} causal", f"{s}_causal", None, work)
+    else:
+      row = Row("Flex hybrid", "flex", s, work)
     rec = self.results.get((mode, t, s))
     if rec is None:
       row.error = self.missing
@@ -523,6 +534,8 @@ def forward_rows(b: Bench, t: int, streams, flex: Flex) -> list[Row]:
       err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
       row.note = f"output against cuDNN's: relative difference {err:.2e}"
       log(f"{label}: {row.kernel}: {row.note}")
+  sdpa = [flex.row("forward", t, key, b.hybrid_work(t, 0)) for key in SDPA_BACKENDS]
+  rows += sdpa
   for s in streams:
     work = b.hybrid_work(t, s)
     rows += [r for r in timed_rows[peers:] if r.streams == s]
@@ -534,8 +547,8 @@ def forward_rows(b: Bench, t: int, streams, flex: Flex) -> list[Row]:
       rows[-1].note = (f"mask keeps {rec['pairs']} pairs, ours {want:.0f}: "
                        + ("same pattern" if ok else "MISMATCH"))
       log(f"{label}: Flex {msr_label(rows[-1], b.kh)}: {rows[-1].note}")
-    rows.append(ideal(timed_rows, b.kh, s, work))
-    rows.append(ideal(timed_rows, b.kh, s, work, peers_only=True))
+    rows.append(ideal(timed_rows + sdpa, b.kh, s, work))
+    rows.append(ideal(timed_rows + sdpa, b.kh, s, work, peers_only=True))
   return rows
 
 
@@ -549,7 +562,7 @@ def ideal(rows: list[Row], kh: int, s: int, work: float, peers_only: bool = Fals
   m = s / kh
   ours_full, ours_window = ((), ()) if peers_only else ((("ours", 0),), (("ours", kh),))
   full = best(("cudnn_causal", None), ("tokamax_causal", None), ("jax_mosaic_causal", None),
-              *ours_full) if m < 1 else 0.0
+              *((f"{key}_causal", None) for key in SDPA_BACKENDS), *ours_full) if m < 1 else 0.0
   window = best(("cudnn_window", None), ("tokamax_window", None),
                 *ours_window) if m > 0 else 0.0
   row = (Row("peers' composition", "peers_ideal", s, work) if peers_only
@@ -599,8 +612,9 @@ def train_rows(b: Bench, t: int, train_streams, flex: Flex) -> list[Row]:
   rows = measure_together(b, label, cases)
   # the table: the peers' rows, ours at each MSR, Flex's at each, then the rest
   at = len(train_streams) + peers
-  return rows[:at] + [flex.row("train", t, s, TRAIN_FLOPS * b.hybrid_work(t, s))
-                      for s in train_streams] + rows[at:]
+  return (rows[:peers] + [flex.row("train", t, key, full) for key in SDPA_BACKENDS]
+          + rows[peers:at] + [flex.row("train", t, s, TRAIN_FLOPS * b.hybrid_work(t, s))
+                              for s in train_streams] + rows[at:])
 
 
 def matmul_ceiling(b: Bench) -> dict:
@@ -937,16 +951,26 @@ def main(argv=None):
   # Full heads against the other FlashAttention-3-class kernels of the run, and the hybrid
   # forward against the fastest composition of the peers' kernels (no targets here).
   report["full_heads_vs_jax_mosaic"], report["full_heads_vs_tokamax"] = {}, {}
-  report["hybrid_vs_peers_composition"] = {}
+  report["full_heads_vs_sdpa_cudnn"], report["full_heads_vs_sdpa_flash"] = {}, {}
+  report["full_heads_vs_fastest_peer"], report["hybrid_vs_peers_composition"] = {}, {}
+  full_peers = (("cudnn_causal", f"{b.peer} causal", None),
+                ("jax_mosaic_causal", "JAX Mosaic GPU causal", "full_heads_vs_jax_mosaic"),
+                ("tokamax_causal", "tokamax Mosaic GPU causal", "full_heads_vs_tokamax"),
+                ("sdpa_cudnn_causal", "PyTorch SDPA cuDNN causal", "full_heads_vs_sdpa_cudnn"),
+                ("sdpa_flash_causal", "PyTorch SDPA FlashAttention causal",
+                 "full_heads_vs_sdpa_flash"))
   for t, rows in fwd.items():
     sec = {r["key"]: r["sec"] for r in rows if r["streams"] in (None, 0) and r["sec"]}
-    for key, name, out in (("jax_mosaic_causal", "JAX Mosaic GPU causal",
-                            report["full_heads_vs_jax_mosaic"]),
-                           ("tokamax_causal", "tokamax Mosaic GPU causal",
-                            report["full_heads_vs_tokamax"])):
-      if key in sec and "ours" in sec:
-        out[t] = sec[key] / sec["ours"]
-        print(f"  T={t} MSR 0: ours / {name} throughput {out[t]:.2f} (no target)")
+    for key, name, out in full_peers:
+      if out and key in sec and "ours" in sec:
+        report[out][t] = sec[key] / sec["ours"]
+        print(f"  T={t} MSR 0: ours / {name} throughput {report[out][t]:.2f} (no target)")
+    timed_peers = [(sec[key], name) for key, name, _ in full_peers if key in sec]
+    if timed_peers and "ours" in sec:
+      best, name = min(timed_peers)
+      report["full_heads_vs_fastest_peer"][t] = {"peer": name, "ratio": best / sec["ours"]}
+      print(f"  T={t} MSR 0: ours / the fastest peer's throughput ({name}) "
+            f"{best / sec['ours']:.2f} (the Hopper issue's target: >= 1)")
     for s in streams:
       if 0 < s < b.kh:
         at = {r["key"]: r["sec"] for r in rows if r["streams"] == s and r["sec"]}

@@ -1,4 +1,6 @@
-"""The PyTorch side of benchmarks/attention.py: FlexAttention with the hybrid per-head block mask.
+"""The PyTorch side of benchmarks/attention.py: FlexAttention with the hybrid per-head block mask,
+and PyTorch's own dense causal attention (`scaled_dot_product_attention` pinned to its cuDNN
+and its FlashAttention backend: torch's cuDNN build may be newer than JAX's).
 
 attention.py runs this file in a subprocess, so that torch is imported only here and gives its
 GPU memory back before JAX times anything; attention.py also imports `timed` from here, so both
@@ -118,6 +120,45 @@ def one_length(torch, create_block_mask, flex, req: dict, device: str, mode: str
     emit(rec)
 
 
+SDPA_BACKENDS = {"sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_flash": "FLASH_ATTENTION"}
+
+
+def sdpa_length(torch, req: dict, device: str, mode: str, t: int):
+  """Times causal SDPA (GQA) at length t on each backend of SDPA_BACKENDS; emits each as
+  {"mode", "T", "streams": the backend's key, "ms", ...}."""
+  from torch.nn.attention import SDPBackend, sdpa_kernel
+  from torch.nn.functional import scaled_dot_product_attention as sdpa
+  n, kh = req["heads"]
+  d, train = req["head_dim"], mode == "train"
+  sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+  for key, backend in SDPA_BACKENDS.items():
+    rec = {"mode": mode, "T": t, "streams": key}
+    try:
+      if device != "cuda":
+        raise RuntimeError(f"{backend} needs a CUDA device")
+      q, k, v = (torch.randn(1, h, t, d, device=device, dtype=torch.bfloat16,
+                             requires_grad=train) for h in (n, kh, kh))
+      cot = torch.randn(1, n, t, d, device=device, dtype=torch.bfloat16) if train else None
+
+      def call():
+        with sdpa_kernel(getattr(SDPBackend, backend)):
+          out = sdpa(q, k, v, is_causal=True, enable_gqa=True)
+          if train:
+            torch.autograd.grad(out, (q, k, v), cot)
+        sync()
+
+      sec, reps, first = timed(call, req["reps"], req["min_reps"], req["seconds"])
+      rec.update(ms=sec * 1e3, reps=reps, first_s=first)
+      log(f"{mode} T={t} SDPA {backend}: {rec['ms']:.3f} ms ({reps} reps)")
+    except Exception as e:  # a backend that does not take these shapes, out of memory, ...
+      rec["error"] = short(e)
+      log(f"{mode} T={t} SDPA {backend}: {rec['error']}")
+    q = k = v = cot = None
+    if device == "cuda":
+      torch.cuda.empty_cache()
+    emit(rec)
+
+
 def main():
   req = json.loads(sys.argv[1])
   try:
@@ -149,6 +190,7 @@ def main():
                                  ("train", req["train_lengths"], req["train_streams"])):
     for t in lengths:
       one_length(torch, create_block_mask, flex, req, device, mode, t, streams)
+      sdpa_length(torch, req, device, mode, t)
       if device == "cuda":
         torch.cuda.empty_cache()
 
