@@ -329,7 +329,7 @@ def plan(args, say: Callable[[str], None] = print) -> dict[str, Any]:
   }
   rows = d.rows_per_pass // max(mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1), 1)
   act = activation_model(out["model"], max(rows, 1), d.seq_len, dict(mesh_shape),
-                         item_bytes(dtype), cfg.model.remat)
+                         item_bytes(dtype), cfg.model.remat, cfg.model.mlp_chunk)
   act["peak"] = per_device["total"] + act["activations"]
   out["activations_on_paper"] = act
   report(out, say)
@@ -339,7 +339,8 @@ def plan(args, say: Callable[[str], None] = print) -> dict[str, Any]:
 
   if args.compile:
     step_kw = dict(cfg=mcfg, rcfg=cfg.router, ocfg=cfg.objective, tcfg=cfg.train,
-                   attn_impl=cfg.model.attn_impl, remat=cfg.model.remat, rules=rules)
+                   attn_impl=cfg.model.attn_impl, remat=cfg.model.remat, rules=rules,
+                   mlp_chunk=cfg.model.mlp_chunk)
     out["compiled"] = compile_step(state, backbone, batch, step_kw, mesh, say)
     report_compiled(out, say)
   return out
@@ -350,7 +351,7 @@ LOSS_CHUNK = 1024
 
 
 def activation_model(m: dict, rows: int, tokens: int, mesh: dict, dtype_bytes: int = 2,
-                     remat: bool = True) -> dict[str, int]:
+                     remat: bool = True, mlp_chunk: int = 0) -> dict[str, int]:
   """Bytes per device of the train step's activations, worked out on paper from the model's
   shapes (m: plan()'s "model"), `rows` rows of `tokens` tokens in one pass. The terms:
 
@@ -360,6 +361,8 @@ def activation_model(m: dict, rows: int, tokens: int, mesh: dict, dtype_bytes: i
     token, its input, the two norms' outputs, the attention output and its projection (5 E),
     q and the attention output per head (2 N H), k and v (2 K H), the MLP's gate, up and
     product with their three gradients (6 F), and the kernel's log-sum-exp (N, float32);
+    with model.mlp_chunk (each chunk of the MLP rematerialised on its own) the 6 F term counts
+    one chunk's tokens, not the row's;
   - loss: one chunk of LOSS_CHUNK tokens' float32 logits, their softmax and its gradient
     (3 c V x 4 bytes); the loss keeps nothing per chunk for its backward pass.
 
@@ -371,8 +374,9 @@ def activation_model(m: dict, rows: int, tokens: int, mesh: dict, dtype_bytes: i
   t = rows * -(-tokens // seq)
   e, f, l = m["hidden"], m["intermediate"] // tp, m["layers"]
   n, k, h = m["heads"] // tp, max(m["kv_heads"] // tp, 1), m["head_dim"]
-  per_token = dtype_bytes * (5 * e + 2 * n * h + 2 * k * h + 6 * f) + 4 * n
-  layer = t * per_token
+  per_token = dtype_bytes * (5 * e + 2 * n * h + 2 * k * h) + 4 * n
+  mlp_tokens = rows * min(mlp_chunk, tokens // seq) if mlp_chunk else t
+  layer = t * per_token + mlp_tokens * dtype_bytes * 6 * f
   out = {"layer_inputs": l * t * e * dtype_bytes if remat else l * layer,
          "layer_backward": layer,
          "loss": 3 * rows * min(LOSS_CHUNK, tokens) * m["vocab"] * 4}

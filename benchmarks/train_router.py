@@ -66,6 +66,9 @@ def main(argv=None):
                  help="run the unpacked and the packed layout, side by side")
   p.add_argument("--layout", choices=("unpacked", "packed"), default="unpacked")
   p.add_argument("--no-remat", action="store_true")
+  p.add_argument("--mlp-chunk", type=int, default=0, metavar="TOKENS",
+                 help="model.mlp_chunk: each layer's MLP this many tokens at a time, each "
+                      "chunk rematerialised (0: whole rows)")
   p.add_argument("--top-buffers", type=int, default=0, metavar="N",
                  help="print the N largest buffers of XLA's buffer assignment of the step, "
                       "with the operation that produces each")
@@ -92,7 +95,8 @@ def main(argv=None):
   dev = jax.devices()[0]
   print(f"{args.model}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
         f"{cfg.num_heads}/{cfg.num_kv_heads} heads, vocab {cfg.vocab_size}; T={args.seq_len}, "
-        f"attn {args.attn_impl}, layout {args.layout}, remat={remat}; "
+        f"attn {args.attn_impl}, layout {args.layout}, remat={remat}, "
+        f"MLP chunk {args.mlp_chunk or 'none'}; "
         f"{dev.device_kind}, jax {jax.__version__}", flush=True)
 
   t0 = time.perf_counter()
@@ -110,7 +114,8 @@ def main(argv=None):
   else:
     batch = synthetic_batch(0, 1, t, cfg.vocab_size, prompt_frac=0.75, max_segments=2)
   batch = {k: jnp.asarray(v) for k, v in batch.items()}
-  kw = dict(cfg=cfg, rcfg=rcfg, ocfg=ocfg, tcfg=tcfg, attn_impl=args.attn_impl, remat=remat)
+  kw = dict(cfg=cfg, rcfg=rcfg, ocfg=ocfg, tcfg=tcfg, attn_impl=args.attn_impl, remat=remat,
+            mlp_chunk=args.mlp_chunk)
 
   t0 = time.perf_counter()
   state, m = train_step(state, backbone, batch, **kw)

@@ -267,14 +267,18 @@ class DecoderLayer(nn.Module):
                          self.packed, name="attn")(h, ctx, layer)
     x_bte = x_bte + y
     norm = RMSNorm("embed", cfg.rms_norm_eps, self.dtype, name="mlp_norm")
-    mlp = MLP(cfg, self.dtype, name="mlp")
     chunk = self.mlp_chunk
     if not chunk or chunk >= x_bte.shape[1]:
-      x_bte = x_bte + mlp(norm(x_bte))
-    else:                            # per token, so chunks give the same result
+      x_bte = x_bte + MLP(cfg, self.dtype, name="mlp")(norm(x_bte))
+    else:
+      # Per token, so chunks give the same result. Each chunk's MLP is rematerialised on its
+      # own: a backward pass (router training, under the layer's remat too) holds one chunk's
+      # [B, chunk, F] activations at a time instead of the whole row's; without a backward
+      # pass it changes nothing.
+      chunk_mlp = nn.remat(MLP)(cfg, self.dtype, name="mlp")
       for s in range(0, x_bte.shape[1], chunk):
         part = x_bte[:, s:s + chunk]
-        x_bte = x_bte.at[:, s:s + chunk].set(part + mlp(norm(part)))
+        x_bte = x_bte.at[:, s:s + chunk].set(part + chunk_mlp(norm(part)))
     return nn.with_logical_constraint(x_bte, ("batch", "seq", "act_embed")), stats
 
 
@@ -288,6 +292,7 @@ class Transformer(nn.Module):
   rcfg: rt.RouterConfig | None = None
   packed: bool = True             # False: each row is one unpadded input (kernels apply)
   num_segments: int = 2           # S: segment slots of the routing (segment ids below it)
+  mlp_chunk: int = 0              # > 0: each layer's MLP this many tokens at a time
 
   @nn.compact
   def __call__(self, input_ids_bt, positions_bt, segment_ids_bt, prompt_mask_bt=None,
@@ -305,7 +310,7 @@ class Transformer(nn.Module):
                     in_axes=(nn.broadcast, 0), length=cfg.num_layers,
                     metadata_params={nn.PARTITION_NAME: "layers"})
     x, stats = stack(cfg, dt, self.attn_impl, self.attention, self.rcfg, self.packed,
-                     name="layers")(
+                     self.mlp_chunk, name="layers")(
         x, ctx, per_layer or {})
     x = RMSNorm("embed", cfg.rms_norm_eps, dt, name="final_norm")(x)
     if not cfg.tie_word_embeddings:
@@ -323,11 +328,11 @@ class Transformer(nn.Module):
 
 
 def transformer(cfg: ModelConfig, dtype, attn_impl="reference", remat=False, attention="full",
-                rcfg=None, packed=True, num_segments=2) -> Transformer:
+                rcfg=None, packed=True, num_segments=2, mlp_chunk=0) -> Transformer:
   """The Flax module for `cfg` (apply it with {"params": params}); `forward` and
   `forward_routed` are the usual ways to run it."""
   return Transformer(cfg, jnp.dtype(dtype), attn_impl, remat, attention, rcfg, packed,
-                     num_segments)
+                     num_segments, mlp_chunk)
 
 
 def abstract_params(cfg: ModelConfig, dtype="bfloat16") -> tuple[Params, Params]:
@@ -388,7 +393,7 @@ def forward_routed(params: Params, input_ids_bt: jax.Array, positions_bt: jax.Ar
                    forced_gates=None, key: jax.Array | None = None, tau=1.0,
                    attn_impl: str = "reference", remat: bool = False,
                    rules: tuple | None = None, packed: bool = True, num_segments: int = 2,
-                   return_hidden: bool = False, return_kv: bool = False):
+                   return_hidden: bool = False, return_kv: bool = False, mlp_chunk: int = 0):
   """Forward pass with elastic (routed), forced or all-sparse attention. Not jitted itself:
   call it inside `jax.jit` (the train step does) or through `forward_routed_jit`.
 
@@ -404,6 +409,8 @@ def forward_routed(params: Params, input_ids_bt: jax.Array, positions_bt: jax.Ar
   `output_head` where they are needed, e.g. `objective.chunked_answer_cross_entropy`).
   return_kv: also return every layer's keys (after RoPE) and values, stats["k"], stats["v"]
   [L, B, T, K, H], to fill a decoding cache (`kv_cache.build`).
+  mlp_chunk: > 0 runs each layer's MLP this many tokens at a time, each chunk rematerialised
+  on its own (the same result; a backward pass holds one chunk's MLP activations).
   """
   check_attention(attention, FORWARD)
   per_layer: dict[str, Any] = {}
@@ -415,14 +422,15 @@ def forward_routed(params: Params, input_ids_bt: jax.Array, positions_bt: jax.Ar
     per_layer["gate"] = forced_gates
   dtype = jax.tree.leaves(params)[0].dtype
   with nn.logical_axis_rules(rules or ()):
-    return transformer(cfg, dtype, attn_impl, remat, attention, rcfg, packed, num_segments).apply(
+    return transformer(cfg, dtype, attn_impl, remat, attention, rcfg, packed, num_segments,
+                       mlp_chunk).apply(
         {"params": params}, input_ids_bt, positions_bt, segment_ids_bt, prompt_mask_bt,
         per_layer, jnp.asarray(tau, jnp.float32), return_hidden, return_kv)
 
 
 forward_routed_jit = jax.jit(forward_routed, static_argnames=(
     "cfg", "rcfg", "attention", "attn_impl", "remat", "rules", "packed", "num_segments",
-    "return_hidden", "return_kv"))
+    "return_hidden", "return_kv", "mlp_chunk"))
 
 
 def decode_step(params: Params, ids_b: jax.Array, positions_b: jax.Array,

@@ -80,6 +80,9 @@ def test_per_device_bytes_follow_the_shapes(model, mesh, fsdp, tensor):
   assert a["layer_inputs"] == l * rows * t * e * BF16
   assert a["layer_backward"] == rows * t * (BF16 * (5 * e + 2 * (n + k) * h + 6 * f) + F32 * n)
   assert a["loss"] == 3 * rows * 512 * m["vocab"] * F32
+  # model.mlp_chunk: the MLP's six [tokens, F] terms count one chunk of each row's tokens.
+  chunked = memory_plan.activation_model(m, rows, 512, p["mesh"], BF16, True, 64)
+  assert a["layer_backward"] - chunked["layer_backward"] == rows * (t - 64) * BF16 * 6 * f
   assert a["peak"] == p["per_device_bytes"]["total"] + a["layer_inputs"] + max(
       a["layer_backward"], a["loss"])
 

@@ -222,6 +222,31 @@ def test_chunked_cross_entropy_keeps_no_per_chunk_copy_of_the_head():
     assert kept <= inputs + 64, (chunk, kept, inputs)          # + a few scalars
 
 
+def test_mlp_chunks_give_the_same_step_and_hold_one_chunk():
+  """model.mlp_chunk under remat: the same updated routers and loss as the whole-row MLP (it
+  runs per token), and the compiled step's temporaries shrink by about what the paper model
+  says: the backward pass holds one chunk's [chunk, F] MLP activations, not the row's."""
+  cfg = dataclasses.replace(CFG, intermediate_size=8192)       # the MLP sets the peak
+  params = init_params(cfg, jax.random.key(0), "float32")
+  tcfg, t, chunk = TrainConfig(steps=10), 256, 32
+  kw = dict(cfg=cfg, rcfg=RCFG, ocfg=ObjectiveConfig(), tcfg=tcfg, remat=True)
+  batch = _batch(b=2, t=t, prompt=192)
+  out, temp = {}, {}
+  for c in (0, chunk):
+    state = init_train_state(cfg, RCFG, tcfg, jax.random.key(3))
+    step = train_step.lower(state, params, batch, mlp_chunk=c, **kw).compile()
+    temp[c] = step.memory_analysis().temp_size_in_bytes
+    for _ in range(2):               # the second step has a nonzero learning rate
+      state, m = step(state, params, batch)
+    out[c] = (state.trainable, float(m["loss"]))
+  for a, b in zip(jax.tree.leaves(out[0][0]), jax.tree.leaves(out[chunk][0])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
+  np.testing.assert_allclose(out[chunk][1], out[0][1], rtol=1e-5)
+  # Gate, up, their product and the three gradients in float32, for the tokens not in the chunk.
+  saved = 6 * cfg.intermediate_size * 4 * 2 * (t - chunk)
+  assert temp[0] - temp[chunk] >= 0.5 * saved, (temp, saved)
+
+
 def test_temperature_schedules():
   t = TrainConfig(steps=100)
   assert float(temperature(0, t)) == pytest.approx(1.5)

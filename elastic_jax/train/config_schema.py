@@ -38,10 +38,15 @@ class ModelSource:
                                      # auto: the checkpoint's own dtype
   attn_impl: AttnImpl = "auto"       # attention kernels (elastic_jax.attention); auto = fused
   remat: bool = True                 # rematerialise each layer in the backward pass
+  mlp_chunk: int = 0                 # > 0: each layer's MLP this many tokens at a time, each
+                                     # chunk rematerialised (long rows: the backward pass
+                                     # holds one chunk's [chunk, intermediate] activations)
 
   def __post_init__(self):
     if not self.path:
       raise ValueError("model path must not be empty")
+    if isinstance(self.mlp_chunk, bool) or self.mlp_chunk < 0:
+      raise ValueError(f"model.mlp_chunk must be an integer >= 0, got {self.mlp_chunk!r}")
 
   @property
   def random_init(self) -> bool:

@@ -143,7 +143,8 @@ def _train(cfg: RunConfig) -> dict[str, Any]:
   start = int(state.step)
   tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
   step_kw = dict(cfg=mcfg, rcfg=cfg.router, ocfg=cfg.objective, tcfg=cfg.train,
-                 attn_impl=cfg.model.attn_impl, remat=cfg.model.remat, rules=rules)
+                 attn_impl=cfg.model.attn_impl, remat=cfg.model.remat, rules=rules,
+                 mlp_chunk=cfg.model.mlp_chunk)
   last: dict[str, Any] = {}
   stopped = False
   t_timing = None

@@ -109,13 +109,13 @@ def init_train_state(cfg: ModelConfig, rcfg: RouterConfig, tcfg: TrainConfig,
 
 
 def _loss(trainable, backbone, batch, key, tau, *, cfg, rcfg, ocfg, tcfg, attn_impl, remat,
-          rules):
+          rules, mlp_chunk):
   hidden, stats = forward_routed(
       backbone, batch["input_ids"], batch["positions"], batch["segment_ids"],
       batch["prompt_mask"], cfg=cfg, rcfg=rcfg, attention="elastic",
       router_params=trainable["router"], key=key, tau=tau, attn_impl=attn_impl, remat=remat,
       rules=rules, packed=tcfg.packed, num_segments=batch["task_ids"].shape[-1],
-      return_hidden=True)
+      return_hidden=True, mlp_chunk=mlp_chunk)
   lm = chunked_answer_cross_entropy(hidden, output_head(backbone, cfg), batch["targets"],
                                     batch["loss_mask"])
   msr_bs = msr(stats["gate"])
@@ -173,20 +173,22 @@ def _loss_and_grads(trainable, backbone, batch, key, tau, **kw):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "rcfg", "ocfg", "tcfg", "attn_impl",
-                                             "remat", "rules"), donate_argnums=0)
+                                             "remat", "rules", "mlp_chunk"),
+                   donate_argnums=0)
 def train_step(state: TrainState, backbone: dict, batch: dict, *, cfg: ModelConfig,
                rcfg: RouterConfig, ocfg: ObjectiveConfig, tcfg: TrainConfig,
                attn_impl: str = "reference", remat: bool = False,
-               rules: tuple | None = None):
-  """One optimizer step on the routers (descent) and multipliers (ascent). attn_impl and
-  remat: how the frozen backbone runs (the run config's model section). `rules`: the
+               rules: tuple | None = None, mlp_chunk: int = 0):
+  """One optimizer step on the routers (descent) and multipliers (ascent). attn_impl, remat
+  and mlp_chunk: how the frozen backbone runs (the run config's model section). `rules`: the
   logical-axis rules of the mesh in use (`sharding.rules_for`), None on one device."""
   key, step_key = jax.random.split(state.key)
   tau = temperature(state.step, tcfg)
   backbone = jax.lax.stop_gradient(backbone)
   (loss, aux), grads = _loss_and_grads(state.trainable, backbone, batch, step_key, tau,
                                        cfg=cfg, rcfg=rcfg, ocfg=ocfg, tcfg=tcfg,
-                                       attn_impl=attn_impl, remat=remat, rules=rules)
+                                       attn_impl=attn_impl, remat=remat, rules=rules,
+                                       mlp_chunk=mlp_chunk)
   with jax.named_scope("optimizer"):   # a label for profiles (benchmarks/xprof.py)
     updates, opt_state = make_optimizer(tcfg).update(grads, state.opt_state, state.trainable)
     trainable = optax.apply_updates(state.trainable, updates)
