@@ -3,6 +3,7 @@ keys/values it writes against the float32 jnp reference, and its time beside the
 on the same inputs (the caches donated and fed back, as the decode loop runs it).
 
     python benchmarks/decode_attention.py [--impl pallas_gpu] [--dry-run]
+    python benchmarks/decode_attention.py --paged [--page-size 256] [--dry-run]
 
 Three layer shapes of an 8B model (head dim 128, 4 query heads per KV head): a 128K full layer
 at batch 1 (8 full slots); an MSR 0.75 layer at 128K (2 full, 6 streaming slots at positions
@@ -10,6 +11,14 @@ from 3 to the end, in a pool of 64 slots read from slot 30); a batch of 8 at 32K
 both kinds at scattered positions and empty slots. Prints per case the largest differences
 and times, live bytes read and the bandwidth they come to. --dry-run: small shapes, the
 kernel in interpret mode, on a CPU.
+
+--paged: the engine's attention over pages instead (`pallas_gpu.paged.paged_attention`, the
+Triton kernel that reads only each slot's own pages) against `decode_reference.paged_reference`
+(the plain-jnp spec, which gathers every slot's whole page table) on one layer of a batch of
+--rows requests (8 KV heads, 4 query heads each, head dim 128) in a shuffled pool: full slots
+at 32K and 128K positions on and off page boundaries, streaming slots, an empty row, and a
+page past each slot's use holding NaN (which the kernel must not read). Prints the largest
+difference and both times.
 """
 
 from __future__ import annotations
@@ -76,13 +85,81 @@ def case(impl, streaming, pool, capacity, n_full, n_stream, n_layers, group, hea
   return max(outs + [written])
 
 
+def paged(args) -> None:
+  import numpy as np
+  from elastic_jax.attention import decode_reference
+  from elastic_jax.attention.pallas_gpu.paged import paged_attention
+  from elastic_jax.generation import paged as pg
+  st, page, rows, kh, g, h = Streaming(), args.page_size, args.rows, 8, 4, 128
+  longest = 131072
+  if args.dry_run:
+    st, page, rows, kh, g, h, longest = Streaming(1, 2, 16), 16, 4, 2, 2, 16, 300
+  rng = np.random.default_rng(0)
+  pos = rng.integers(longest // 4, longest, rows).astype(np.int32)
+  pos[0], pos[-1] = longest - 1, -1                  # the longest request, an empty row
+  full = rng.random((rows, kh)) < 0.5
+  width = longest // page + 1
+  need = [(0 if p < 0 else (p // page + 1 if f else pg.stream_pages(st, page)))
+          for p, row in zip(pos, full) for f in row]
+  num_pages = sum(need) + len(need)
+  order = iter(rng.permutation(num_pages).tolist())
+  table = np.full((rows, kh, width), num_pages, np.int32)
+  spare = []
+  for i in range(rows):
+    for j in range(kh):
+      n = need[i * kh + j]
+      table[i, j, :n] = [next(order) for _ in range(n)]
+      spare.append(next(order))
+      if n < width:
+        table[i, j, n] = spare[-1]
+  dt = jnp.bfloat16
+  k_pool = jax.random.normal(jax.random.key(1), (num_pages, page, h), dt)
+  v_pool = jax.random.normal(jax.random.key(2), (num_pages, page, h), dt)
+  nan = jnp.asarray(spare)
+  dirty = [x.at[nan].set(jnp.nan) for x in (k_pool, v_pool)]
+  q = jax.random.normal(jax.random.key(3), (rows, kh, g, h), dt)
+  kw = dict(sink_len=st.block * st.sink_blocks, ring=st.block * st.local_blocks, streaming=st,
+            scale=h ** -0.5)
+  args_k = (q, *dirty, jnp.asarray(table), jnp.asarray(full), jnp.asarray(pos))
+  kernel = jax.jit(lambda *a: paged_attention(*a, interpret=args.dry_run, **kw))
+  spec = jax.jit(lambda *a: decode_reference.paged_reference(*a, **kw))
+  got = kernel(*args_k)
+  want = spec(*(x.astype(jnp.float32) for x in (q, k_pool, v_pool)), *args_k[3:])
+  err = float(jnp.abs(got - want).max())
+  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: {rows} rows x {kh} KV heads, "
+        f"pages of {page}, a pool of {num_pages} pages ({sum(need)} in use, "
+        f"{int(full.sum())} full slots, positions up to {int(pos.max()) + 1}); largest "
+        f"difference against the float32 spec {err:.2e}, finite: "
+        f"{bool(jnp.isfinite(got).all())}", flush=True)
+  clean = (q, k_pool, v_pool, *args_k[3:])
+  times = {}
+  for name, fn, a in (("kernel over pages", kernel, args_k), ("plain-jnp spec", spec, clean)):
+    jax.block_until_ready(fn(*a))
+    samples = []
+    for _ in range(1 if args.dry_run else args.repeats):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*a))
+      samples.append(time.perf_counter() - t0)
+    times[name] = statistics.median(samples)
+  read = sum(need) * page * h * 2 * 2                          # keys and values, bf16
+  for name, sec in times.items():
+    print(f"  {name:<18} {sec * 1e3:8.3f} ms  ({read / sec / 1e12:.2f} TB/s of the pages in "
+          f"use)")
+  print(f"  the spec's time / the kernel's: {times['plain-jnp spec'] / times['kernel over pages']:.1f}")
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--impl", default="pallas_gpu", help="decode.attention implementation")
   p.add_argument("--repeats", type=int, default=20)
   p.add_argument("--dry-run", action="store_true")
+  p.add_argument("--paged", action="store_true", help="the attention over pages (docstring)")
+  p.add_argument("--page-size", type=int, default=256)
+  p.add_argument("--rows", type=int, default=16, help="--paged: requests in the batch")
   args = p.parse_args(argv)
+  if args.paged:
+    return paged(args)
   streaming, impl, repeats = Streaming(), args.impl, args.repeats
   big, mid = 147456, 36864                 # capacities of 128K and 32K prompts
   end, mid_end = 131072, 32768
