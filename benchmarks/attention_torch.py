@@ -47,6 +47,19 @@ def timed(call, reps: int, min_reps: int, budget_s: float):
   return statistics.median(samples), len(samples), first
 
 
+def time_attention(torch, attend, q, k, v, cot, sync, req: dict, rec: dict) -> None:
+  """Times attend(q, k, v) (with cot: and the gradients of sum(out * cot) w.r.t. q, k, v) by
+  `timed`'s rule into rec's ms, reps and first_s."""
+  def call():
+    out = attend(q, k, v)
+    if cot is not None:
+      torch.autograd.grad(out, (q, k, v), cot)
+    sync()
+
+  sec, reps, first = timed(call, req["reps"], req["min_reps"], req["seconds"])
+  rec.update(ms=sec * 1e3, reps=reps, first_s=first)
+
+
 def emit(record: dict):
   print(TAG, json.dumps(record), flush=True)
 
@@ -96,21 +109,15 @@ def one_length(torch, create_block_mask, flex, req: dict, device: str, mode: str
       sync()
       rec["mask_s"] = time.perf_counter() - t0
 
-      def call():
-        out = flex(q, k, v, block_mask=bm, enable_gqa=True)
-        if train:
-          torch.autograd.grad(out, (q, k, v), cot)
-        sync()
-
-      sec, reps, first = timed(call, req["reps"], req["min_reps"], req["seconds"])
-      rec.update(ms=sec * 1e3, reps=reps, first_s=first)
+      time_attention(torch, lambda q, k, v: flex(q, k, v, block_mask=bm, enable_gqa=True),
+                     q, k, v, cot, sync, req, rec)
       if not train and t <= req["count_pairs_max"]:
         # The mask's (query, key) pairs over all query heads, for attention.py to compare.
         idx = torch.arange(t, device=device)
         rec["pairs"] = sum(int(mask_mod(0, h, idx[:, None], idx[None, :]).sum())
                            for h in range(n))
-      log(f"{mode} T={t} streaming {s}/{kh}: {rec['ms']:.3f} ms ({reps} reps, "
-          f"first call {first:.1f} s, block mask {rec['mask_s']:.1f} s)")
+      log(f"{mode} T={t} streaming {s}/{kh}: {rec['ms']:.3f} ms ({rec['reps']} reps, "
+          f"first call {rec['first_s']:.1f} s, block mask {rec['mask_s']:.1f} s)")
     except Exception as e:  # out of memory, a compile failure, no backward on CPU, ...
       rec["error"] = short(e)
       log(f"{mode} T={t} streaming {s}/{kh}: {rec['error']}")
@@ -140,16 +147,10 @@ def sdpa_length(torch, req: dict, device: str, mode: str, t: int):
                              requires_grad=train) for h in (n, kh, kh))
       cot = torch.randn(1, n, t, d, device=device, dtype=torch.bfloat16) if train else None
 
-      def call():
-        with sdpa_kernel(getattr(SDPBackend, backend)):
-          out = sdpa(q, k, v, is_causal=True, enable_gqa=True)
-          if train:
-            torch.autograd.grad(out, (q, k, v), cot)
-        sync()
-
-      sec, reps, first = timed(call, req["reps"], req["min_reps"], req["seconds"])
-      rec.update(ms=sec * 1e3, reps=reps, first_s=first)
-      log(f"{mode} T={t} SDPA {backend}: {rec['ms']:.3f} ms ({reps} reps)")
+      with sdpa_kernel(getattr(SDPBackend, backend)):
+        time_attention(torch, lambda q, k, v: sdpa(q, k, v, is_causal=True, enable_gqa=True),
+                       q, k, v, cot, sync, req, rec)
+      log(f"{mode} T={t} SDPA {backend}: {rec['ms']:.3f} ms ({rec['reps']} reps)")
     except Exception as e:  # a backend that does not take these shapes, out of memory, ...
       rec["error"] = short(e)
       log(f"{mode} T={t} SDPA {backend}: {rec['error']}")
