@@ -105,6 +105,8 @@ CASES = {
     "train tau 0": (*T, ["train.tau_init=0"], 2, "train.tau_init must be a finite temperature"),
     "train lr negative": (*T, ["train.lr=-1e-3"], 2, "train.lr must be a finite value > 0"),
     "train lambda lr 0": (*T, ["train.lambda_lr=0"], 2, "train.lambda_lr must be"),
+    "train mlp chunk negative": (*T, ["model.mlp_chunk=-8"], 2,
+                                 "model.mlp_chunk must be an integer >= 0, got -8"),
     "train log.dir under a file": (*T, ["log.dir={root}/afile/logs"], 2,
                                    "log.dir '{root}/afile/logs': cannot be created"),
     "train export.dir under a file": (*T, ["export.dir={root}/afile/x"], 2,
