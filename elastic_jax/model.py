@@ -155,6 +155,7 @@ class Attention(nn.Module):
                           layer["index"], self.rcfg.streaming, h ** -0.5,
                           layer.get("impl", "reference"))
       return self._out_proj(out[:, None]), {"cache": cache}
+    gate_bsk = None                  # full and all-sparse attention route nothing
     if self.attention == "elastic":
       # The router reads the keys after k-norm and before RoPE (docs/method.md §4). The
       # named scopes here ("router", "attention_core", "mlp") only label the operations for
@@ -179,8 +180,7 @@ class Attention(nn.Module):
     if ctx.return_kv:
       stats = dict(stats, k=kk, v=v)
     with jax.named_scope("attention_core"):
-      out, stats = self._core(q, kk, v, ctx, stats, gate_bsk if self.attention in (
-          "elastic", "forced") else None)
+      out, stats = self._core(q, kk, v, ctx, stats, gate_bsk)
     return self._out_proj(out), stats
 
   def _core(self, q, kk, v, ctx: Context, stats: dict, gate_bsk):

@@ -400,9 +400,8 @@ class Engine:
     """Admit what fits, then one decode step of every active request (module docstring);
     the events of this step, in row order after the admissions'."""
     events = self._admit_waiting() + self._advance_prefills()
-    waiting = {id(r) for r, _ in self.prefilling}
-    live = [(row, r) for row, r in enumerate(self.rows)
-            if r is not None and id(r) not in waiting]
+    # A request decodes once its prefill has decided its modes (`_start_decoding`).
+    live = [(row, r) for row, r in enumerate(self.rows) if r is not None and r.full is not None]
     if not live:
       return events
     b = len(self.rows)
