@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import os
 import statistics
 import sys
@@ -53,9 +52,8 @@ def case_arg(text: str) -> tuple[float, int]:
 
 def kernel_table(trace_dir: str, steps: int, top: int) -> None:
   """Per-token sums of the GPU kernels in a trace (nothing on a CPU)."""
-  from jax.profiler import ProfileData
-  files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-  planes = [p for p in ProfileData.from_file(files[0]).planes if "GPU" in p.name] if files else []
+  from xprof import trace_planes
+  planes = [p for p in trace_planes(trace_dir) if "GPU" in p.name]
   for plane in planes:
     for line in plane.lines:
       events = list(line.events)

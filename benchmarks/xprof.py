@@ -56,13 +56,16 @@ def _stat(event, name):
   return None
 
 
-def device_ops(trace_dir: str, module: str) -> list[tuple[str, float]]:
-  """(HLO instruction, nanoseconds) of every operation of `module` in the trace."""
+def trace_planes(trace_dir: str) -> list:
+  """The planes of the trace `jax.profiler.trace(trace_dir)` wrote ([] where none)."""
   from jax.profiler import ProfileData
   files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-  if not files:
-    return []
-  planes = list(ProfileData.from_file(files[0]).planes)
+  return list(ProfileData.from_file(files[0]).planes) if files else []
+
+
+def device_ops(trace_dir: str, module: str) -> list[tuple[str, float]]:
+  """(HLO instruction, nanoseconds) of every operation of `module` in the trace."""
+  planes = trace_planes(trace_dir)
   device = [p for p in planes if "/device:" in p.name and "CPU" not in p.name]
   out = []
   for plane in device or [p for p in planes if p.name.startswith("/host:CPU")]:
