@@ -127,7 +127,9 @@ def one_length(torch, create_block_mask, flex, req: dict, device: str, mode: str
     emit(rec)
 
 
-SDPA_BACKENDS = {"sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_flash": "FLASH_ATTENTION"}
+# key: (torch's SDPBackend, the name attention.py prints)
+SDPA_BACKENDS = {"sdpa_cudnn": ("CUDNN_ATTENTION", "cuDNN"),
+                 "sdpa_flash": ("FLASH_ATTENTION", "FlashAttention")}
 
 
 def sdpa_length(torch, req: dict, device: str, mode: str, t: int):
@@ -138,7 +140,7 @@ def sdpa_length(torch, req: dict, device: str, mode: str, t: int):
   n, kh = req["heads"]
   d, train = req["head_dim"], mode == "train"
   sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-  for key, backend in SDPA_BACKENDS.items():
+  for key, (backend, _) in SDPA_BACKENDS.items():
     rec = {"mode": mode, "T": t, "streams": key}
     try:
       if device != "cuda":
