@@ -158,6 +158,9 @@ def main(argv=None):
   p.add_argument("--page-size", type=int, default=256)
   p.add_argument("--rows", type=int, default=16, help="--paged: requests in the batch")
   args = p.parse_args(argv)
+  if args.rows < 2 or args.page_size < 16 or args.page_size & (args.page_size - 1):
+    p.error("--rows must be >= 2 (one of them empty) and --page-size a power of two >= 16, "
+            f"got {args.rows} and {args.page_size}")
   if args.paged:
     return paged(args)
   streaming, impl, repeats = Streaming(), args.impl, args.repeats

@@ -78,6 +78,8 @@ def main(argv=None):
                       "(forward, remat's recomputation, backward): benchmarks/xprof.py")
   p.add_argument("--dry-run", action="store_true", help="tiny shapes, runs on a CPU")
   args = p.parse_args(argv)
+  if args.mlp_chunk < 0:
+    p.error(f"--mlp-chunk must be >= 0 (0: whole rows), got {args.mlp_chunk}")
   if args.packed:
     return compare_layouts(argv)
   hf = dict(SHAPES[args.model])

@@ -268,6 +268,8 @@ class DecoderLayer(nn.Module):
     x_bte = x_bte + y
     norm = RMSNorm("embed", cfg.rms_norm_eps, self.dtype, name="mlp_norm")
     chunk = self.mlp_chunk
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+      raise ElasticJaxError(f"mlp_chunk must be an integer >= 0 (0: whole rows), got {chunk!r}")
     if not chunk or chunk >= x_bte.shape[1]:
       x_bte = x_bte + MLP(cfg, self.dtype, name="mlp")(norm(x_bte))
     else:

@@ -245,6 +245,8 @@ def test_mlp_chunks_give_the_same_step_and_hold_one_chunk():
   # Gate, up, their product and the three gradients in float32, for the tokens not in the chunk.
   saved = 6 * cfg.intermediate_size * 4 * 2 * (t - chunk)
   assert temp[0] - temp[chunk] >= 0.5 * saved, (temp, saved)
+  with pytest.raises(ej.ElasticJaxError, match=r"mlp_chunk must be an integer >= 0 .*got -4"):
+    train_step(state, params, batch, mlp_chunk=-4, **kw)     # not a step without the MLP
 
 
 def test_temperature_schedules():
