@@ -242,6 +242,8 @@ CASES = {
                                            "{root}/afile/table.md"], 2, "is a file, not a directory"),
     "serve unknown decode impl": ("serve", ["{root}/m", "--num-pages", "8", "--decode-impl",
                                             "mosaic"], 2, "over pages 'mosaic' is not one of"),
+    "serve prefill layers 0": ("serve", ["{root}/m", "--num-pages", "8", "--prefill-layers",
+                                         "0"], 2, "prefill_layers must be an integer >= 1"),
     "serve bench budget out of range": ("benchmarks/serve", ["--dry-run", "--msr", "1.5"], 2,
                                         "--msr values lie in [0, 1)"),
     "serve bench negative prefill layers": ("benchmarks/serve", ["--dry-run", "--prefill-layers",
